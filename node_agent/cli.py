@@ -1,0 +1,322 @@
+"""gpufrac-agent: serve | status | run | demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import grp
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from node_agent.client import AgentClient, AgentError, AgentUnavailable, default_socket_path
+from node_agent.quantities import QuantityError, format_bytes, parse_quantity
+
+log = logging.getLogger("gpufrac.agent")
+
+
+def default_state_dir() -> str:
+    if os.getuid() == 0:
+        return "/var/lib/gpufrac"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "gpufrac")
+
+
+# --- serve ------------------------------------------------------------------------------
+def _lock_state_dir(state_dir: str) -> int:
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(state_dir, "agent.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(
+            f"gpufrac-agent: another agent holds the state directory {state_dir}; "
+            "stop it first or pass --state-dir"
+        ) from None
+    return fd
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Imported here: `status` and `run` should start fast and need none of this.
+    from node_agent.api import listen_unix, make_app
+    from node_agent.devices import BackendUnavailable, open_backend
+    from node_agent.ledger import Ledger
+    from node_agent.service import Agent, AgentConfig
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if AgentClient(args.socket, timeout=2).ping():
+        print(f"gpufrac-agent: an agent already answers at {args.socket}", file=sys.stderr)
+        return 1
+    admin_gid = None
+    if args.admin_group:
+        try:
+            admin_gid = grp.getgrnam(args.admin_group).gr_gid
+        except KeyError:
+            print(f"gpufrac-agent: --admin-group: no group {args.admin_group!r}", file=sys.stderr)
+            return 2
+    token = None
+    if args.tcp:
+        if not args.token_file:
+            print("gpufrac-agent: --tcp needs --token-file: TCP is never served without a token",
+                  file=sys.stderr)
+            return 2
+        token = Path(args.token_file).read_text().strip()
+        if len(token) < 16:
+            print("gpufrac-agent: --token-file: the token must be at least 16 characters",
+                  file=sys.stderr)
+            return 2
+    try:
+        backend = open_backend(args.simulate, args.fallback_simulate)
+    except (BackendUnavailable, QuantityError) as exc:
+        print(f"gpufrac-agent: {exc}", file=sys.stderr)
+        return 2
+    lock = _lock_state_dir(args.state_dir)
+    ledger = Ledger(args.state_dir)
+    config = AgentConfig(
+        poll_interval=args.poll_interval, reclaim_grace=args.reclaim_grace,
+        migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace,
+    )
+    agent = Agent(backend, ledger, config)
+
+    async def main() -> None:
+        await agent.start()
+        app = make_app(agent, admin_gid, token)
+        server = listen_unix(app, args.socket)
+        if args.tcp:
+            host, _, port = args.tcp.rpartition(":")
+            server.listen(int(port), host or "127.0.0.1")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        kind = "simulated node " + getattr(backend, "spec", "") if backend.simulated else "NVML"
+        log.info("serving %d GPU(s) (%s) on %s, state in %s, %d lease(s) re-adopted",
+                 len(agent.gpus), kind, args.socket, args.state_dir, len(ledger.leases))
+        print(f"gpufrac-agent: ready on {args.socket}", flush=True)
+        await stop.wait()
+        server.stop()
+        await agent.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ledger.close()
+        backend.close()
+        os.close(lock)
+        with contextlib.suppress(OSError):
+            os.unlink(args.socket)
+    return 0
+
+
+# --- status -----------------------------------------------------------------------------
+STATUS_GPU_KEYS = ("uuid", "index", "name", "memory_total", "memory_used")
+STATUS_LEASE_KEYS = ("id", "kind", "owner_uid", "request", "limit", "usage", "logical_gpu",
+                     "physical_gpu", "state")
+
+
+def status_document(client: AgentClient) -> dict[str, Any]:
+    """The stable `status --json` document: only the documented keys, bytes as integers."""
+    node = client.node()
+    leases = client.leases()
+    return {
+        "gpus": [{k: g[k] for k in STATUS_GPU_KEYS} for g in node["gpus"]],
+        "leases": [{k: lease[k] for k in STATUS_LEASE_KEYS} for lease in leases],
+    }
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
+    index = {g["uuid"]: g["index"] for g in node["gpus"]}
+
+    def gpu(uuid: str | None) -> str:
+        return "-" if uuid is None else str(index.get(uuid, uuid))
+
+    title = "simulated node" if node["simulated"] else "node (NVML)"
+    gpu_rows = [["GPU", "NAME", "USED", "TOTAL", "UUID"]] + [
+        [str(g["index"]), g["name"], format_bytes(g["memory_used"]),
+         format_bytes(g["memory_total"]), g["uuid"] + ("" if g["healthy"] else f"  ({g['error']})")]
+        for g in node["gpus"]
+    ]
+    out = [f"{title}: {len(node['gpus'])} GPU(s)", _table(gpu_rows), ""]
+    if not leases:
+        out.append("no leases")
+        return "\n".join(out)
+    lease_rows = [["LEASE", "OWNER", "KIND", "REQUEST", "LIMIT", "USAGE", "LOGICAL", "PHYSICAL",
+                   "STATE"]]
+    for lease in leases:
+        state = lease["state"]
+        if state == "active" and lease["bursting"]:
+            state = "active, bursting"
+        physical = ",".join(gpu(u) for u in lease["physical_gpus"])
+        if lease["target_gpus"]:
+            physical += " -> " + ",".join(gpu(u) for u in lease["target_gpus"])
+        lease_rows.append([
+            lease["id"], str(lease["owner_uid"]), lease["kind"], format_bytes(lease["request"]),
+            format_bytes(lease["limit"]), format_bytes(lease["usage"]),
+            ",".join(gpu(u) for u in lease["logical_gpus"]), physical, state,
+        ])
+    out.append(_table(lease_rows))
+    return "\n".join(out)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = AgentClient(args.socket)
+    if args.json:
+        print(json.dumps(status_document(client), indent=2))
+    else:
+        print(render_status(client.node(), client.leases()))
+    return 0
+
+
+# --- run --------------------------------------------------------------------------------
+def _wait_active(client: AgentClient, lease_id: str, timeout: float) -> dict[str, Any]:
+    """Poll the lease until it is active, printing each change of reason; deadline ``timeout``."""
+    deadline = time.monotonic() + timeout
+    shown = ""
+    started = time.monotonic()
+    while True:
+        lease = client.lease(lease_id)
+        if lease["state"] == "active":
+            return lease
+        if lease["reason"] != shown:
+            shown = lease["reason"]
+            print(f"gpufrac-agent run: [{time.monotonic() - started:4.1f}s] {shown}",
+                  file=sys.stderr, flush=True)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"lease {lease_id} still {lease['state']} after {timeout:.0f}s: {shown}")
+        time.sleep(0.1)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("gpufrac-agent run: give the command after --, e.g. run --gpus 1 -- python train.py",
+              file=sys.stderr)
+        return 2
+    client = AgentClient(args.socket)
+    request = args.request if args.request is not None else "1"
+    for field, value in (("request", request), ("limit", args.limit)):
+        if value is not None:
+            try:
+                parse_quantity(value, f"--{field}")
+            except QuantityError as exc:
+                print(f"gpufrac-agent run: {exc}", file=sys.stderr)
+                return 2
+    lease = client.create_lease(client=f"gpufrac-run-{os.getpid()}", kind="job", request=request,
+                                limit=args.limit, devices=args.gpus, name=" ".join(command)[:200])
+    lease_id = lease["id"]
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: Any) -> None:
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+        else:
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        # Our own pid first: if we die while waiting, the agent frees the lease.
+        client.register_pid(lease_id, os.getpid())
+        lease = _wait_active(client, lease_id, args.timeout)
+        gpus = ",".join(lease["physical_gpus"])
+        print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
+                   GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
+        child = subprocess.Popen(command, env=env)
+        client.register_pid(lease_id, child.pid)
+        code = child.wait()
+        return 128 - code if code < 0 else code
+    except KeyboardInterrupt:
+        return 130
+    except (AgentError, TimeoutError) as exc:
+        print(f"gpufrac-agent run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        try:
+            client.release(lease_id)
+        except AgentError as exc:
+            print(f"gpufrac-agent run: could not release {lease_id}: {exc}", file=sys.stderr)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from node_agent.demo import run_demo
+
+    return run_demo(args.simulate)
+
+
+# --- main -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpufrac-agent", description=__doc__)
+    parser.add_argument("--socket", default=default_socket_path(),
+                        help="the agent's Unix socket (default: %(default)s)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    serve = sub.add_parser("serve", help="run the node agent")
+    serve.add_argument("--socket", default=argparse.SUPPRESS, help="Unix socket to listen on")
+    serve.add_argument("--state-dir", default=default_state_dir(),
+                       help="where the ledger lives (default: %(default)s)")
+    serve.add_argument("--simulate", metavar="SPEC",
+                       help="a simulated node instead of NVML, e.g. 2x16GiB or 4xH100-80GB")
+    serve.add_argument("--fallback-simulate", metavar="SPEC",
+                       help="use NVML when it starts, else this simulated node")
+    serve.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls")
+    serve.add_argument("--reclaim-grace", type=float, default=30.0,
+                       help="seconds a borrower has to shrink before it is killed")
+    serve.add_argument("--migrate-grace", type=float, default=120.0,
+                       help="seconds a client has to move a kernel before it is killed")
+    serve.add_argument("--orphan-grace", type=float, default=60.0,
+                       help="seconds a lease may have no live process before it is released")
+    serve.add_argument("--admin-group", help="members of this group see and manage all leases")
+    serve.add_argument("--tcp", metavar="HOST:PORT", help="also serve TCP (needs --token-file)")
+    serve.add_argument("--token-file", help="file holding the TCP token")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser("status", help="GPUs and leases")
+    status.add_argument("--json", action="store_true", help="the stable JSON document for scripts")
+    status.set_defaults(func=cmd_status)
+
+    run = sub.add_parser("run", help="run a command on GPUs leased for it")
+    run.add_argument("--gpus", type=int, default=1, help="how many GPUs (default 1)")
+    run.add_argument("--request", help="per-GPU request for a fractional job (default: whole GPU)")
+    run.add_argument("--limit", help="per-GPU limit (default: the request)")
+    run.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds to wait for the GPUs (default %(default)s)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="watch placing, spreading and compacting on a simulated node")
+    demo.add_argument("--simulate", default="2x16GiB", help="the simulated node (default %(default)s)")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except AgentUnavailable as exc:
+        print(f"gpufrac-agent: {exc}", file=sys.stderr)
+        return 1
+    except AgentError as exc:
+        print(f"gpufrac-agent: {exc}", file=sys.stderr)
+        return 1

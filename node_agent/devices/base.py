@@ -1,0 +1,80 @@
+"""The GpuBackend protocol: GPUs by UUID, their memory and processes, and the backend errors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+class DeviceError(Exception):
+    """A backend could not answer; the message says what to do."""
+
+
+class BackendUnavailable(DeviceError):
+    """The backend cannot start at all (no driver, no library)."""
+
+
+class NotSupported(DeviceError):
+    """The device does not offer this query (e.g. utilization on some boards)."""
+
+
+class GpuLost(DeviceError):
+    """The device fell off the bus or stopped answering: treat it as unhealthy."""
+
+
+class NoPermission(DeviceError):
+    """The agent lacks the privilege for the query."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as the backend sees it now; memory in bytes."""
+
+    uuid: str
+    index: int
+    name: str
+    memory_total: int
+    memory_used: int
+    memory_free: int
+    memory_reserved: int = 0
+    utilization: int | None = None
+    healthy: bool = True
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """Device memory one process holds on one GPU; ``None`` when the driver will not say."""
+
+    pid: int
+    used: int | None
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """What the agent needs to know about the node's GPUs.
+
+    Calls may block (NVML does): the agent runs them off its event loop.
+    """
+
+    name: str
+    simulated: bool
+
+    def gpus(self) -> list[GpuInfo]:
+        """Every GPU of the node, ordered by index. An unhealthy one is listed with ``healthy=False``."""
+        ...
+
+    def processes(self, uuid: str) -> list[ProcessMemory]:
+        """Processes with device memory on the GPU ``uuid``. Raises GpuLost, NotSupported."""
+        ...
+
+    def track(self, pid: int, uuid: str) -> None:
+        """The agent placed ``pid`` on ``uuid``. Real drivers know this already and ignore it."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend's resources."""
+        ...

@@ -1,0 +1,170 @@
+"""A simulated node: GPUs from a spec, and device memory that real processes really hold."""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid as uuidlib
+from dataclasses import dataclass, field
+
+import psutil
+
+from node_agent.devices.base import GpuInfo, GpuLost, NotSupported, ProcessMemory
+from node_agent.quantities import GiB, QuantityError, parse_quantity
+
+# Known boards, so that specs such as 4xH100-80GB read naturally.
+_MODELS = {
+    "A100-40GB": ("NVIDIA A100-SXM4-40GB", 40 * GiB),
+    "A100-80GB": ("NVIDIA A100-SXM4-80GB", 80 * GiB),
+    "H100-80GB": ("NVIDIA H100 80GB HBM3", 80 * GiB),
+    "H200-141GB": ("NVIDIA H200", 141 * GiB),
+    "L4-24GB": ("NVIDIA L4", 24 * GiB),
+    "T4-16GB": ("Tesla T4", 16 * GiB),
+}
+_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*(\S+)\s*$")
+FAULTS = ("lost", "not_supported")
+
+
+def parse_spec(spec: str) -> list[tuple[str, int]]:
+    """``2x16GiB`` or ``4xH100-80GB`` (several joined by ``,``) → [(name, bytes), ...]."""
+    boards: list[tuple[str, int]] = []
+    for part in spec.split(","):
+        match = _SPEC.match(part)
+        if not match or int(match.group(1)) < 1:
+            raise QuantityError(
+                "simulate", f"expected COUNTxSIZE or COUNTxMODEL such as 2x16GiB or 4xH100-80GB, got {part!r}"
+            )
+        count, what = int(match.group(1)), match.group(2)
+        if what.upper() in _MODELS:
+            name, total = _MODELS[what.upper()]
+        else:
+            size = parse_quantity(what, "simulate")
+            if size.nbytes is None:
+                raise QuantityError("simulate", f"the size of a simulated GPU must be memory, got {what!r}")
+            name, total = f"GPU {what}", size.nbytes
+        boards.extend((f"{name} (simulated)", total) for _ in range(count))
+    if len(boards) > 64:
+        raise QuantityError("simulate", f"at most 64 GPUs, got {len(boards)}")
+    return boards
+
+
+def simulated_uuid(index: int) -> str:
+    return "GPU-" + str(uuidlib.UUID(int=(0x5EED << 112) | index))
+
+
+@dataclass
+class _Tracked:
+    uuid: str
+    baseline: int
+    process: psutil.Process
+
+
+@dataclass
+class _Gpu:
+    info: GpuInfo
+    fault: str | None = None
+    # Memory held by something other than a tracked process (e.g. a test's "foreign" user).
+    extra_used: int = 0
+    pids: set[int] = field(default_factory=set)
+
+
+class SimulatedBackend:
+    """GPUs described by a spec; a tracked process uses what it holds above its baseline.
+
+    The baseline is the process's resident memory when it was placed, so allocations a
+    test makes in a real process (torch tensors, bytearrays) show up as device memory.
+    """
+
+    name = "simulated"
+    simulated = True
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._gpus: dict[str, _Gpu] = {}
+        for index, (name, total) in enumerate(parse_spec(spec)):
+            uuid = simulated_uuid(index)
+            self._gpus[uuid] = _Gpu(GpuInfo(uuid, index, name, total, 0, total))
+        self._tracked: dict[int, _Tracked] = {}
+
+    def gpus(self) -> list[GpuInfo]:
+        with self._lock:
+            out = []
+            for uuid, gpu in self._gpus.items():
+                if gpu.fault == "lost":
+                    out.append(_unhealthy(gpu.info, "GPU is lost (simulated fault)"))
+                    continue
+                used = min(gpu.info.memory_total, gpu.extra_used + self._used_locked(uuid))
+                out.append(
+                    GpuInfo(
+                        uuid, gpu.info.index, gpu.info.name, gpu.info.memory_total,
+                        used, gpu.info.memory_total - used,
+                        utilization=None if gpu.fault == "not_supported" else 0,
+                    )
+                )
+            return out
+
+    def processes(self, uuid: str) -> list[ProcessMemory]:
+        with self._lock:
+            gpu = self._gpus.get(uuid)
+            if gpu is None:
+                raise GpuLost(f"no GPU {uuid} on this simulated node")
+            if gpu.fault == "lost":
+                raise GpuLost(f"GPU {uuid} is lost (simulated fault)")
+            if gpu.fault == "not_supported":
+                raise NotSupported(f"GPU {uuid} does not report processes (simulated fault)")
+            return [
+                ProcessMemory(pid, self._held(pid))
+                for pid, t in sorted(self._tracked.items())
+                if t.uuid == uuid and self._held(pid) is not None
+            ]
+
+    def track(self, pid: int, uuid: str) -> None:
+        with self._lock:
+            if uuid not in self._gpus:
+                raise GpuLost(f"no GPU {uuid} on this simulated node")
+            try:
+                process = psutil.Process(pid)
+                baseline = process.memory_info().rss
+            except psutil.Error:
+                return
+            self._tracked[pid] = _Tracked(uuid, baseline, process)
+
+    def close(self) -> None:
+        with self._lock:
+            self._tracked.clear()
+
+    # Scripted faults and foreign load, for tests and demos.
+    def set_fault(self, uuid: str, fault: str | None) -> None:
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"fault: expected one of {FAULTS} or None, got {fault!r}")
+        with self._lock:
+            self._gpus[uuid].fault = fault
+
+    def set_foreign_usage(self, uuid: str, nbytes: int) -> None:
+        with self._lock:
+            self._gpus[uuid].extra_used = nbytes
+
+    def _held(self, pid: int) -> int | None:
+        tracked = self._tracked.get(pid)
+        if tracked is None:
+            return None
+        try:
+            if not tracked.process.is_running():
+                raise psutil.NoSuchProcess(pid)
+            return max(0, tracked.process.memory_info().rss - tracked.baseline)
+        except psutil.Error:
+            del self._tracked[pid]
+            return None
+
+    def _used_locked(self, uuid: str) -> int:
+        return sum(
+            self._held(pid) or 0 for pid, t in list(self._tracked.items()) if t.uuid == uuid
+        )
+
+
+def _unhealthy(info: GpuInfo, error: str) -> GpuInfo:
+    return GpuInfo(
+        info.uuid, info.index, info.name, info.memory_total, 0, 0,
+        healthy=False, error=error,
+    )

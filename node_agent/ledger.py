@@ -1,0 +1,308 @@
+"""The ledger: leases, their processes and outstanding directives, in SQLite (WAL).
+
+Only this module writes state. Every change is one transaction, so an agent killed at any
+moment comes back to a ledger that is either before or after each change, never between.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from node_agent.policy import Placement
+
+STATES = ("pending", "active", "migrating", "shrinking", "killed")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    owner_uid INTEGER NOT NULL,
+    client TEXT NOT NULL,
+    kernel_id TEXT,
+    name TEXT NOT NULL DEFAULT '',
+    request INTEGER NOT NULL,
+    lim INTEGER NOT NULL,
+    request_spec TEXT NOT NULL,
+    limit_spec TEXT NOT NULL,
+    logical TEXT NOT NULL,
+    physical TEXT NOT NULL,
+    target TEXT NOT NULL DEFAULT '[]',
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    deadline REAL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pids (
+    lease_id TEXT NOT NULL REFERENCES leases(id) ON DELETE CASCADE,
+    pid INTEGER NOT NULL,
+    start_time INTEGER NOT NULL,
+    PRIMARY KEY (lease_id, pid)
+);
+CREATE TABLE IF NOT EXISTS directives (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    client TEXT NOT NULL,
+    lease_id TEXT NOT NULL,
+    owner_uid INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One workload's claim on GPU memory. ``usage`` is measured, never stored."""
+
+    id: str
+    kind: str
+    owner_uid: int
+    client: str
+    request: int
+    limit: int
+    request_spec: str
+    limit_spec: str
+    logical: tuple[str, ...]
+    physical: tuple[str, ...]
+    state: str
+    created: float
+    updated: float
+    kernel_id: str | None = None
+    name: str = ""
+    target: tuple[str, ...] = ()
+    reason: str = ""
+    deadline: float | None = None
+    pids: tuple[tuple[int, int], ...] = ()  # (pid, start time in clock ticks)
+    usage: int = 0
+
+    def placement(self) -> Placement:
+        return Placement(
+            self.id, self.kind, self.request, self.logical, self.physical,
+            self.usage, self.created, self.limit,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "owner_uid": self.owner_uid,
+            "client": self.client,
+            "kernel_id": self.kernel_id,
+            "name": self.name,
+            "request": self.request,
+            "limit": self.limit,
+            "request_spec": self.request_spec,
+            "limit_spec": self.limit_spec,
+            "devices": len(self.logical),
+            "logical_gpu": self.logical[0] if self.logical else None,
+            "logical_gpus": list(self.logical),
+            "physical_gpu": self.physical[0] if self.physical else None,
+            "physical_gpus": list(self.physical),
+            "target_gpus": list(self.target),
+            "pids": [pid for pid, _ in self.pids],
+            "usage": self.usage,
+            "bursting": self.usage > self.request,
+            "state": self.state,
+            "reason": self.reason,
+            "deadline": self.deadline,
+            "created": self.created,
+            "updated": self.updated,
+        }
+
+
+@dataclass
+class Directive:
+    seq: int
+    client: str
+    lease_id: str
+    owner_uid: int
+    kind: str
+    body: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.body,
+            "seq": self.seq,
+            "client": self.client,
+            "lease_id": self.lease_id,
+            "kind": self.kind,
+            "created": self.created,
+        }
+
+
+class Ledger:
+    """Leases in SQLite, mirrored in memory for the agent's decisions."""
+
+    # Directives older than this are dropped at start-up and when new ones are written.
+    directive_ttl = 3600.0
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(state_dir) / "ledger.sqlite3"
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, one per change.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+        self.leases: dict[str, Lease] = {}
+        self._depth = 0
+        self._reload()
+
+    def close(self) -> None:
+        self._db.close()
+
+    # --- reading -------------------------------------------------------------------
+    def _reload(self) -> None:
+        pids: dict[str, list[tuple[int, int]]] = {}
+        for lease_id, pid, start in self._db.execute(
+            "SELECT lease_id, pid, start_time FROM pids ORDER BY pid"
+        ):
+            pids.setdefault(lease_id, []).append((pid, start))
+        usage = {k: v.usage for k, v in self.leases.items()}
+        self.leases = {}
+        cursor = self._db.execute("SELECT * FROM leases ORDER BY created, id")
+        columns = [c[0] for c in cursor.description]
+        for row in cursor:
+            r = dict(zip(columns, row, strict=True))
+            self.leases[r["id"]] = Lease(
+                id=r["id"], kind=r["kind"], owner_uid=r["owner_uid"], client=r["client"],
+                kernel_id=r["kernel_id"], name=r["name"], request=r["request"], limit=r["lim"],
+                request_spec=r["request_spec"], limit_spec=r["limit_spec"],
+                logical=tuple(json.loads(r["logical"])), physical=tuple(json.loads(r["physical"])),
+                target=tuple(json.loads(r["target"])), state=r["state"], reason=r["reason"],
+                deadline=r["deadline"], created=r["created"], updated=r["updated"],
+                pids=tuple(pids.get(r["id"], ())), usage=usage.get(r["id"], 0),
+            )
+
+    def directives_after(self, seq: int, client: str | None = None,
+                         lease_id: str | None = None) -> list[Directive]:
+        query = "SELECT seq, client, lease_id, owner_uid, kind, body, created FROM directives WHERE seq > ?"
+        args: list[Any] = [seq]
+        if client is not None:
+            query += " AND client = ?"
+            args.append(client)
+        if lease_id is not None:
+            query += " AND lease_id = ?"
+            args.append(lease_id)
+        return [
+            Directive(s, c, lid, uid, kind, json.loads(body), created)
+            for s, c, lid, uid, kind, body, created in self._db.execute(query + " ORDER BY seq", args)
+        ]
+
+    def last_seq(self) -> int:
+        row = self._db.execute("SELECT MAX(seq) FROM directives").fetchone()
+        return int(row[0] or 0)
+
+    # --- writing -------------------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One atomic change; nested calls join the outer one. On error, memory is reloaded."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            self._reload()
+            raise
+        else:
+            self._db.execute("COMMIT")
+        finally:
+            self._depth = 0
+
+    def insert(self, lease: Lease) -> Lease:
+        with self.transaction():
+            self._db.execute(
+                "INSERT INTO leases (id, kind, owner_uid, client, kernel_id, name, request, lim,"
+                " request_spec, limit_spec, logical, physical, target, state, reason, deadline,"
+                " created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    lease.id, lease.kind, lease.owner_uid, lease.client, lease.kernel_id,
+                    lease.name, lease.request, lease.limit, lease.request_spec, lease.limit_spec,
+                    json.dumps(lease.logical), json.dumps(lease.physical), json.dumps(lease.target),
+                    lease.state, lease.reason, lease.deadline, lease.created, lease.updated,
+                ),
+            )
+            self.leases[lease.id] = lease
+        return lease
+
+    _COLUMNS = {
+        "state": "state", "reason": "reason", "deadline": "deadline", "physical": "physical",
+        "logical": "logical", "target": "target", "request": "request", "limit": "lim",
+        "request_spec": "request_spec", "limit_spec": "limit_spec",
+    }
+
+    def update(self, lease_id: str, **changes: Any) -> Lease:
+        """Change stored fields of a lease (see ``_COLUMNS``); stamps ``updated``."""
+        unknown = set(changes) - set(self._COLUMNS)
+        if unknown:
+            raise KeyError(f"not a stored lease field: {sorted(unknown)}")
+        now = time.time()
+        values = {
+            self._COLUMNS[k]: json.dumps(v) if isinstance(v, tuple) else v
+            for k, v in changes.items()
+        }
+        values["updated"] = now
+        with self.transaction():
+            sets = ", ".join(f"{col} = ?" for col in values)
+            self._db.execute(
+                f"UPDATE leases SET {sets} WHERE id = ?", [*values.values(), lease_id]
+            )
+            lease = replace(self.leases[lease_id], **changes, updated=now)
+            self.leases[lease_id] = lease
+        return lease
+
+    def delete(self, lease_id: str) -> None:
+        with self.transaction():
+            self._db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+            self._db.execute("DELETE FROM pids WHERE lease_id = ?", (lease_id,))
+            self.leases.pop(lease_id, None)
+
+    def set_pids(self, lease_id: str, pids: tuple[tuple[int, int], ...]) -> Lease:
+        with self.transaction():
+            self._db.execute("DELETE FROM pids WHERE lease_id = ?", (lease_id,))
+            self._db.executemany(
+                "INSERT INTO pids (lease_id, pid, start_time) VALUES (?,?,?)",
+                [(lease_id, pid, start) for pid, start in pids],
+            )
+            lease = replace(self.leases[lease_id], pids=pids)
+            self.leases[lease_id] = lease
+        return lease
+
+    def set_usage(self, lease_id: str, usage: int) -> None:
+        """Measured usage lives in memory only: it is re-measured after a restart."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.usage != usage:
+            self.leases[lease_id] = replace(lease, usage=usage)
+
+    def add_directive(self, lease: Lease, kind: str, body: dict[str, Any]) -> Directive:
+        now = time.time()
+        with self.transaction():
+            cursor = self._db.execute(
+                "INSERT INTO directives (client, lease_id, owner_uid, kind, body, created)"
+                " VALUES (?,?,?,?,?,?)",
+                (lease.client, lease.id, lease.owner_uid, kind, json.dumps(body), now),
+            )
+            self._db.execute(
+                "DELETE FROM directives WHERE created < ?", (now - self.directive_ttl,)
+            )
+        return Directive(int(cursor.lastrowid or 0), lease.client, lease.id, lease.owner_uid,
+                         kind, body, now)

@@ -1,0 +1,250 @@
+"""Pure placement, compaction and reclaim decisions: no I/O, nothing else of the agent.
+
+Every function here is deterministic: the same node and leases give the same answer,
+whatever order they come in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+NOTEBOOK = "notebook"
+JOB = "job"
+KINDS = (NOTEBOOK, JOB)
+
+# Exact subset search up to this many movable leases on one GPU; greedy beyond.
+_EXACT_LIMIT = 12
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU as policy sees it: capacity only."""
+
+    uuid: str
+    index: int
+    total: int
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A lease as policy sees it. ``request`` and ``usage`` are bytes per device."""
+
+    id: str
+    kind: str
+    request: int
+    logical: tuple[str, ...]
+    physical: tuple[str, ...]
+    usage: int = 0
+    created: float = 0.0
+    limit: int = 0
+
+    @property
+    def devices(self) -> int:
+        return len(self.logical)
+
+
+@dataclass(frozen=True)
+class Move:
+    """Compaction: send lease ``lease_id`` from its physical GPUs back to its logical ones."""
+
+    lease_id: str
+    from_gpus: tuple[str, ...]
+    to_gpus: tuple[str, ...]
+    moved_bytes: int
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Take ``loan`` bytes back from borrower ``lease_id`` on ``gpu``."""
+
+    lease_id: str
+    gpu: str
+    loan: int
+    deficit: int
+
+
+def _requests(leases: Iterable[Placement], where: str) -> dict[str, int]:
+    load: dict[str, int] = {}
+    for lease in leases:
+        for uuid in getattr(lease, where):
+            load[uuid] = load.get(uuid, 0) + lease.request
+    return load
+
+
+def logical_load(leases: Iterable[Placement]) -> dict[str, int]:
+    """Sum of requests per GPU in the logical (bin-packed) plan."""
+    return _requests(leases, "logical")
+
+
+def physical_load(leases: Iterable[Placement]) -> dict[str, int]:
+    """Sum of requests per GPU where leases really run."""
+    return _requests(leases, "physical")
+
+
+def _pick(
+    devices: Sequence[Device], load: Mapping[str, int], request: int, count: int, *, spread: bool
+) -> tuple[str, ...] | None:
+    fitting = [
+        d for d in devices if d.healthy and d.total - load.get(d.uuid, 0) >= request
+    ]
+    if len(fitting) < count:
+        return None
+
+    def portion(d: Device) -> float:
+        return load.get(d.uuid, 0) / d.total if d.total else 1.0
+
+    # binpack: the fullest GPU that fits (KAI's default); spread: the emptiest.
+    sign = 1 if spread else -1
+    fitting.sort(key=lambda d: (sign * portion(d), d.index))
+    return tuple(d.uuid for d in fitting[:count])
+
+
+def plan_logical(
+    devices: Sequence[Device], leases: Iterable[Placement], request: int, count: int = 1
+) -> tuple[str, ...] | None:
+    """Where a new lease goes in the logical plan (binpack), or None when no GPU has room."""
+    return _pick(devices, logical_load(leases), request, count, spread=False)
+
+
+def plan_physical(
+    devices: Sequence[Device],
+    leases: Iterable[Placement],
+    kind: str,
+    request: int,
+    logical: tuple[str, ...],
+) -> tuple[str, ...]:
+    """Where a new lease runs: notebooks spread over the emptiest GPUs; jobs on their logical GPUs.
+
+    A notebook falls back to its logical GPUs when no GPU has physical room (compaction then
+    makes room there).
+    """
+    if kind == JOB:
+        return logical
+    chosen = _pick(devices, physical_load(leases), request, len(logical), spread=True)
+    return chosen if chosen is not None else logical
+
+
+def _overloaded(devices: Sequence[Device], load: Mapping[str, int]) -> list[Device]:
+    return [d for d in devices if load.get(d.uuid, 0) > d.total]
+
+
+def _apply(load: dict[str, int], lease: Placement) -> None:
+    for uuid in lease.physical:
+        load[uuid] = load.get(uuid, 0) - lease.request
+    for uuid in lease.logical:
+        load[uuid] = load.get(uuid, 0) + lease.request
+
+
+def _feasible(
+    devices: Sequence[Device], base: Mapping[str, int], leases: Iterable[Placement]
+) -> bool:
+    load = dict(base)
+    for lease in leases:
+        _apply(load, lease)
+    return not _overloaded(devices, load)
+
+
+def _cheapest_subset(candidates: Sequence[Placement], need: int) -> list[Placement] | None:
+    """The candidates whose requests free ``need`` bytes with the least memory moved."""
+    if sum(c.request for c in candidates) < need:
+        return None
+    if len(candidates) <= _EXACT_LIMIT:
+        best: tuple[int, int, tuple[str, ...]] | None = None
+        best_set: list[Placement] = []
+        for size in range(1, len(candidates) + 1):
+            for combo in itertools.combinations(candidates, size):
+                if sum(c.request for c in combo) < need:
+                    continue
+                key = (sum(c.usage for c in combo), size, tuple(sorted(c.id for c in combo)))
+                if best is None or key < best:
+                    best, best_set = key, list(combo)
+        return best_set
+    # Greedy: least memory moved per byte freed.
+    chosen: list[Placement] = []
+    freed = 0
+    for c in sorted(candidates, key=lambda c: (c.usage / max(c.request, 1), c.id)):
+        chosen.append(c)
+        freed += c.request
+        if freed >= need:
+            return chosen
+    return None
+
+
+def plan_compaction(
+    devices: Sequence[Device], leases: Sequence[Placement], incoming: Mapping[str, int]
+) -> list[Move] | None:
+    """The moves that make room for ``incoming`` request bytes per GPU, moving the least memory.
+
+    Only notebooks away from their logical GPUs move, and only back to them. Returns [] when
+    everything already fits, None when no set of moves makes it fit. The result is
+    irredundant: dropping any single move leaves some GPU over its capacity.
+    """
+    leases = sorted(leases, key=lambda p: p.id)
+    base = physical_load(leases)
+    for uuid, extra in incoming.items():
+        base[uuid] = base.get(uuid, 0) + extra
+    load = dict(base)
+    movable = {
+        p.id: p for p in leases if p.kind == NOTEBOOK and set(p.physical) != set(p.logical)
+    }
+    moved: dict[str, Placement] = {}
+    while over := _overloaded(devices, load):
+        gpu = over[0]
+        candidates = [
+            p for p in movable.values()
+            if p.id not in moved and gpu.uuid in p.physical and gpu.uuid not in p.logical
+        ]
+        subset = _cheapest_subset(candidates, load[gpu.uuid] - gpu.total)
+        if subset is None:
+            return None
+        for p in subset:
+            moved[p.id] = p
+            _apply(load, p)
+    # Drop moves that later moves made unnecessary, largest first.
+    for p in sorted(moved.values(), key=lambda p: (-p.usage, p.id)):
+        rest = [q for q in moved.values() if q.id != p.id]
+        if _feasible(devices, base, rest):
+            del moved[p.id]
+    return [
+        Move(p.id, p.physical, p.logical, p.usage * p.devices)
+        for p in sorted(moved.values(), key=lambda p: p.id)
+    ]
+
+
+def reclaim_order(borrowers: Iterable[Placement]) -> list[Placement]:
+    """Who gives memory back first: the largest loan, then the newest lease, then by id.
+
+    The largest loan first means the fewest notebooks are disturbed; among equals the
+    newest lease yields, since the older one has had its memory longer.
+    """
+    return sorted(borrowers, key=lambda p: (-(p.usage - p.request), -p.created, p.id))
+
+
+def plan_reclaim(
+    device: Device, leases: Sequence[Placement], used: int, headroom: int
+) -> list[Reclaim]:
+    """Borrowers on ``device`` to take back, when an owner's guarantee is threatened.
+
+    ``used`` is the device memory in use now (all processes). A lease under its request is
+    owed ``request - usage``; the guarantee is threatened when free memory has fallen below
+    ``headroom`` while something is still owed, by ``min(owed, headroom) - free``. Borrowers
+    (usage above request) are chosen in :func:`reclaim_order` until their loans cover that.
+    """
+    on_device = [p for p in leases if device.uuid in p.physical]
+    owed = sum(max(0, p.request - p.usage) for p in on_device)
+    free = max(0, device.total - used)
+    deficit = min(owed, headroom) - free
+    if deficit <= 0:
+        return []
+    chosen: list[Reclaim] = []
+    covered = 0
+    for p in reclaim_order(q for q in on_device if q.usage > q.request):
+        loan = p.usage - p.request
+        chosen.append(Reclaim(p.id, device.uuid, loan, deficit))
+        covered += loan
+        if covered >= deficit:
+            break
+    return chosen

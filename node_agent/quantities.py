@@ -1,0 +1,121 @@
+"""GPU memory quantities: fractions of one GPU, or memory sizes, as Run:ai and KAI write them."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+_UNITS = {
+    "": 1,
+    "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*$")
+_EXPECTED = "a fraction 0 < f <= 1 of one GPU, or a memory size like 2500M, 4G, 4Gi or bytes"
+
+
+class QuantityError(ValueError):
+    """A malformed quantity; names the field at fault and what was expected."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """Either a fraction of one GPU or a number of bytes (exactly one is set)."""
+
+    fraction: float | None = None
+    nbytes: int | None = None
+
+    def bytes_of(self, total: int) -> int:
+        """Bytes this quantity means on a GPU with ``total`` bytes."""
+        if self.fraction is not None:
+            return int(self.fraction * total)
+        assert self.nbytes is not None
+        return self.nbytes
+
+    def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.fraction:g}"
+        return format_bytes(self.nbytes or 0)
+
+
+def parse_quantity(value: object, field: str) -> Quantity:
+    """Parse ``0.25``, ``1``, ``2500M``, ``4G``, ``4Gi`` or a byte count.
+
+    A bare number up to 1 is a fraction of one GPU; a bare integer above 1 is bytes.
+    """
+    if isinstance(value, bool) or value is None:
+        raise QuantityError(field, f"expected {_EXPECTED}, got {value!r}")
+    if isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = value.strip()
+    else:
+        raise QuantityError(field, f"expected {_EXPECTED}, got {type(value).__name__}")
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not math.isnan(number):
+        if math.isinf(number) or number <= 0:
+            raise QuantityError(field, f"expected {_EXPECTED}, got {text!r}")
+        if number <= 1:
+            return Quantity(fraction=number)
+        if number != int(number):
+            raise QuantityError(
+                field, f"a fraction must be at most 1 and bytes a whole number, got {text!r}"
+            )
+        return Quantity(nbytes=int(number))
+    match = _SIZE.match(text)
+    if not match:
+        raise QuantityError(field, f"expected {_EXPECTED}, got {text!r}")
+    nbytes = int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    if nbytes <= 0:
+        raise QuantityError(field, f"must be more than 0 bytes, got {text!r}")
+    return Quantity(nbytes=nbytes)
+
+
+def parse_kai_gpu_memory(value: object, field: str = "gpu-memory") -> Quantity:
+    """KAI's ``gpu-memory`` annotation: a whole number of MiB."""
+    text = str(value).strip()
+    if not text.isdigit() or int(text) <= 0:
+        raise QuantityError(field, f"expected a whole number of MiB above 0, got {value!r}")
+    return Quantity(nbytes=int(text) * MiB)
+
+
+def parse_runai_limit(value: object) -> Quantity:
+    """Run:ai's ``RUNAI_GPU_MEMORY_LIMIT``: a fraction (``0.8``) or a quantity (``2500M``)."""
+    return parse_quantity(value, "RUNAI_GPU_MEMORY_LIMIT")
+
+
+def check_share(request: Quantity, limit: Quantity, total: int) -> tuple[int, int]:
+    """Resolve request and limit on a GPU of ``total`` bytes; enforce ``request <= limit <= total``."""
+    req, lim = request.bytes_of(total), limit.bytes_of(total)
+    if lim < req:
+        raise QuantityError(
+            "limit", f"must be at least the request ({format_bytes(req)}), got {format_bytes(lim)}"
+        )
+    if req > total:
+        raise QuantityError(
+            "request", f"{format_bytes(req)} is more than one GPU holds ({format_bytes(total)})"
+        )
+    return req, min(lim, total)
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable binary size: ``1.5 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"

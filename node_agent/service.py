@@ -1,0 +1,519 @@
+"""The agent's core: turns requests and measurements into ledger changes and directives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from node_agent import policy, procs
+from node_agent.devices import DeviceError, GpuBackend, GpuInfo
+from node_agent.ledger import Directive, Lease, Ledger
+from node_agent.quantities import (
+    Quantity,
+    QuantityError,
+    check_share,
+    format_bytes,
+    parse_quantity,
+)
+
+log = logging.getLogger("gpufrac.agent")
+
+MAX_WAIT = 60.0
+
+
+class ApiError(Exception):
+    """A refused request: HTTP status, the field at fault (or None) and what was expected."""
+
+    def __init__(self, status: int, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking, from the socket (SO_PEERCRED) or a TCP token — never from a body."""
+
+    uid: int
+    pid: int | None = None
+    admin: bool = False
+
+
+@dataclass
+class AgentConfig:
+    poll_interval: float = 1.0
+    # How long a borrower has to give its loan back after `shrink` before it is killed.
+    reclaim_grace: float = 30.0
+    # How long a client has to report a move done before the agent kills the process.
+    migrate_grace: float = 120.0
+    # How long a lease may have no live process (a kernel restarting) before it is released.
+    orphan_grace: float = 60.0
+    # Reclaim starts when free memory falls below this share of the GPU while an owner is owed.
+    headroom: float = 0.05
+
+
+@dataclass
+class Measurement:
+    gpus: list[GpuInfo]
+    # uuid -> pid -> bytes (None: the driver would not say); uuid absent: no process list.
+    processes: dict[str, dict[int, int | None]]
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any = None, *,
+           required: bool = False, expected: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, name, f"is required: {expected}")
+        return default
+    # bool is an int to Python, never to a client.
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ApiError(400, name, f"expected {expected}, got {value!r}")
+    return value
+
+
+def _reject_unknown(body: dict[str, Any], allowed: Iterable[str]) -> None:
+    for key in body:
+        if key in ("uid", "owner_uid", "caller", "user"):
+            raise ApiError(400, key, "not accepted: the caller is the socket's peer (SO_PEERCRED)")
+        if key not in allowed:
+            raise ApiError(400, key, f"unknown field; expected one of {sorted(allowed)}")
+
+
+def _quantity(body: dict[str, Any], name: str) -> Quantity | None:
+    if body.get(name) is None:
+        return None
+    try:
+        return parse_quantity(body[name], name)
+    except QuantityError as exc:
+        raise ApiError(400, exc.field, exc.message) from exc
+
+
+class Agent:
+    """Leases, placement and reclaim for one node. Runs on one asyncio loop."""
+
+    def __init__(self, backend: GpuBackend, ledger: Ledger, config: AgentConfig | None = None) -> None:
+        self.backend = backend
+        self.ledger = ledger
+        self.config = config or AgentConfig()
+        self.gpus: list[GpuInfo] = []
+        self._reported: dict[str, int] = {}
+        self._orphan_since: dict[str, float] = {}
+        self._directive_added = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0}
+        self.tick_seconds = 0.0
+
+    # --- life cycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Measure the node, re-adopt live processes from the ledger, then poll."""
+        await self.tick()
+        for lease in self.ledger.leases.values():
+            for pid, _start in lease.pids:
+                self._track(lease, pid)
+        self._task = asyncio.create_task(self._poll(), name="gpufrac-poll")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("poll failed; will try again in %.1fs", self.config.poll_interval)
+
+    # --- measuring -------------------------------------------------------------------
+    def _measure(self) -> Measurement:
+        """All blocking backend calls of one tick, run in a worker thread."""
+        gpus = self.backend.gpus()
+        processes: dict[str, dict[int, int | None]] = {}
+        for gpu in gpus:
+            if not gpu.healthy:
+                continue
+            try:
+                processes[gpu.uuid] = {p.pid: p.used for p in self.backend.processes(gpu.uuid)}
+            except DeviceError as exc:
+                log.debug("no process list for %s: %s", gpu.uuid, exc)
+        return Measurement(gpus, processes)
+
+    async def tick(self) -> None:
+        """One poll: measure, forget dead processes, release orphans, reclaim, enforce deadlines."""
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        m = await loop.run_in_executor(None, self._measure)
+        self.gpus = m.gpus
+        now = time.time()
+        self._update_usage(m)
+        self._forget_dead(now)
+        self._enforce_deadlines(now)
+        self._reclaim(now)
+        self._activate_pending()
+        self.counters["ticks"] += 1
+        self.tick_seconds = time.perf_counter() - started
+
+    def _update_usage(self, m: Measurement) -> None:
+        for lease in list(self.ledger.leases.values()):
+            usage = 0
+            seen = False
+            for uuid in lease.physical:
+                listed = m.processes.get(uuid)
+                if listed is None:
+                    continue
+                held = [listed[pid] for pid, _ in lease.pids if pid in listed]
+                if held and all(h is not None for h in held):
+                    seen = True
+                    usage = max(usage, sum(h or 0 for h in held))
+            if not seen and lease.id in self._reported:
+                usage = self._reported[lease.id]
+            self.ledger.set_usage(lease.id, usage)
+
+    def _forget_dead(self, now: float) -> None:
+        for lease in list(self.ledger.leases.values()):
+            alive = tuple((pid, start) for pid, start in lease.pids if procs.is_alive(pid, start))
+            if alive != lease.pids:
+                lease = self.ledger.set_pids(lease.id, alive)
+            if alive:
+                self._orphan_since.pop(lease.id, None)
+                continue
+            since = self._orphan_since.setdefault(lease.id, now)
+            if now - since >= self.config.orphan_grace:
+                log.info("lease %s: no live process for %.0fs, released", lease.id, now - since)
+                self._release(lease)
+
+    # --- views -----------------------------------------------------------------------
+    def devices(self) -> list[policy.Device]:
+        return [policy.Device(g.uuid, g.index, g.memory_total, g.healthy) for g in self.gpus]
+
+    def gpu(self, uuid: str) -> GpuInfo | None:
+        return next((g for g in self.gpus if g.uuid == uuid), None)
+
+    def gpu_label(self, uuid: str) -> str:
+        gpu = self.gpu(uuid)
+        return f"GPU {gpu.index}" if gpu else uuid
+
+    def node(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend.name,
+            "simulated": self.backend.simulated,
+            "gpus": [g.to_json() for g in self.gpus],
+        }
+
+    def visible(self, caller: Caller) -> list[Lease]:
+        return [
+            lease for lease in self.ledger.leases.values()
+            if caller.admin or lease.owner_uid == caller.uid
+        ]
+
+    def lease(self, caller: Caller, lease_id: str) -> Lease:
+        lease = self.ledger.leases.get(lease_id)
+        # Someone else's lease is reported as missing: its existence is not theirs to know.
+        if lease is None or not (caller.admin or lease.owner_uid == caller.uid):
+            raise ApiError(404, "lease", f"no lease {lease_id!r} of yours")
+        return lease
+
+    def planning_view(self, exclude: str | None = None) -> list[policy.Placement]:
+        """Leases as policy should see them: a lease on its way somewhere counts as there."""
+        out = []
+        for lease in self.ledger.leases.values():
+            if lease.id == exclude:
+                continue
+            p = lease.placement()
+            if lease.state == "migrating" and lease.target:
+                p = replace(p, physical=lease.target)
+            out.append(p)
+        return out
+
+    # --- leases ----------------------------------------------------------------------
+    def create_lease(self, caller: Caller, body: dict[str, Any]) -> Lease:
+        _reject_unknown(body, ("kind", "request", "limit", "devices", "client", "kernel_id", "name"))
+        kind = _field(body, "kind", str, policy.NOTEBOOK, expected=f"one of {policy.KINDS}")
+        if kind not in policy.KINDS:
+            raise ApiError(400, "kind", f"expected one of {policy.KINDS}, got {kind!r}")
+        client = _field(body, "client", str, required=True,
+                        expected="a name for the program that holds the lease")
+        if not client.strip() or len(client) > 200:
+            raise ApiError(400, "client", "expected 1 to 200 characters")
+        kernel_id = _field(body, "kernel_id", str, expected="a kernel id string")
+        name = _field(body, "name", str, "", expected="a string")[:200]
+        healthy = [g for g in self.gpus if g.healthy]
+        devices = _field(body, "devices", int, 1, expected="a whole number of GPUs")
+        if not 1 <= devices <= max(1, len(healthy)):
+            raise ApiError(400, "devices", f"expected 1 to {len(healthy)} GPUs, got {devices}")
+        if not healthy:
+            raise ApiError(409, None, "this node has no healthy GPU to place a lease on")
+        request = _quantity(body, "request") or (
+            Quantity(fraction=1.0) if kind == policy.JOB else None
+        )
+        if request is None:
+            raise ApiError(400, "request", "is required: a fraction like 0.25 or a size like 4Gi")
+        limit = _quantity(body, "limit") or request
+        # Fractions resolve against the smallest GPU, so a lease fits wherever it lands.
+        total = min(g.memory_total for g in healthy)
+        try:
+            req, lim = check_share(request, limit, total)
+        except QuantityError as exc:
+            raise ApiError(400, exc.field, exc.message) from exc
+
+        logical, physical, moves = self._place(kind, req, devices, self.planning_view())
+        now = time.time()
+        lease = Lease(
+            id="l-" + secrets.token_hex(6), kind=kind, owner_uid=caller.uid, client=client,
+            kernel_id=kernel_id, name=name, request=req, limit=lim,
+            request_spec=str(request), limit_spec=str(limit), logical=logical,
+            physical=physical, state="pending" if moves else "active", created=now, updated=now,
+            reason=self._waiting_reason(moves) if moves else "placed",
+        )
+        with self.ledger.transaction():
+            self.ledger.insert(lease)
+            self._start_moves(moves, f"free {self._labels(physical)} for {kind} {lease.id}")
+        log.info("lease %s (%s, uid %d): request %s on %s, physical %s, %d move(s)",
+                 lease.id, kind, caller.uid, format_bytes(req), logical, physical, len(moves))
+        return self.ledger.leases[lease.id]
+
+    def _place(self, kind: str, req: int, count: int, others: list[policy.Placement]
+               ) -> tuple[tuple[str, ...], tuple[str, ...], list[policy.Move]]:
+        devices = self.devices()
+        logical = policy.plan_logical(devices, others, req, count)
+        if logical is None:
+            load = policy.logical_load(others)
+            best = max((d.total - load.get(d.uuid, 0) for d in devices if d.healthy), default=0)
+            raise ApiError(
+                409, "request",
+                f"no GPU has room for {format_bytes(req)} more; the most any GPU can still "
+                f"guarantee is {format_bytes(best)}. Ask for less, or wait for leases to end "
+                "(gpufrac-agent status shows them)",
+            )
+        physical = policy.plan_physical(devices, others, kind, req, logical)
+        moves = policy.plan_compaction(devices, others, {u: req for u in physical})
+        if moves is None:
+            raise ApiError(409, "request", "no set of moves makes room; try again shortly")
+        return logical, physical, moves
+
+    def _labels(self, uuids: Iterable[str]) -> str:
+        return ", ".join(self.gpu_label(u) for u in uuids)
+
+    def _waiting_reason(self, moves: list[policy.Move]) -> str:
+        return f"waiting for {len(moves)} notebook(s) to move: " + ", ".join(
+            f"{m.lease_id} from {self._labels(m.from_gpus)}" for m in moves
+        )
+
+    def _start_moves(self, moves: list[policy.Move], why: str) -> None:
+        deadline = time.time() + self.config.migrate_grace
+        for move in moves:
+            lease = self.ledger.leases[move.lease_id]
+            reason = f"moved from {self._labels(move.from_gpus)} to {self._labels(move.to_gpus)} to {why}"
+            lease = self.ledger.update(
+                lease.id, state="migrating", target=move.to_gpus, deadline=deadline, reason=reason
+            )
+            self._directive(lease, "migrate", reason, from_gpu=move.from_gpus[0],
+                            to_gpu=move.to_gpus[0], deadline=deadline, moved_bytes=move.moved_bytes)
+            self.counters["migrations"] += 1
+
+    def resize(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> Lease:
+        lease = self.lease(caller, lease_id)
+        _reject_unknown(body, ("request", "limit"))
+        if lease.state not in ("active", "shrinking"):
+            raise ApiError(409, "lease", f"lease is {lease.state}; change it once it is active")
+        request = _quantity(body, "request") or parse_quantity(lease.request_spec, "request")
+        limit = _quantity(body, "limit") or (
+            request if "request" in body else parse_quantity(lease.limit_spec, "limit")
+        )
+        total = min(g.memory_total for g in self.gpus if g.healthy)
+        try:
+            req, lim = check_share(request, limit, total)
+        except QuantityError as exc:
+            raise ApiError(400, exc.field, exc.message) from exc
+        others = self.planning_view(exclude=lease.id)
+        devices = self.devices()
+        fits_here = all(
+            policy.logical_load(others).get(u, 0) + req <= d.total
+            and policy.physical_load(others).get(p, 0) + req <= d.total
+            for u, p in zip(lease.logical, lease.physical, strict=True)
+            for d in devices if d.uuid == u
+        ) and all(self.gpu(p) is not None and self.gpu(p).memory_total >= req  # type: ignore[union-attr]
+                  for p in lease.physical)
+        changes = {"request": req, "limit": lim, "request_spec": str(request),
+                   "limit_spec": str(limit)}
+        if fits_here:
+            return self.ledger.update(lease.id, **changes, reason="request changed in place")
+        logical, physical, moves = self._place(lease.kind, req, len(lease.logical), others)
+        reason = (f"moved from {self._labels(lease.physical)} to {self._labels(physical)} "
+                  f"because its request changed to {format_bytes(req)}")
+        with self.ledger.transaction():
+            self._start_moves(moves, f"make room for {lease.id}")
+            deadline = time.time() + self.config.migrate_grace
+            lease = self.ledger.update(lease.id, **changes, logical=logical, target=physical,
+                                       state="migrating", deadline=deadline, reason=reason)
+            self._directive(lease, "migrate", reason, from_gpu=lease.physical[0],
+                            to_gpu=physical[0], deadline=deadline, cause="request_changed")
+        return lease
+
+    def release(self, caller: Caller, lease_id: str) -> None:
+        self._release(self.lease(caller, lease_id))
+
+    def _release(self, lease: Lease) -> None:
+        self.ledger.delete(lease.id)
+        self._reported.pop(lease.id, None)
+        self._orphan_since.pop(lease.id, None)
+        self._activate_pending()
+
+    def register_pid(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> Lease:
+        lease = self.lease(caller, lease_id)
+        _reject_unknown(body, ("pid",))
+        pid = _field(body, "pid", int, required=True, expected="a process id")
+        ident = procs.identify(pid)
+        if ident is None:
+            raise ApiError(400, "pid", f"no running process {pid}")
+        if caller.uid != 0 and ident.uid != caller.uid:
+            # Only your own processes: the agent may kill what is registered.
+            raise ApiError(403, "pid", f"process {pid} is not yours")
+        pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
+        with self.ledger.transaction():
+            lease = self.ledger.set_pids(lease.id, (*pids, (pid, ident.start_time)))
+            if lease.state == "killed":
+                lease = self.ledger.update(lease.id, state="active",
+                                           reason="restarted after it was killed")
+        self._orphan_since.pop(lease.id, None)
+        self._track(lease, pid)
+        return lease
+
+    def _track(self, lease: Lease, pid: int) -> None:
+        where = lease.target if lease.state == "migrating" and lease.target else lease.physical
+        try:
+            self.backend.track(pid, where[0])
+        except DeviceError as exc:
+            log.warning("lease %s: cannot follow pid %d on %s: %s", lease.id, pid, where[0], exc)
+
+    def report_usage(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> None:
+        lease = self.lease(caller, lease_id)
+        _reject_unknown(body, ("bytes",))
+        used = _field(body, "bytes", int, required=True, expected="bytes in use, an integer >= 0")
+        if used < 0:
+            raise ApiError(400, "bytes", f"expected an integer >= 0, got {used}")
+        self._reported[lease.id] = used
+
+    def migrated(self, caller: Caller, lease_id: str) -> Lease:
+        lease = self.lease(caller, lease_id)
+        if lease.state != "migrating":
+            raise ApiError(409, "lease", f"lease is {lease.state}, not migrating")
+        with self.ledger.transaction():
+            lease = self.ledger.update(
+                lease.id, state="active", physical=lease.target, target=(), deadline=None,
+                reason=lease.reason,
+            )
+            for pid, _ in lease.pids:
+                self._track(lease, pid)
+        self._activate_pending()
+        return lease
+
+    # --- reclaim and deadlines ---------------------------------------------------------
+    def _kill(self, lease: Lease, reason: str, cause: str) -> None:
+        killed = [pid for pid, start in lease.pids if procs.kill(pid, start)]
+        self.counters["kills"] += 1
+        where = lease.target if lease.state == "migrating" and lease.target else lease.physical
+        with self.ledger.transaction():
+            self.ledger.set_pids(lease.id, ())
+            lease = self.ledger.update(lease.id, state="killed", physical=where, target=(),
+                                       deadline=None, reason=reason)
+            self._directive(lease, "killed", reason, cause=cause, pids=killed,
+                            request=lease.request, limit=lease.limit, usage=lease.usage,
+                            gpu=where[0])
+        log.warning("lease %s: killed pids %s: %s", lease.id, killed, reason)
+
+    def _enforce_deadlines(self, now: float) -> None:
+        for lease in list(self.ledger.leases.values()):
+            if lease.state == "migrating" and lease.deadline and now >= lease.deadline:
+                self._kill(lease, f"{lease.reason}; the kernel did not move within "
+                           f"{self.config.migrate_grace:.0f}s, so it was stopped and will "
+                           "restart there", "migrate_timeout")
+
+    def _reclaim(self, now: float) -> None:
+        leases = self.ledger.leases
+        chosen: set[str] = set()
+        for gpu in self.gpus:
+            if not gpu.healthy:
+                continue
+            on_gpu = [
+                lease.placement() for lease in leases.values()
+                if gpu.uuid in lease.physical and lease.state in ("active", "shrinking")
+            ]
+            device = policy.Device(gpu.uuid, gpu.index, gpu.memory_total)
+            headroom = int(self.config.headroom * gpu.memory_total)
+            for r in policy.plan_reclaim(device, on_gpu, gpu.memory_used, headroom):
+                chosen.add(r.lease_id)
+                lease = leases[r.lease_id]
+                owed = f"{format_bytes(r.deficit)} owed to other notebooks on {self.gpu_label(gpu.uuid)}"
+                if lease.state == "active":
+                    reason = (f"using {format_bytes(lease.usage)}, {format_bytes(r.loan)} above its "
+                              f"request of {format_bytes(lease.request)}, while {owed}")
+                    deadline = now + self.config.reclaim_grace
+                    with self.ledger.transaction():
+                        lease = self.ledger.update(lease.id, state="shrinking", deadline=deadline,
+                                                   reason=reason)
+                        self._directive(lease, "shrink", reason, request=lease.request,
+                                        limit=lease.limit, usage=lease.usage, deadline=deadline,
+                                        gpu=gpu.uuid)
+                    self.counters["shrinks"] += 1
+                elif lease.deadline is not None and now >= lease.deadline:
+                    self._kill(lease, f"OOM-killed to return {format_bytes(r.loan)} of loaned memory: "
+                               f"it stayed {format_bytes(r.loan)} above its request of "
+                               f"{format_bytes(lease.request)} for {self.config.reclaim_grace:.0f}s "
+                               f"after being asked to shrink, while {owed}", "reclaim")
+        for lease in list(leases.values()):
+            if lease.state == "shrinking" and lease.id not in chosen:
+                why = ("gave its loan back" if lease.usage <= lease.request
+                       else "the owner no longer needs the memory")
+                self.ledger.update(lease.id, state="active", deadline=None, reason=why)
+
+    def _activate_pending(self) -> None:
+        load = policy.physical_load(lease.placement() for lease in self.ledger.leases.values())
+        totals = {g.uuid: g.memory_total for g in self.gpus}
+        for lease in list(self.ledger.leases.values()):
+            if lease.state == "pending" and all(
+                load.get(u, 0) <= totals.get(u, 0) for u in lease.physical
+            ):
+                self.ledger.update(lease.id, state="active", reason="placed after compaction")
+
+    # --- directives ------------------------------------------------------------------
+    def _directive(self, lease: Lease, kind: str, reason: str, **body: Any) -> Directive:
+        d = self.ledger.add_directive(
+            lease, kind, {"reason": reason, "kernel_id": lease.kernel_id, **body}
+        )
+        self._directive_added.set()
+        self._directive_added = asyncio.Event()
+        return d
+
+    async def wait_directives(
+        self, caller: Caller, *, client: str | None, lease_id: str | None, after: int,
+        timeout: float,
+    ) -> tuple[list[Directive], int]:
+        if lease_id is not None:
+            self.lease(caller, lease_id)
+        if after < 0:  # "from now on": a new listener need not replay history
+            return [], self.ledger.last_seq()
+        deadline = time.monotonic() + min(max(timeout, 0.0), MAX_WAIT)
+        while True:
+            event = self._directive_added
+            found = [
+                d for d in self.ledger.directives_after(after, client, lease_id)
+                if caller.admin or d.owner_uid == caller.uid
+            ]
+            remaining = deadline - time.monotonic()
+            if found or remaining <= 0:
+                last = found[-1].seq if found else max(after, 0)
+                return found, last
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
