@@ -85,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ledger = Ledger(args.state_dir)
     config = AgentConfig(
         poll_interval=args.poll_interval, reclaim_grace=args.reclaim_grace,
-        migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace,
+        migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace, headroom=args.headroom,
     )
     agent = Agent(backend, ledger, config)
 
@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a client has to move a kernel before it is killed")
     serve.add_argument("--orphan-grace", type=float, default=60.0,
                        help="seconds a lease may have no live process before it is released")
+    serve.add_argument("--headroom", type=float, default=0.05,
+                       help="reclaim when free memory on a GPU falls below this share of it while "
+                       "a lease is under its request (default %(default)s)")
     serve.add_argument("--admin-group", help="members of this group see and manage all leases")
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also serve TCP (needs --token-file)")
     serve.add_argument("--token-file", help="file holding the TCP token")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 KiB = 1024
 MiB = 1024**2
@@ -16,6 +17,7 @@ _UNITS = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*$")
+_MAX_BYTES = 2**50
 _EXPECTED = "a fraction 0 < f <= 1 of one GPU, or a memory size like 2500M, 4G, 4Gi or bytes"
 
 
@@ -74,13 +76,16 @@ def parse_quantity(value: object, field: str) -> Quantity:
             raise QuantityError(
                 field, f"a fraction must be at most 1 and bytes a whole number, got {text!r}"
             )
-        return Quantity(nbytes=int(number))
+        if number > _MAX_BYTES:
+            raise QuantityError(field, f"must be at most 1 PiB, got {text!r}")
+        return Quantity(nbytes=int(text) if text.isdigit() else int(number))
     match = _SIZE.match(text)
     if not match:
         raise QuantityError(field, f"expected {_EXPECTED}, got {text!r}")
-    nbytes = int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-    if nbytes <= 0:
-        raise QuantityError(field, f"must be more than 0 bytes, got {text!r}")
+    # Decimal: a float would round 4611686019G to a byte count nobody wrote.
+    nbytes = int(Decimal(match.group(1)) * _UNITS[match.group(2) or ""])
+    if not 0 < nbytes <= _MAX_BYTES:
+        raise QuantityError(field, f"must be more than 0 bytes and at most 1 PiB, got {text!r}")
     return Quantity(nbytes=nbytes)
 
 

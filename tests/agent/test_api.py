@@ -1,0 +1,266 @@
+"""The agent's API against a real agent process on a temporary Unix socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from node_agent import procs
+from node_agent.client import AgentClient, AgentError, AgentUnavailable
+from node_agent.quantities import GiB
+
+from .conftest import AgentProcess, Holder, wait_for
+
+NOBODY = 65534
+
+
+def as_user(uid: int, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a forked child that has dropped to ``uid``; return its result or error.
+
+    SO_PEERCRED is taken at connect(), so the agent sees the child's uid.
+    """
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as a second uid")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            out: dict[str, Any] = {"ok": fn()}
+        except AgentError as exc:
+            out = {"status": exc.status, "field": exc.field, "message": exc.message}
+        except BaseException as exc:  # report anything, never run pytest on in the child
+            out = {"crash": repr(exc)}
+        os.write(write, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def test_lease_lifecycle(start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]) -> None:
+    agent = start_agent()
+    c = agent.client()
+    node = c.node()
+    assert node["simulated"] and node["backend"] == "simulated" and len(node["gpus"]) == 2
+    lease = c.create_lease(client="t", request="0.25", limit="0.5", kernel_id="k1")
+    assert lease["state"] == "active" and lease["owner_uid"] == os.getuid()
+    assert lease["request"] == GiB // 4 and lease["limit"] == GiB // 2
+    assert lease["request_spec"] == "0.25" and lease["kernel_id"] == "k1"
+    h = holders()
+    lease = c.register_pid(lease["id"], h.pid)
+    assert lease["pids"] == [h.pid]
+    h.hold(100)
+    got = wait_for(lambda: (x := c.lease(lease["id"]))["usage"] >= 100 * 2**20 and x, what="usage")
+    assert got["bursting"] is False
+    h.hold(200)
+    assert wait_for(lambda: c.lease(lease["id"])["bursting"], what="bursting")
+    assert [x["id"] for x in c.leases()] == [lease["id"]]
+    metrics = c.metrics()
+    assert f'gpufrac_lease_request_bytes{{lease="{lease["id"]}"' in metrics
+    assert "gpufrac_gpu_memory_total_bytes" in metrics
+    c.release(lease["id"])
+    assert c.leases() == []
+    with pytest.raises(AgentError) as err:
+        c.lease(lease["id"])
+    assert err.value.status == 404 and err.value.field == "lease"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field", "words"),
+    [
+        ({"client": "t", "request": "abc"}, 400, "request", "expected a fraction"),
+        ({"client": "t", "request": "0.5", "limit": "0.25"}, 400, "limit", "at least the request"),
+        ({"client": "t", "request": "2Gi"}, 400, "request", "more than one GPU holds"),
+        ({"client": "t"}, 400, "request", "is required"),
+        ({"request": "0.5"}, 400, "client", "is required"),
+        ({"client": "t", "request": "0.5", "kind": "batch"}, 400, "kind", "one of"),
+        ({"client": "t", "request": "0.5", "devices": 3}, 400, "devices", "1 to 2"),
+        ({"client": "t", "request": "0.5", "devices": True}, 400, "devices", "whole number"),
+        ({"client": "t", "request": "0.5", "uid": 0}, 400, "uid", "SO_PEERCRED"),
+        ({"client": "t", "request": "0.5", "colour": "red"}, 400, "colour", "unknown field"),
+    ],
+)
+def test_bad_requests_name_the_field(
+    start_agent: Callable[..., AgentProcess], body: dict[str, Any], status: int, field: str, words: str
+) -> None:
+    c = start_agent().client()
+    with pytest.raises(AgentError) as err:
+        c.request("POST", "/v1/leases", body)
+    assert (err.value.status, err.value.field) == (status, field)
+    assert words in err.value.message
+    assert c.leases() == [], "nothing half-applied"
+
+
+def test_malformed_transport_and_full_node(start_agent: Callable[..., AgentProcess]) -> None:
+    agent = start_agent()
+    c = agent.client()
+    for path, expected in (("/v1/nope", 404), ("/v1/directives?client=x&after=zz", 400)):
+        with pytest.raises(AgentError) as err:
+            c.request("GET", path)
+        assert err.value.status == expected
+    # Raw bytes that are not JSON.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(agent.socket)
+        s.sendall(b"POST /v1/leases HTTP/1.1\r\nHost: a\r\nContent-Length: 9\r\n"
+                  b"Connection: close\r\n\r\n{not json")
+        reply = b"".join(iter(lambda: s.recv(65536), b""))
+    assert reply.startswith(b"HTTP/1.1 400") and b"expected a JSON object" in reply
+    c.create_lease(client="t", request="1")
+    c.create_lease(client="t", request="1")
+    with pytest.raises(AgentError) as err:
+        c.create_lease(client="t", request="0.5")
+    assert err.value.status == 409 and err.value.field == "request"
+    assert "no GPU has room" in err.value.message
+    assert len(c.leases()) == 2
+    assert c.node()["gpus"], "the agent still answers"
+
+
+def test_unavailable_agent_says_what_to_do(tmp_path: Any) -> None:
+    with pytest.raises(AgentUnavailable, match="gpufrac-agent serve"):
+        AgentClient(str(tmp_path / "none.sock")).node()
+
+
+def test_users_see_only_their_own_leases(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    agent = start_agent()
+    root = agent.client()
+    mine = root.create_lease(client="root", request="0.25")
+    theirs = as_user(NOBODY, lambda: agent.client().create_lease(client="nobody", request="0.25"))
+    assert theirs["ok"]["owner_uid"] == NOBODY
+    their_id = theirs["ok"]["id"]
+    # nobody sees only its own lease, and cannot read, change or release root's.
+    assert [x["id"] for x in as_user(NOBODY, lambda: agent.client().leases())["ok"]] == [their_id]
+    for action in (
+        lambda: agent.client().lease(mine["id"]),
+        lambda: agent.client().release(mine["id"]),
+        lambda: agent.client().resize(mine["id"], request="0.5"),
+        lambda: agent.client().directives(lease=mine["id"], timeout=0),
+    ):
+        denied = as_user(NOBODY, action)
+        assert denied["status"] == 404 and denied["field"] == "lease"
+    assert root.lease(mine["id"])["request_spec"] == "0.25"
+    # root is an admin and sees both.
+    assert {x["id"] for x in root.leases()} == {mine["id"], their_id}
+    # Metrics show others' leases only to admins.
+    assert mine["id"] not in as_user(NOBODY, lambda: agent.client().metrics())["ok"]
+
+
+def test_pid_registration_rules(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    agent = start_agent()
+    theirs = as_user(NOBODY, lambda: agent.client().create_lease(client="nobody", request="0.25"))
+    lease_id = theirs["ok"]["id"]
+    root_process = holders()
+    # Spoofing: nobody names root's process, with or without a uid in the body.
+    spoof = as_user(NOBODY, lambda: agent.client().register_pid(lease_id, root_process.pid))
+    assert spoof["status"] == 403 and spoof["field"] == "pid"
+    spoof = as_user(NOBODY, lambda: agent.client().request(
+        "POST", f"/v1/leases/{lease_id}/pids", {"pid": root_process.pid, "uid": 0}))
+    assert spoof["status"] == 400 and spoof["field"] == "uid"
+    gone = as_user(NOBODY, lambda: agent.client().register_pid(lease_id, 2**22 + 7))
+    assert gone["status"] == 400 and "no running process" in gone["message"]
+    # Its own process is fine.
+    own = subprocess.Popen(["sleep", "60"], user=NOBODY)
+    try:
+        ok = as_user(NOBODY, lambda: agent.client().register_pid(lease_id, own.pid))
+        assert ok["ok"]["pids"] == [own.pid]
+    finally:
+        own.kill()
+        own.wait()
+
+
+def test_pid_reuse_is_never_killed(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    """A registered pid whose process died and was reused by another process: the agent
+    must drop it, never kill the newcomer."""
+    agent = start_agent("--reclaim-grace", "0", "--orphan-grace", "30")
+    c = agent.client()
+    lease = c.create_lease(client="t", request="0.25", limit="1")
+    bystander = holders()
+    c.register_pid(lease["id"], bystander.pid)
+    agent.kill()
+    # While the agent is down, pretend the registered process died and its pid was reused:
+    # the ledger's start time no longer matches the live process.
+    db = sqlite3.connect(os.path.join(agent.state_dir, "ledger.sqlite3"))
+    db.execute("UPDATE pids SET start_time = start_time - 1")
+    db.commit()
+    db.close()
+    agent.start()
+    assert wait_for(lambda: c.lease(lease["id"])["pids"] == [], what="stale pid dropped")
+    assert bystander.alive()
+
+
+def test_kill_checks_the_start_time(holders: Callable[..., Holder]) -> None:
+    h = holders()
+    ident = procs.identify(h.pid)
+    assert ident is not None and ident.uid == os.getuid()
+    assert not procs.kill(h.pid, ident.start_time + 1), "a reused pid is not the registered process"
+    assert h.alive()
+    assert procs.kill(h.pid, ident.start_time)
+    h.proc.wait(timeout=10)
+    assert not procs.is_alive(h.pid, ident.start_time)
+
+
+def test_tcp_needs_a_token(shared_tmp: Any) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "node_agent", "serve", "--simulate", "1x1GiB", "--socket",
+         str(shared_tmp / "a.sock"), "--state-dir", str(shared_tmp / "s"), "--tcp", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert out.returncode == 2 and "needs --token-file" in out.stderr
+
+
+def test_serve_without_gpu_suggests_simulation(shared_tmp: Any) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "node_agent", "serve", "--socket", str(shared_tmp / "a.sock"),
+         "--state-dir", str(shared_tmp / "s")],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    if out.returncode == 0:
+        pytest.skip("NVML works on this machine")
+    assert out.returncode == 2 and "--simulate" in out.stderr
+
+
+def test_status_json_is_the_stable_document(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent()
+    agent.client().create_lease(client="t", request="0.25", limit="0.5")
+    run = [sys.executable, "-m", "node_agent", "--socket", agent.socket, "status"]
+    doc = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True).stdout)
+    assert set(doc) == {"gpus", "leases"}
+    assert set(doc["gpus"][0]) == {"uuid", "index", "name", "memory_total", "memory_used"}
+    assert set(doc["leases"][0]) == {"id", "kind", "owner_uid", "request", "limit", "usage",
+                                     "logical_gpu", "physical_gpu", "state"}
+    assert isinstance(doc["leases"][0]["request"], int)
+    assert doc["leases"][0]["physical_gpu"].startswith("GPU-")
+    table = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert "simulated node: 2 GPU(s)" in table and "256.0 MiB" in table and "notebook" in table
+
+
+def test_second_agent_on_same_socket_or_state_refused(start_agent: Callable[..., AgentProcess]) -> None:
+    agent = start_agent()
+    out = subprocess.run(
+        [sys.executable, "-m", "node_agent", "serve", "--simulate", "1x1GiB", "--socket", agent.socket,
+         "--state-dir", agent.state_dir + "-other"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert out.returncode == 1 and "already answers" in out.stderr
+    assert agent.client().ping()

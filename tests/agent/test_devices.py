@@ -1,0 +1,184 @@
+"""One conformance suite for every GpuBackend, plus what only NVML has to cope with."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from node_agent.devices import (
+    BackendUnavailable,
+    GpuBackend,
+    GpuLost,
+    NotSupported,
+    NvmlBackend,
+    SimulatedBackend,
+    open_backend,
+)
+from node_agent.devices.nvml import MIG_UNSUPPORTED
+from node_agent.devices.simulated import parse_spec
+from node_agent.quantities import GiB, QuantityError
+
+from .conftest import Holder, wait_for
+from .fake_pynvml import FakeNvml
+
+
+def _real_nvml_works() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+BACKENDS = ["simulated", "nvml-on-fake"] + (["nvml"] if _real_nvml_works() else [])
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[GpuBackend, SimulatedBackend | None]]:
+    """(backend under test, the simulated node behind it or None on real hardware)."""
+    sim = SimulatedBackend("2x1GiB")
+    made: GpuBackend
+    if request.param == "simulated":
+        made = sim
+    elif request.param == "nvml-on-fake":
+        made = NvmlBackend(FakeNvml(sim))
+    else:
+        made, sim = NvmlBackend(), None  # type: ignore[assignment]
+    yield made, sim
+    made.close()
+
+
+def test_conformance_gpus(backend: tuple[GpuBackend, SimulatedBackend | None]) -> None:
+    b, _ = backend
+    assert isinstance(b, GpuBackend)
+    gpus = b.gpus()
+    assert gpus, "a node has at least one GPU"
+    assert [g.index for g in gpus] == sorted(g.index for g in gpus)
+    assert len({g.uuid for g in gpus}) == len(gpus)
+    for g in gpus:
+        assert g.uuid.startswith(("GPU-", "MIG-"))
+        assert g.memory_total > 0
+        assert 0 <= g.memory_used <= g.memory_total
+        assert g.memory_free <= g.memory_total
+        assert g.healthy
+
+
+def test_conformance_unknown_gpu(backend: tuple[GpuBackend, SimulatedBackend | None]) -> None:
+    b, _ = backend
+    with pytest.raises(GpuLost):
+        b.processes("GPU-00000000-0000-0000-0000-00000000dead")
+
+
+def test_conformance_process_memory_is_what_it_holds(
+    backend: tuple[GpuBackend, SimulatedBackend | None], holders: Callable[..., Holder]
+) -> None:
+    b, sim = backend
+    if sim is None:
+        pytest.skip("real NVML: device memory cannot be allocated without CUDA here")
+    uuid = b.gpus()[1].uuid
+    h = holders()
+    b.track(h.pid, uuid)
+    sim.track(h.pid, uuid)  # the driver "sees" it: the fake reads the simulated node
+    h.hold(64)
+    procs = {p.pid: p.used for p in b.processes(uuid)}
+    assert procs[h.pid] is not None and procs[h.pid] >= 60 * 2**20
+    assert h.pid not in {p.pid for p in b.processes(b.gpus()[0].uuid)}
+    assert b.gpus()[1].memory_used >= 60 * 2**20
+    h.stop()
+    wait_for(lambda: h.pid not in {p.pid for p in b.processes(uuid)}, what="dead process gone")
+
+
+def test_conformance_faults(backend: tuple[GpuBackend, SimulatedBackend | None]) -> None:
+    b, sim = backend
+    if sim is None:
+        pytest.skip("faults are scripted on the simulated node only")
+    lost, quirky = (g.uuid for g in sim.gpus())
+    sim.set_fault(lost, "lost")
+    sim.set_fault(quirky, "not_supported")
+    gpus = {g.uuid: g for g in b.gpus()}
+    assert not gpus[lost].healthy and gpus[lost].error
+    assert gpus[quirky].healthy and gpus[quirky].utilization is None
+    with pytest.raises(GpuLost):
+        b.processes(lost)
+    with pytest.raises(NotSupported):
+        b.processes(quirky)
+    sim.set_fault(lost, None)
+    assert all(g.healthy for g in b.gpus())
+
+
+def test_nvml_is_lazy_and_explains_a_missing_driver() -> None:
+    fake = FakeNvml(SimulatedBackend("1x1GiB"), no_library=True)
+    backend = NvmlBackend(fake)
+    assert fake.init_calls == 0, "constructing must not touch NVML"
+    with pytest.raises(BackendUnavailable, match="--simulate"):
+        backend.gpus()
+
+
+def test_nvml_withheld_usage_and_missing_v3() -> None:
+    sim = SimulatedBackend("1x1GiB")
+    uuid = sim.gpus()[0].uuid
+    import os
+
+    sim.track(os.getpid(), uuid)
+    hidden = NvmlBackend(FakeNvml(sim, hide_usage=True))
+    assert [p.used for p in hidden.processes(uuid)] == [None]
+    old = NvmlBackend(FakeNvml(sim, no_process_list=True))
+    with pytest.raises(NotSupported, match="driver"):
+        old.processes(uuid)
+
+
+def test_nvml_mig_reported_as_unsupported() -> None:
+    backend = NvmlBackend(FakeNvml(SimulatedBackend("2x1GiB"), mig={1}))
+    gpus = backend.gpus()
+    assert gpus[0].healthy
+    assert not gpus[1].healthy and gpus[1].error == MIG_UNSUPPORTED
+
+
+def test_open_backend_falls_back_to_simulation() -> None:
+    if _real_nvml_works():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(BackendUnavailable, match="--simulate"):
+        open_backend()
+    assert open_backend(fallback_simulate="2x16GiB").simulated
+
+
+def test_simulated_specs() -> None:
+    assert parse_spec("2x16GiB") == [("GPU 16GiB (simulated)", 16 * GiB)] * 2
+    boards = parse_spec("4xH100-80GB")
+    assert len(boards) == 4 and boards[0] == ("NVIDIA H100 80GB HBM3 (simulated)", 80 * GiB)
+    for bad in ("", "2x", "x16GiB", "0x16GiB", "2x0.5", "2xbanana"):
+        with pytest.raises(QuantityError, match="simulate"):
+            parse_spec(bad)
+
+
+def _pynvml_calls() -> list[tuple[str, int, set[str]]]:
+    """(function, positional count, keyword names) for every pynvml call in node_agent."""
+    source = Path(__file__).parents[2] / "node_agent" / "devices" / "nvml.py"
+    calls = []
+    for node in ast.walk(ast.parse(source.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        args = node.args
+        # self._call(nvml.nvmlX, *args, **kwargs) passes the function as the first argument.
+        if isinstance(func, ast.Attribute) and func.attr == "_call" and args:
+            func, args = args[0], args[1:]
+        if isinstance(func, ast.Attribute) and func.attr.startswith("nvml"):
+            calls.append((func.attr, len(args), {k.arg for k in node.keywords if k.arg}))
+    return calls
+
+
+def test_every_pynvml_call_exists_with_its_arguments() -> None:
+    calls = _pynvml_calls()
+    assert len({name for name, _, _ in calls}) >= 8, calls
+    for name, npos, keywords in calls:
+        fn = getattr(pynvml, name, None)
+        assert fn is not None, f"pynvml.{name} does not exist in nvidia-ml-py {pynvml.__name__}"
+        inspect.signature(fn).bind(*range(npos), **dict.fromkeys(keywords))
+    assert hasattr(pynvml, "nvmlMemory_v2") and hasattr(pynvml, "NVML_DEVICE_MIG_ENABLE")

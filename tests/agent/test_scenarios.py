@@ -1,0 +1,157 @@
+"""The headline flows at agent level, with real processes: compaction for a job, and reclaim."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .conftest import AgentProcess, Holder, wait_for
+
+MiB = 2**20
+
+
+def _notebook(agent: AgentProcess, holders: Callable[..., Holder], request: str, limit: str,
+              mib: int) -> tuple[dict, Holder]:
+    c = agent.client()
+    lease = c.create_lease(client="jupyter", request=request, limit=limit)
+    h = holders(CUDA_VISIBLE_DEVICES=lease["physical_gpu"])
+    lease = c.register_pid(lease["id"], h.pid)
+    h.hold(mib)
+    return lease, h
+
+
+def _run_job(agent: AgentProcess, out: Path) -> subprocess.Popen[str]:
+    script = f"import os, pathlib; pathlib.Path({str(out)!r}).write_text(os.environ['CUDA_VISIBLE_DEVICES'])"
+    return subprocess.Popen(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1", "--",
+         sys.executable, "-c", script],
+        stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_job_compacts_a_spread_notebook(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], tmp_path: Path
+) -> None:
+    agent = start_agent()
+    c = agent.client()
+    gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
+    a, a_proc = _notebook(agent, holders, "0.25", "1", 40)
+    b, b_proc = _notebook(agent, holders, "0.25", "1", 20)
+    # Spread: both logically on GPU 0 (bin-packed), physically one per GPU.
+    assert a["logical_gpu"] == b["logical_gpu"] == gpu0
+    assert {a["physical_gpu"], b["physical_gpu"]} == {gpu0, gpu1}
+    moving, staying = (b, a) if b["physical_gpu"] == gpu1 else (a, b)
+    moving_proc = b_proc if moving is b else a_proc
+    staying_proc = a_proc if moving is b else b_proc
+
+    _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
+    out = tmp_path / "job.txt"
+    job = _run_job(agent, out)
+    found, cursor = c.directives(client="jupyter", after=cursor, timeout=20)
+    assert [(d["kind"], d["lease_id"]) for d in found] == [("migrate", moving["id"])]
+    d = found[0]
+    assert (d["from_gpu"], d["to_gpu"]) == (gpu1, gpu0)
+    assert "job" in d["reason"] and d["deadline"] > time.time()
+    assert c.lease(moving["id"])["state"] == "migrating"
+    pending = [x for x in c.leases() if x["kind"] == "job"]
+    assert len(pending) == 1 and pending[0]["state"] == "pending"
+    assert not out.exists(), "the job must wait for the GPU to be freed"
+
+    # The client moves the kernel: stop it, start it on the new GPU, report the move.
+    moving_proc.stop()
+    moved_proc = holders(CUDA_VISIBLE_DEVICES=d["to_gpu"])
+    c.register_pid(moving["id"], moved_proc.pid)
+    moved = c.migrated(moving["id"])
+    assert moved["physical_gpu"] == gpu0 and moved["state"] == "active"
+
+    assert job.wait(timeout=30) == 0
+    assert out.read_text() == gpu1, "the job ran on the freed GPU"
+    assert job.stderr is not None and "waiting for 1 notebook(s) to move" in job.stderr.read()
+    # The other notebook was not touched, and the job's lease is gone.
+    assert staying_proc.alive()
+    assert c.lease(staying["id"])["physical_gpu"] == staying["physical_gpu"]
+    assert c.directives(client="jupyter", after=cursor, timeout=0)[0] == []
+    assert {x["id"] for x in c.leases()} == {a["id"], b["id"]}
+
+
+def test_a_client_that_does_not_move_is_stopped_after_the_grace(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], tmp_path: Path
+) -> None:
+    agent = start_agent("--migrate-grace", "1")
+    c = agent.client()
+    gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
+    _notebook(agent, holders, "0.25", "1", 10)
+    b, b_proc = _notebook(agent, holders, "0.25", "1", 10)
+    assert b["physical_gpu"] == gpu1
+    _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
+    out = tmp_path / "job.txt"
+    job = _run_job(agent, out)
+    assert job.wait(timeout=30) == 0
+    assert out.read_text() == gpu1
+    assert not b_proc.alive()
+    found, _ = c.directives(client="jupyter", after=cursor, timeout=0)
+    assert [x["kind"] for x in found] == ["migrate", "killed"]
+    assert found[1]["cause"] == "migrate_timeout" and "did not move within" in found[1]["reason"]
+    # The lease survives, pointed at its new GPU, ready for the kernel to restart there.
+    lease = c.lease(b["id"])
+    assert (lease["state"], lease["physical_gpu"]) == ("killed", gpu0)
+    restarted = holders(CUDA_VISIBLE_DEVICES=gpu0)
+    assert c.register_pid(b["id"], restarted.pid)["state"] == "active"
+
+
+def _reclaim_setup(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> tuple[AgentProcess, dict, Holder, dict, Holder, dict, Holder]:
+    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", spec="1x1GiB")
+    owner, owner_proc = _notebook(agent, holders, "512Mi", "512Mi", 100)
+    borrower, borrower_proc = _notebook(agent, holders, "128Mi", "1", 450)
+    quiet, quiet_proc = _notebook(agent, holders, "128Mi", "1", 1)
+    c = agent.client()
+    wait_for(lambda: c.lease(borrower["id"])["bursting"], what="borrower bursting")
+    assert c.lease(borrower["id"])["state"] == "active", "no reclaim while nobody is owed"
+    return agent, owner, owner_proc, borrower, borrower_proc, quiet, quiet_proc
+
+
+def test_reclaim_shrinks_then_kills_a_borrower(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    agent, owner, owner_proc, borrower, borrower_proc, quiet, quiet_proc = _reclaim_setup(
+        start_agent, holders)
+    c = agent.client()
+    _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
+    owner_proc.hold(300)  # the owner grows into memory the borrower holds
+    found, cursor = c.directives(client="jupyter", after=cursor, timeout=10)
+    assert [(d["kind"], d["lease_id"]) for d in found] == [("shrink", borrower["id"])]
+    shrink = found[0]
+    assert shrink["request"] == 128 * MiB and shrink["usage"] > 128 * MiB
+    assert "above its request" in shrink["reason"]
+    found, _ = c.directives(client="jupyter", after=cursor, timeout=10)
+    assert [(d["kind"], d["lease_id"]) for d in found] == [("killed", borrower["id"])]
+    assert found[0]["cause"] == "reclaim" and "OOM-killed" in found[0]["reason"]
+    wait_for(lambda: not borrower_proc.alive(), what="borrower killed")
+    assert c.lease(borrower["id"])["state"] == "killed"
+    # The owner and the lease under its request are untouched.
+    assert owner_proc.alive() and quiet_proc.alive()
+    assert c.lease(owner["id"])["state"] == "active" and c.lease(quiet["id"])["state"] == "active"
+
+
+def test_a_borrower_that_shrinks_is_spared(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    agent, _owner, owner_proc, borrower, borrower_proc, _quiet, _ = _reclaim_setup(
+        start_agent, holders)
+    c = agent.client()
+    _, cursor = c.directives(lease=borrower["id"], after=-1, timeout=0)
+    owner_proc.hold(300)
+    found, cursor = c.directives(lease=borrower["id"], after=cursor, timeout=10)
+    assert [d["kind"] for d in found] == ["shrink"]
+    borrower_proc.hold(0)  # complies: lets go of its loan
+    wait_for(lambda: c.lease(borrower["id"])["state"] == "active", what="back to active")
+    # RSS falls over a few reads, so the pressure may be gone before all of the loan is.
+    assert c.lease(borrower["id"])["reason"] in ("gave its loan back",
+                                                 "the owner no longer needs the memory")
+    assert c.directives(lease=borrower["id"], after=cursor, timeout=1.5)[0] == []
+    assert borrower_proc.alive()
