@@ -380,6 +380,10 @@ class Agent:
         if caller.uid != 0 and ident.uid != caller.uid:
             # Only your own processes: the agent may kill what is registered.
             raise ApiError(403, "pid", f"process {pid} is not yours")
+        for other in self.ledger.leases.values():
+            if other.id != lease.id and any(p == (pid, ident.start_time) for p in other.pids):
+                # One process, one lease: otherwise its memory counts twice.
+                raise ApiError(409, "pid", f"process {pid} is already registered to lease {other.id}")
         pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
         with self.ledger.transaction():
             lease = self.ledger.set_pids(lease.id, (*pids, (pid, ident.start_time)))

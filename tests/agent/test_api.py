@@ -63,6 +63,11 @@ def test_lease_lifecycle(start_agent: Callable[..., AgentProcess], holders: Call
     h = holders()
     lease = c.register_pid(lease["id"], h.pid)
     assert lease["pids"] == [h.pid]
+    other = c.create_lease(client="t", request="0.25")
+    with pytest.raises(AgentError) as err:
+        c.register_pid(other["id"], h.pid)
+    assert (err.value.status, err.value.field) == (409, "pid") and lease["id"] in err.value.message
+    c.release(other["id"])
     h.hold(100)
     got = wait_for(lambda: (x := c.lease(lease["id"]))["usage"] >= 100 * 2**20 and x, what="usage")
     assert got["bursting"] is False
