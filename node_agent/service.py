@@ -337,19 +337,18 @@ class Agent:
         except QuantityError as exc:
             raise ApiError(400, exc.field, exc.message) from exc
         others = self.planning_view(exclude=lease.id)
-        devices = self.devices()
-        fits_here = all(
-            policy.logical_load(others).get(u, 0) + req <= d.total
-            and policy.physical_load(others).get(p, 0) + req <= d.total
-            for u, p in zip(lease.logical, lease.physical, strict=True)
-            for d in devices if d.uuid == u
-        ) and all(self.gpu(p) is not None and self.gpu(p).memory_total >= req  # type: ignore[union-attr]
-                  for p in lease.physical)
         changes = {"request": req, "limit": lim, "request_spec": str(request),
                    "limit_spec": str(limit)}
-        if fits_here:
+        totals = {g.uuid: g.memory_total for g in self.gpus if g.healthy}
+        logical_load, physical_load = policy.logical_load(others), policy.physical_load(others)
+        if all(logical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.logical) and all(
+            physical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.physical
+        ):
             return self.ledger.update(lease.id, **changes, reason="request changed in place")
         logical, physical, moves = self._place(lease.kind, req, len(lease.logical), others)
+        if physical == lease.physical and not moves:
+            return self.ledger.update(lease.id, **changes, logical=logical,
+                                      reason="request changed; it stays where it runs")
         reason = (f"moved from {self._labels(lease.physical)} to {self._labels(physical)} "
                   f"because its request changed to {format_bytes(req)}")
         with self.ledger.transaction():

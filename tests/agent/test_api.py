@@ -139,6 +139,37 @@ def test_unavailable_agent_says_what_to_do(tmp_path: Any) -> None:
         AgentClient(str(tmp_path / "none.sock")).node()
 
 
+def test_resize_in_place_or_by_a_move(start_agent: Callable[..., AgentProcess]) -> None:
+    c = start_agent().client()
+    gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
+    a = c.create_lease(client="t", request="0.25", limit="0.5")
+    # Fits where it is: changed in place, nothing moves.
+    a = c.resize(a["id"], request="0.5", limit="1")
+    assert (a["request"], a["limit"], a["state"], a["physical_gpu"]) == (GiB // 2, GiB, "active", gpu0)
+    assert a["reason"] == "request changed in place"
+    with pytest.raises(AgentError) as err:
+        c.resize(a["id"], request="0.75", limit="0.5")
+    assert err.value.field == "limit"
+    assert c.lease(a["id"])["request"] == GiB // 2, "a refused change changes nothing"
+    job = c.create_lease(client="t", kind="job", request="0.5")
+    assert job["physical_gpu"] == gpu0
+    # No room next to the job: the notebook is sent to GPU 1 with its new request.
+    _, cursor = c.directives(client="t", after=-1, timeout=0)
+    a = c.resize(a["id"], request="0.75")
+    assert (a["state"], a["target_gpus"], a["logical_gpu"]) == ("migrating", [gpu1], gpu1)
+    found, _ = c.directives(client="t", after=cursor, timeout=5)
+    assert [(d["kind"], d["cause"], d["to_gpu"]) for d in found] == [("migrate", "request_changed", gpu1)]
+    a = c.migrated(a["id"])
+    assert (a["state"], a["physical_gpu"]) == ("active", gpu1)
+    assert c.resize(a["id"], request="1")["state"] == "active"
+    # Nowhere to grow: refused, and nothing half-applied.
+    d = c.create_lease(client="t", request="0.5")
+    with pytest.raises(AgentError) as err:
+        c.resize(d["id"], request="0.75")
+    assert err.value.status == 409 and err.value.field == "request"
+    assert c.lease(d["id"])["request"] == GiB // 2 and c.lease(d["id"])["state"] == "active"
+
+
 def test_users_see_only_their_own_leases(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
 ) -> None:
@@ -230,6 +261,30 @@ def test_tcp_needs_a_token(shared_tmp: Any) -> None:
         capture_output=True, text=True, timeout=30, check=False,
     )
     assert out.returncode == 2 and "needs --token-file" in out.stderr
+
+
+def test_tcp_with_token(start_agent: Callable[..., AgentProcess], shared_tmp: Any) -> None:
+    import http.client
+
+    token_file = shared_tmp / "token"
+    token_file.write_text("s3cret-token-of-some-length\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent = start_agent("--tcp", f"127.0.0.1:{port}", "--token-file", str(token_file))
+    agent.client().create_lease(client="t", request="0.25")
+
+    def get(headers: dict[str, str]) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/v1/leases", headers=headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+
+    status, body = get({})
+    assert status == 401 and "token" in body["error"]["message"]
+    assert get({"Authorization": "token wrong"})[0] == 401
+    status, body = get({"Authorization": "token s3cret-token-of-some-length"})
+    assert status == 200 and len(body["leases"]) == 1
 
 
 def test_serve_without_gpu_suggests_simulation(shared_tmp: Any) -> None:
