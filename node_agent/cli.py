@@ -203,6 +203,18 @@ def _wait_active(client: AgentClient, lease_id: str, timeout: float) -> dict[str
         time.sleep(0.1)
 
 
+_GATE = (
+    "import os, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "os.read(fd, 1)\n"
+    "os.close(fd)\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as exc:\n"
+    "    sys.exit(f'gpufrac-agent run: cannot run {sys.argv[2]!r}: {exc.strerror}')\n"
+)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
@@ -241,8 +253,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
                    GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
-        child = subprocess.Popen(command, env=env)
-        client.register_pid(lease_id, child.pid)
+        # The command waits (in sh, before exec) until its pid is registered: one that exits
+        # at once still registers, and a simulated GPU's baseline precedes its allocations.
+        gate_r, gate_w = os.pipe()
+        child = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), *command], env=env,
+                                 pass_fds=(gate_r,))
+        os.close(gate_r)
+        try:
+            client.register_pid(lease_id, child.pid)
+        finally:
+            os.write(gate_w, b"x")
+            os.close(gate_w)
         code = child.wait()
         return 128 - code if code < 0 else code
     except KeyboardInterrupt:
