@@ -1,0 +1,140 @@
+"""The GPUFRAC_* environment the provisioner gives the kernel (docs/agent-api.md), parsed purely."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RestartReason:
+    """Why the agent or server restarted this kernel."""
+
+    cause: str
+    message: str = ""
+    from_gpu: str | None = None
+    to_gpu: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelEnv:
+    """Everything the hook reads from its environment; ``problems`` lists what was malformed."""
+
+    lease_id: str | None = None
+    agent_socket: str | None = None
+    kernel_id: str | None = None
+    request: int | None = None
+    limit: int | None = None
+    gpu_uuid: str | None = None
+    gpu_index: int | None = None
+    gpu_name: str | None = None
+    gpu_total: int | None = None
+    simulated: bool = False
+    checkpoint_dir: Path = Path(".")
+    restore: bool = False
+    restart_reason: RestartReason | None = None
+    problems: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def has_lease(self) -> bool:
+        """True when the provisioner gave this kernel a GPU lease."""
+        return bool(self.lease_id)
+
+    def no_lease_reason(self) -> str:
+        """Why there is no lease, for ``%gpu``."""
+        if self.has_lease:
+            return ""
+        return (
+            "GPUFRAC_LEASE_ID is not set: this kernel was not started by the gpufrac kernel "
+            "provisioner (start it from a Jupyter server with jupyter-gpufrac enabled and a "
+            "kernelspec or config that asks for a GPU share), so no GPU memory is reserved for "
+            "it and nothing limits or moves it. %gpu checkpoint and %gpu restore still work."
+        )
+
+
+def _int(env: Mapping[str, str], key: str, problems: list[str]) -> int | None:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        problems.append(f"{key}: expected a whole number of bytes, got {raw!r}")
+        return None
+    if value < 0:
+        problems.append(f"{key}: expected a number >= 0, got {raw!r}")
+        return None
+    return value
+
+
+def parse_restart_reason(raw: str) -> RestartReason:
+    """Parse GPUFRAC_RESTART_REASON; text that is not the expected JSON becomes the message."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return RestartReason(cause="unknown", message=raw.strip())
+    if not isinstance(data, dict):
+        return RestartReason(cause="unknown", message=str(data))
+
+    def text(key: str) -> str | None:
+        value = data.get(key)
+        return None if value is None else str(value)
+
+    return RestartReason(
+        cause=text("cause") or "unknown",
+        message=text("message") or "",
+        from_gpu=text("from_gpu"),
+        to_gpu=text("to_gpu"),
+    )
+
+
+def kernel_id_from_connection_file(path: str | None) -> str | None:
+    """``kernel-<id>.json`` is how Jupyter names a kernel's connection file."""
+    if not path:
+        return None
+    match = re.match(r"^kernel-(.+)\.json$", os.path.basename(path))
+    return match.group(1) if match else None
+
+
+def default_checkpoint_dir(kernel_id: str | None, home: Path | None = None) -> Path:
+    """Where checkpoints go when the provisioner did not say."""
+    base = (home or Path.home()) / ".local" / "share" / "jupyter" / "gpufrac" / "checkpoints"
+    return base / (kernel_id or f"pid-{os.getpid()}")
+
+
+def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelEnv:
+    """Read the kernel's environment; never raises (malformed values land in ``problems``)."""
+    problems: list[str] = []
+    kernel_id = env.get("GPUFRAC_KERNEL_ID") or kernel_id_from_connection_file(connection_file)
+    request = _int(env, "GPUFRAC_REQUEST", problems)
+    limit = _int(env, "GPUFRAC_LIMIT", problems)
+    if request is not None and limit is not None and limit < request:
+        problems.append(f"GPUFRAC_LIMIT ({limit}) is below GPUFRAC_REQUEST ({request}); "
+                        "using the request as the limit")
+        limit = request
+    if limit is None:
+        limit = request
+    raw_dir = env.get("GPUFRAC_CHECKPOINT_DIR", "").strip()
+    checkpoint_dir = Path(raw_dir).expanduser() if raw_dir else default_checkpoint_dir(kernel_id)
+    raw_reason = env.get("GPUFRAC_RESTART_REASON", "").strip()
+    restore = env.get("GPUFRAC_RESTORE", "").strip().lower() not in ("", "0", "false", "no")
+    return KernelEnv(
+        lease_id=env.get("GPUFRAC_LEASE_ID", "").strip() or None,
+        agent_socket=env.get("GPUFRAC_AGENT_SOCKET", "").strip() or None,
+        kernel_id=kernel_id,
+        request=request,
+        limit=limit,
+        gpu_uuid=env.get("GPUFRAC_GPU_UUID") or None,
+        gpu_index=_int(env, "GPUFRAC_GPU_INDEX", problems),
+        gpu_name=env.get("GPUFRAC_GPU_NAME") or None,
+        gpu_total=_int(env, "GPUFRAC_GPU_TOTAL", problems),
+        simulated=env.get("GPUFRAC_SIMULATED", "") == "1",
+        checkpoint_dir=checkpoint_dir,
+        restore=restore,
+        restart_reason=parse_restart_reason(raw_reason) if raw_reason else None,
+        problems=tuple(problems),
+    )

@@ -1,0 +1,433 @@
+"""The per-kernel controller: caps torch, follows directives, checkpoints, restores, explains."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import types
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+from jupyter_gpufrac.kernel import env as kenv
+from jupyter_gpufrac.kernel import ladder, messages, namespace, offload, store, torch_adapter
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
+from jupyter_gpufrac.kernel.directives import DirectiveWatcher
+from jupyter_gpufrac.kernel.import_hook import ImportWatcher
+
+log = logging.getLogger(__name__)
+
+AGENT_CALL_TIMEOUT = 5.0
+
+
+def make_client(socket_path: str | None, timeout: float = AGENT_CALL_TIMEOUT) -> Any:
+    """An ``AgentClient``; imported late so the kernel works where the agent package is absent."""
+    from node_agent.client import AgentClient
+
+    return AgentClient(socket_path, timeout=timeout)
+
+
+class GpuFracHook:
+    """Everything the extension does in one kernel; one instance per loaded extension."""
+
+    def __init__(self, ip: Any, environment: kenv.KernelEnv, *, poll_timeout: float = 25.0) -> None:
+        self.ip = ip
+        self.env = environment
+        self.request = environment.request
+        self.limit = environment.limit
+        self.checkpointer = Checkpointer(environment.checkpoint_dir)
+        self.state = ladder.LadderState()
+        self.cap: int | None = None
+        self.torch_seen = False
+        self.offloaded: list[offload.Offloaded] = []
+        self.restore_report: dict[str, Any] | None = None
+        self.pending_message: str | None = None
+        self.auto_checkpoint_error: str | None = None
+        self.watcher: DirectiveWatcher | None = None
+        self.poll_timeout = poll_timeout
+        self.started = time.time()
+        self._lock = threading.RLock()
+        self._import_watcher = ImportWatcher(["torch"], self.on_torch_imported)
+        self._cells_path = environment.checkpoint_dir / store.CELLS_FILE
+        self._previous_cells = self._read_previous_cells()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register callbacks, cap torch, restore if asked, start following the agent."""
+        self.ip.events.register("pre_run_cell", self.pre_run_cell)
+        self.ip.events.register("post_run_cell", self.post_run_cell)
+        torch = torch_adapter.torch_module()
+        if torch is not None:
+            self.on_torch_imported(torch)
+        else:
+            self._import_watcher.install()
+        if self.env.restore:
+            self.restore_at_start()
+        if self.env.has_lease and self.env.lease_id:
+            try:
+                client = make_client(self.env.agent_socket)
+            except Exception as exc:  # the agent package missing must not break the kernel
+                log.warning("gpufrac: no agent client: %s", exc)
+            else:
+                self.watcher = DirectiveWatcher(
+                    client, self.env.lease_id, self.handle_directive,
+                    usage=torch_adapter.reserved_bytes, poll_timeout=self.poll_timeout,
+                    started=self.started,
+                )
+                self.watcher.start()
+
+    def stop(self) -> None:
+        """Undo :meth:`start` (``%unload_ext``)."""
+        for event, callback in (("pre_run_cell", self.pre_run_cell),
+                                ("post_run_cell", self.post_run_cell)):
+            with contextlib.suppress(ValueError):
+                self.ip.events.unregister(event, callback)
+        self._import_watcher.uninstall()
+        if self.torch_seen:
+            self.ip.set_custom_exc((), None)
+        if self.watcher is not None:
+            self.watcher.stop()
+
+    # -- torch -------------------------------------------------------------------------------
+
+    def on_torch_imported(self, torch: types.ModuleType) -> None:
+        """Cap the allocator and explain OOMs from now on."""
+        with self._lock:
+            if self.torch_seen:
+                return
+            self.torch_seen = True
+        self._import_watcher.uninstall()
+        oom_types = torch_adapter.oom_exception_types()
+        if oom_types:
+            self.ip.set_custom_exc(oom_types, _oom_handler(self))
+        self.apply_cap()
+
+    def apply_cap(self) -> None:
+        """Cap PyTorch at the limit, or at the request while memory is being reclaimed."""
+        target = self.request if self.state.shrinking else self.limit
+        if target is None:
+            return
+        if torch_adapter.set_memory_cap(target, self.env.gpu_total or None) is not None:
+            self.cap = target
+
+    # -- directives (agent thread) -----------------------------------------------------------
+
+    def handle_directive(self, directive: Mapping[str, Any]) -> None:
+        """Apply a directive now; shrink is safe even while a cell runs."""
+        with self._lock:
+            actions = ladder.on_directive(self.state, directive)
+        for action in actions:
+            if action is ladder.Action.EMPTY_CACHE:
+                torch_adapter.empty_cache()
+            elif action is ladder.Action.CAP_REQUEST:
+                self.apply_cap()
+
+    # -- cells -------------------------------------------------------------------------------
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        """Show what happened since the last cell (restore message, shrink notices)."""
+        with self._lock:
+            lines = []
+            if self.pending_message:
+                lines.append(self.pending_message)
+                self.pending_message = None
+            lines += self.state.notices
+            self.state.notices.clear()
+        if lines:
+            print("\n".join(lines), flush=True)
+
+    def post_run_cell(self, result: Any = None) -> None:
+        """Between cells: offload if still over the request, checkpoint while bursting."""
+        try:
+            self._post_run_cell()
+        except Exception:  # a bookkeeping failure must never turn a cell into an error
+            log.exception("gpufrac: post_run_cell failed")
+
+    def _post_run_cell(self) -> None:
+        if not self.torch_seen and torch_adapter.torch_module() is not None:
+            self.on_torch_imported(torch_adapter.torch_module())  # type: ignore[arg-type]
+        if not self.env.has_lease:
+            return
+        if self.state.shrinking:
+            self._maybe_end_shrink()
+        usage = torch_adapter.reserved_bytes()
+        bursting = ladder.is_bursting(usage, self.request, self._agent_says_bursting(usage))
+        with self._lock:
+            actions = ladder.after_cell(self.state, usage=usage, request=self.request,
+                                        bursting=bursting)
+        for action in actions:
+            if action is ladder.Action.OFFLOAD:
+                self.release(cache_only=False)
+            elif action is ladder.Action.EMPTY_CACHE:
+                torch_adapter.empty_cache()
+            elif action is ladder.Action.CHECKPOINT:
+                self._auto_checkpoint(bursting)
+        self._write_cells()
+
+    def _maybe_end_shrink(self) -> None:
+        # The agent sends no directive when a reclaim ends; its lease goes back to "active".
+        if self.watcher is None or self.watcher.available is False:
+            return
+        lease = self.lease_info(timeout=1.0)
+        if lease is None or lease.get("state") != "active":
+            return
+        with self._lock:
+            self.state.shrinking = False
+            self.state.notices.append(
+                "gpufrac: the other notebook no longer needs the memory lent to this kernel; it "
+                "may burst to its limit again" + ("; `%gpu reload` brings offloaded tensors back."
+                                                 if self.offloaded else ".")
+            )
+        self.apply_cap()
+
+    def _agent_says_bursting(self, usage: int | None) -> bool | None:
+        if usage is not None or self.watcher is None or self.watcher.available is False:
+            return None
+        try:
+            lease = make_client(self.env.agent_socket, timeout=1.0).lease(self.env.lease_id)
+        except Exception:
+            return None
+        return bool(lease.get("bursting"))
+
+    def _auto_checkpoint(self, bursting: bool) -> None:
+        last = self.checkpointer.last
+        with self._lock:
+            forced = self.state.pending_checkpoint
+            self.state.pending_checkpoint = None
+        due = forced or ladder.checkpoint_due(
+            bursting=bursting, last_time=last.time if last else None,
+            last_seconds=last.seconds if last else None, now=time.time(),
+        )
+        if not due:
+            return
+        try:
+            self.checkpoint()
+            self.auto_checkpoint_error = None
+        except CheckpointError as exc:
+            if self.auto_checkpoint_error != str(exc):
+                print(f"gpufrac: automatic checkpoint failed: {exc}", file=sys.stderr)
+            self.auto_checkpoint_error = str(exc)
+
+    def _execution_count(self) -> int | None:
+        count = getattr(self.ip, "execution_count", None)
+        # IPython increments the counter after a stored cell; the one that just ran is one less.
+        return count - 1 if isinstance(count, int) and count > 0 else None
+
+    def _write_cells(self) -> None:
+        # Names alone, without values: after a kill we can still say what the checkpoint missed.
+        selection = namespace.select(self.ip.user_ns, getattr(self.ip, "user_ns_hidden", None))
+        data = {"execution_count": self._execution_count(), "time": time.time(),
+                "names": sorted([*selection.values, *selection.modules])}
+        try:
+            if self._dir_ready():
+                store.write_bytes_atomic(self._cells_path, json.dumps(data).encode(),
+                                         durable=False)
+        except OSError:
+            log.debug("gpufrac: writing %s failed", self._cells_path, exc_info=True)
+
+    def _dir_ready(self) -> bool:
+        # Our own small files go only into a directory that is ours alone (created if needed).
+        try:
+            store.ensure_private_dir(self.env.checkpoint_dir)
+        except (OSError, store.UnsafeCheckpointError):
+            return False
+        return True
+
+    def _read_previous_cells(self) -> dict[str, Any]:
+        try:
+            store.check_private(self._cells_path, directory=False)
+            data = json.loads(self._cells_path.read_text())
+        except (OSError, ValueError, store.UnsafeCheckpointError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    # -- checkpoint and restore --------------------------------------------------------------
+
+    def checkpoint(self, *, full: bool = False) -> CheckpointResult:
+        """Checkpoint the notebook namespace now (raises CheckpointError for people)."""
+        extra = {"kernel_id": self.env.kernel_id,
+                 "offloaded": [asdict(r) for r in self.offloaded]}
+        return self.checkpointer.take(
+            self.ip.user_ns, hidden=getattr(self.ip, "user_ns_hidden", None), full=full,
+            execution_count=self._execution_count(), extra=extra,
+        )
+
+    def restore(self, reason: kenv.RestartReason | None, *, at_start: bool) -> dict[str, Any]:
+        """Restore the latest checkpoint into the namespace; returns and writes the report."""
+        report: dict[str, Any] = {
+            "time": time.time(), "kernel_id": self.env.kernel_id,
+            "cause": reason.cause if reason else "manual",
+            "reason": asdict(reason) if reason else None,
+            "restored": [], "lost": [], "lost_reasons": {}, "newer_names": [],
+            "checkpoint_time": None, "checkpoint_cell": None, "moved_to_cpu_bytes": 0,
+            "ok": False, "error": None,
+        }
+        cpu_fallback = False
+        try:
+            try:
+                loaded = self.checkpointer.load(self.ip.user_ns)
+            except CheckpointError as exc:
+                oom = torch_adapter.oom_exception_types()
+                if not (oom and isinstance(exc.__cause__, oom)):
+                    raise
+                # The GPU tensors do not fit under the cap (or the GPU is busy): the variables
+                # matter more than where they live, so load them into host memory instead.
+                torch_adapter.empty_cache()
+                loaded = self.checkpointer.load(self.ip.user_ns, device="cpu")
+                cpu_fallback = True
+        except CheckpointError as exc:
+            report["error"] = str(exc)
+            text = messages.restore_message(reason, restored=[], lost={}, checkpoint_time=None,
+                                            error=str(exc))
+        else:
+            previous = self._previous_cells if at_start else {}
+            known = set(loaded.restored) | set(loaded.lost) | set(loaded.modules)
+            newer = sorted(set(previous.get("names", [])) - known)
+            last_cell = previous.get("execution_count")
+            self._readopt_offloaded(loaded.header.get("offloaded", []))
+            report.update(
+                ok=True, restored=loaded.restored + loaded.modules, lost=sorted(loaded.lost),
+                lost_reasons=loaded.lost, newer_names=newer,
+                checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
+                moved_to_cpu_bytes=loaded.moved_to_cpu_bytes, rng=loaded.rng,
+            )
+            text = messages.restore_message(
+                reason, restored=report["restored"], lost=loaded.lost,
+                checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
+                last_cell=last_cell if isinstance(last_cell, int) else None,
+                newer_names=newer, moved_to_cpu_bytes=loaded.moved_to_cpu_bytes,
+                cpu_reason=("they did not fit in this kernel's GPU memory limit"
+                            if cpu_fallback else "this kernel has no CUDA device"),
+            )
+        report["message"] = text
+        self.restore_report = report
+        try:
+            if self._dir_ready():
+                store.write_bytes_atomic(self.env.checkpoint_dir / store.RESTORE_FILE,
+                                         json.dumps(report, sort_keys=True).encode())
+        except OSError:
+            log.warning("gpufrac: could not write the restore report", exc_info=True)
+        return report
+
+    def restore_at_start(self) -> None:
+        """GPUFRAC_RESTORE: bring the variables back and keep the message for the first cell."""
+        report = self.restore(self.env.restart_reason, at_start=True)
+        # Output at load time reaches the kernel's log, not a cell: show it with the first cell.
+        print(report["message"], flush=True)
+        self.pending_message = report["message"]
+
+    def _readopt_offloaded(self, records: list[Any]) -> None:
+        ns = self.ip.user_ns
+        adopted = []
+        for raw in records:
+            if isinstance(raw, dict) and raw.get("name") in ns:
+                value = ns[raw["name"]]
+                adopted.append(offload.Offloaded(raw["name"], raw.get("kind", "tensor"),
+                                                 raw.get("device", "cuda"),
+                                                 int(raw.get("nbytes", 0)), id(value)))
+        self.offloaded = adopted
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def release(self, *, cache_only: bool) -> list[offload.Offloaded]:
+        """Empty the allocator cache and (unless ``cache_only``) move GPU tensors to the host."""
+        moved: list[offload.Offloaded] = []
+        if not cache_only:
+            moved = offload.offload(self.ip.user_ns)
+            self.offloaded += moved
+        torch_adapter.empty_cache()
+        return moved
+
+    def reload(self) -> tuple[list[offload.Offloaded], list[offload.Offloaded], str]:
+        """Bring offloaded tensors back while they fit; returns (back, still away, note)."""
+        note = ""
+        if self.state.shrinking:
+            lease = self.lease_info()
+            if lease is not None and lease.get("state") == "active":
+                with self._lock:
+                    self.state.shrinking = False
+                self.apply_cap()
+                note = "The agent no longer needs the lent memory: the cap is back at the limit."
+            else:
+                note = ("Memory is still being reclaimed for another notebook: only what fits "
+                        "in the request comes back.")
+        budget: int | None = None
+        reserved = torch_adapter.reserved_bytes()
+        if reserved is not None and self.cap is not None:
+            free = torch_adapter.free_bytes()
+            budget = max(0, self.cap - reserved)
+            if free is not None:
+                budget = min(budget, free)
+        back, left = offload.reload(self.ip.user_ns, self.offloaded, budget)
+        self.offloaded = left
+        return back, left, note
+
+    # -- agent -------------------------------------------------------------------------------
+
+    def lease_info(self, timeout: float = AGENT_CALL_TIMEOUT) -> dict[str, Any] | None:
+        """This kernel's lease as the agent sees it, or None."""
+        if not self.env.lease_id:
+            return None
+        try:
+            client = make_client(self.env.agent_socket, timeout=timeout)
+            lease: dict[str, Any] = client.lease(self.env.lease_id)
+            return lease
+        except Exception:
+            return None
+
+    def summary(self) -> dict[str, Any]:
+        """Machine-readable state for the server (``user_expressions``) and ``%gpu``."""
+        last = self.checkpointer.last
+        header = None if last else self.checkpointer.read_header()
+        return {
+            "lease_id": self.env.lease_id,
+            "kernel_id": self.env.kernel_id,
+            "has_lease": self.env.has_lease,
+            "no_lease_reason": self.env.no_lease_reason(),
+            "request": self.request, "limit": self.limit, "cap": self.cap,
+            "usage": torch_adapter.reserved_bytes(),
+            "shrinking": self.state.shrinking,
+            "torch_imported": self.torch_seen,
+            "cuda": torch_adapter.cuda_available(),
+            "offloaded": [asdict(r) for r in self.offloaded],
+            "checkpoint_dir": str(self.env.checkpoint_dir),
+            "last_checkpoint": last.to_json() if last else (
+                {"time": header.get("time"), "names": header.get("names"),
+                 "lost": header.get("lost")} if header else None),
+            "restore": self.restore_report,
+            "agent_available": None if self.watcher is None else self.watcher.available,
+            "agent_error": None if self.watcher is None else self.watcher.last_error,
+            "pid": os.getpid(),
+        }
+
+
+def _oom_handler(hook: GpuFracHook) -> Any:
+    """A ``set_custom_exc`` handler: the usual traceback plus what the OOM means here."""
+
+    def handler(shell: Any, etype: type, value: BaseException, tb: Any,
+                tb_offset: int | None = None) -> None:
+        stb: list[str] = shell.InteractiveTB.structured_traceback(
+            etype, value, tb, tb_offset=tb_offset
+        )
+        explanation = messages.oom_explanation(
+            request=hook.request, limit=hook.limit,
+            total=hook.env.gpu_total or torch_adapter.device_total(),
+            reserved=torch_adapter.reserved_bytes(), allocated=torch_adapter.allocated_bytes(),
+            cap=hook.cap, shrunk=hook.state.shrinking, has_lease=hook.env.has_lease,
+        )
+        # IPython ignores what a custom handler returns; _showtraceback is what showtraceback
+        # ends with, and ipykernel turns it into the cell's error output and the reply.
+        show = getattr(shell, "_showtraceback", None)
+        if show is not None:
+            show(etype, value, [*stb, explanation])
+        else:
+            print(shell.InteractiveTB.stb2text(stb), file=sys.stderr)
+            print(explanation, file=sys.stderr)
+
+    return handler

@@ -1,0 +1,122 @@
+"""Pure decisions of the reclaim ladder, the agent poll backoff and automatic checkpoints."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Directives created this long before the kernel started may still be meant for it
+# (clock jitter between agent and kernel); older ones are history from a previous process.
+DIRECTIVE_SLACK_S = 2.0
+
+
+class Action(enum.Enum):
+    """What the hook should do now."""
+
+    EMPTY_CACHE = "empty_cache"
+    CAP_REQUEST = "cap_request"
+    CAP_LIMIT = "cap_limit"
+    OFFLOAD = "offload"
+    CHECKPOINT = "checkpoint"
+
+
+@dataclass
+class LadderState:
+    """Where this kernel stands on the reclaim ladder."""
+
+    shrinking: bool = False
+    reason: str = ""
+    deadline: float | None = None
+    pending_checkpoint: str | None = None  # why a checkpoint is due after the running cell
+    notices: list[str] = field(default_factory=list)  # shown with the next cell's output
+
+
+def backoff_delay(failures: int, base: float = 0.5, cap: float = 30.0) -> float:
+    """Seconds to wait after ``failures`` consecutive failed polls: doubling, capped."""
+    if failures <= 0:
+        return 0.0
+    return min(cap, base * 2 ** min(failures - 1, 16))
+
+
+def fresh_directives(
+    directives: Iterable[Mapping[str, Any]], lease_id: str, started: float
+) -> list[Mapping[str, Any]]:
+    """Directives for this lease that were issued to this process (not replayed history)."""
+    out = []
+    for directive in directives:
+        if directive.get("lease_id") not in (None, lease_id):
+            continue
+        created = directive.get("created")
+        if isinstance(created, int | float) and created < started - DIRECTIVE_SLACK_S:
+            continue
+        out.append(directive)
+    return out
+
+
+def next_cursor(after: int, last: int) -> int:
+    """The ``after`` for the next poll; an agent whose sequence went backwards was restarted."""
+    return last if last >= after else 0
+
+
+def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Action]:
+    """Actions for one directive; shrink is safe to apply while a cell runs."""
+    kind = directive.get("kind")
+    reason = str(directive.get("reason") or "")
+    if kind == "shrink":
+        state.shrinking = True
+        state.reason = reason
+        deadline = directive.get("deadline")
+        state.deadline = float(deadline) if isinstance(deadline, int | float) else None
+        state.notices.append(
+            "gpufrac: another notebook needs the GPU memory lent to this kernel back"
+            + (f" ({reason})" if reason else "")
+            + "; PyTorch's cache was emptied and its cap lowered to this kernel's request."
+        )
+        return [Action.EMPTY_CACHE, Action.CAP_REQUEST]
+    if kind == "migrate":
+        # The server checkpoints an idle kernel itself; a busy one checkpoints after its cell.
+        state.pending_checkpoint = "migrate"
+        state.notices.append(
+            "gpufrac: this kernel is being moved to another GPU"
+            + (f" ({reason})" if reason else "")
+            + "; its variables are checkpointed and come back after the restart."
+        )
+        return []
+    if kind == "killed":
+        state.notices.append("gpufrac: the agent stopped this kernel's GPU work"
+                             + (f" ({reason})" if reason else "") + ".")
+        return []
+    return []
+
+
+def after_cell(
+    state: LadderState, *, usage: int | None, request: int | None, bursting: bool
+) -> list[Action]:
+    """Actions between cells: offload while shrinking and still over the request; checkpoints."""
+    actions: list[Action] = []
+    if state.shrinking and usage is not None and request is not None and usage > request:
+        actions += [Action.OFFLOAD, Action.EMPTY_CACHE]
+    if state.pending_checkpoint or bursting:
+        actions.append(Action.CHECKPOINT)
+    return actions
+
+
+def checkpoint_due(
+    *, bursting: bool, last_time: float | None, last_seconds: float | None, now: float,
+    overhead: float = 0.1,
+) -> bool:
+    """Automatic checkpoints while bursting, but spending at most ``overhead`` of wall time."""
+    if not bursting:
+        return False
+    if last_time is None or last_seconds is None:
+        return True
+    return now - last_time >= last_seconds / overhead
+
+
+def is_bursting(usage: int | None, request: int | None, reported: bool | None = None) -> bool:
+    """Usage above request; the agent's own verdict counts when we cannot measure."""
+    if usage is not None and request is not None:
+        return usage > request
+    return bool(reported)

@@ -1,0 +1,287 @@
+"""The ``%gpu`` line magic: status, request, checkpoint, restore, reload, release."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from typing import Any, NoReturn
+
+from IPython.core.error import UsageError
+
+from jupyter_gpufrac.kernel import messages, torch_adapter
+from jupyter_gpufrac.kernel.checkpoint import CheckpointError
+from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
+
+SUBCOMMANDS = ("status", "request", "checkpoint", "restore", "reload", "release")
+
+
+class _HelpShown(Exception):
+    """argparse printed help; stop without an error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as UsageError (one line, no traceback) instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            print(message)
+        raise _HelpShown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``%gpu`` argument parser (kept separate so tests and docs can use it)."""
+    parser = _Parser(
+        prog="%gpu",
+        description="This kernel's share of a GPU, managed by jupyter-gpufrac. Without a "
+        "subcommand: show this kernel's GPU, request, limit, usage and state, and the node's GPUs.",
+    )
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    sub.add_parser("status", help="show this kernel's GPU share and the node (the default)")
+    req = sub.add_parser(
+        "request", help="change the guaranteed request and the limit",
+        description="Change this kernel's request (guaranteed) and limit (may burst to). "
+        "Quantities are a fraction 0 < f <= 1 of one GPU or a memory size (2500M, 4G, 4Gi). "
+        "If the new share does not fit on this GPU, the agent moves the kernel to one where it "
+        "fits: the server restarts it there and its variables come back.",
+    )
+    req.add_argument("request", help="guaranteed share, e.g. 0.25 or 4Gi")
+    req.add_argument("--limit", help="most this kernel may use, e.g. 0.8 or 12Gi "
+                     "(default: unchanged)")
+    req.add_argument("--no-checkpoint", action="store_true",
+                     help="do not checkpoint before asking (a move then loses the variables)")
+    ck = sub.add_parser("checkpoint", help="save the notebook's variables now",
+                        description="Save the notebook's variables (tensors incrementally) into "
+                        "the kernel's private checkpoint directory.")
+    ck.add_argument("--quiet", action="store_true", help="print nothing unless it fails")
+    ck.add_argument("--full", action="store_true",
+                    help="rewrite every tensor (after writes that bypass torch's version "
+                    "counter, e.g. through .data or .numpy())")
+    sub.add_parser("restore", help="load the latest checkpoint into the namespace now",
+                   description="Load the latest checkpoint; variables it holds replace the "
+                   "current ones with the same names.")
+    sub.add_parser("reload", help="bring tensors moved to host memory back to the GPU",
+                   description="Move tensors that were offloaded to host memory (to give lent "
+                   "GPU memory back) back onto the GPU, as far as the cap allows.")
+    rel = sub.add_parser("release", help="give GPU memory back: empty the cache, offload tensors",
+                         description="Empty PyTorch's allocator cache and move the notebook's "
+                         "GPU tensors to host memory; `%gpu reload` brings them back.")
+    rel.add_argument("--cache-only", action="store_true",
+                     help="only empty the allocator cache; keep tensors on the GPU")
+    return parser
+
+
+class GpuMagic:
+    """Parses ``%gpu`` lines and runs them against a :class:`GpuFracHook`."""
+
+    def __init__(self, hook: GpuFracHook) -> None:
+        self.hook = hook
+        self.parser = build_parser()
+
+    def __call__(self, line: str = "") -> None:
+        try:
+            words = shlex.split(line)
+        except ValueError as exc:
+            raise UsageError(f"%gpu: cannot parse {line!r}: {exc}") from None
+        if words and not words[0].startswith("-") and words[0] not in SUBCOMMANDS:
+            raise UsageError(f"%gpu: unknown subcommand {words[0]!r}; expected one of: "
+                             f"{', '.join(SUBCOMMANDS)} (see `%gpu --help`)")
+        try:
+            args = self.parser.parse_args(words)
+        except _HelpShown:
+            return
+        command = args.command or "status"
+        getattr(self, f"do_{command}")(args)
+
+    # -- subcommands -------------------------------------------------------------------------
+
+    def do_status(self, args: argparse.Namespace) -> None:
+        print(self.status_text())
+
+    def status_text(self) -> str:
+        """What ``%gpu`` prints."""
+        hook = self.hook
+        env = hook.env
+        s = hook.summary()
+        lines = []
+        if not env.has_lease:
+            lines.append("gpufrac: no GPU lease. " + env.no_lease_reason())
+        else:
+            total = env.gpu_total
+            gpu = env.gpu_name or "GPU"
+            where = f"{gpu} (index {env.gpu_index}, {env.gpu_uuid})" if env.gpu_uuid else gpu
+            lines.append(f"gpufrac: lease {env.lease_id} on {where}"
+                         + (" [simulated]" if env.simulated else ""))
+            lines.append(f"  request: {messages.fmt_share(hook.request, total)} guaranteed")
+            lines.append(f"  limit:   {messages.fmt_share(hook.limit, total)}")
+            usage, source = s["usage"], "PyTorch reserved"
+            lease = hook.lease_info(timeout=2.0)
+            if usage is None and lease is not None:
+                usage, source = lease.get("usage"), "measured by the agent"
+            if usage is not None:
+                lines.append(f"  usage:   {messages.fmt_share(int(usage), total)} ({source})")
+            lines.append(f"  state:   {self._state_text(usage, lease)}")
+        lines.append(self._torch_line(s))
+        if hook.offloaded:
+            names = ", ".join(r.name for r in hook.offloaded)
+            lines.append(f"  offloaded to host memory: {names} (`%gpu reload` brings them back)")
+        lines.append(self._checkpoint_line(s))
+        if hook.restore_report:
+            lines.append("  last restore:")
+            lines += ["    " + x for x in str(hook.restore_report.get("message", "")).splitlines()]
+        for problem in env.problems:
+            lines.append(f"  environment problem: {problem}")
+        lines += self._node_lines()
+        return "\n".join(lines)
+
+    def _state_text(self, usage: int | None, lease: dict[str, Any] | None) -> str:
+        hook = self.hook
+        agent_state = (lease or {}).get("state")
+        reason = (lease or {}).get("reason") or ""
+        if hook.state.shrinking or agent_state == "shrinking":
+            text = "shrinking: memory lent to this kernel is being reclaimed"
+        elif agent_state == "migrating":
+            text = "migrating: the agent is moving this kernel to another GPU"
+        elif usage is not None and hook.request is not None and usage > hook.request:
+            text = "bursting: using more than the request (checkpointed after cells)"
+        else:
+            text = "guaranteed"
+        return f"{text} ({reason})" if reason and text != "guaranteed" else text
+
+    def _torch_line(self, s: dict[str, Any]) -> str:
+        if not s["torch_imported"]:
+            return "  torch: not imported yet (the cap applies as soon as it is)"
+        if not s["cuda"]:
+            return "  torch: imported; CUDA is not available, so there is no allocator cap"
+        return (f"  torch: {messages.fmt_bytes(s['usage'])} reserved, cap "
+                f"{messages.fmt_bytes(s['cap'])}")
+
+    def _checkpoint_line(self, s: dict[str, Any]) -> str:
+        last = s["last_checkpoint"]
+        where = s["checkpoint_dir"]
+        if not last or not last.get("time"):
+            return f"  checkpoint: none yet ({where})"
+        stamp = time.strftime("%H:%M:%S", time.localtime(last["time"]))
+        lost = last.get("lost") or {}
+        count = messages.plural(len(last.get("names") or []), "variable")
+        text = f"  checkpoint: {stamp}, {count} ({where})"
+        if lost:
+            text += f"; not saved: {', '.join(sorted(lost))}"
+        return text
+
+    def _node_lines(self) -> list[str]:
+        env = self.hook.env
+        if not env.has_lease:
+            return []
+        try:
+            node = make_client(env.agent_socket, timeout=2.0).node()
+        except Exception as exc:
+            return [f"  node: agent not reachable ({exc})"]
+        lines = [f"  node ({node.get('backend', '?')}):"]
+        for gpu in node.get("gpus", []):
+            mark = " <- this kernel" if gpu.get("uuid") == env.gpu_uuid else ""
+            health = "" if gpu.get("healthy", True) else f" UNHEALTHY: {gpu.get('error')}"
+            lines.append(
+                f"    GPU {gpu.get('index')}: {gpu.get('name')}, "
+                f"{messages.fmt_bytes(gpu.get('memory_used'))} used of "
+                f"{messages.fmt_bytes(gpu.get('memory_total'))}{health}{mark}"
+            )
+        return lines
+
+    def do_request(self, args: argparse.Namespace) -> None:
+        hook = self.hook
+        env = hook.env
+        try:
+            from node_agent.quantities import QuantityError, check_share, parse_quantity
+        except ImportError as exc:  # the agent package is absent in this environment
+            raise UsageError(f"%gpu request: cannot parse quantities ({exc})") from None
+        try:
+            request = parse_quantity(args.request, "request")
+            limit = parse_quantity(args.limit, "limit") if args.limit is not None else None
+            total = env.gpu_total
+            if total:
+                current_limit = limit or (parse_quantity(hook.limit, "limit")
+                                          if hook.limit else request)
+                check_share(request, current_limit, total)
+        except QuantityError as exc:
+            raise UsageError(str(exc)) from None
+        if not env.has_lease or not env.lease_id:
+            raise UsageError("%gpu request: this kernel has no GPU lease to change. "
+                             + env.no_lease_reason())
+        if not args.no_checkpoint:
+            try:
+                hook.checkpoint()
+            except CheckpointError as exc:
+                raise UsageError(f"%gpu request: checkpoint before the change failed ({exc}); "
+                                 "use --no-checkpoint to go on without one") from None
+        from node_agent.client import AgentError
+
+        try:
+            lease = make_client(env.agent_socket).resize(
+                env.lease_id, request=args.request, limit=args.limit
+            )
+        except AgentError as exc:
+            raise UsageError(f"%gpu request: the agent refused: {exc}") from None
+        if lease.get("state") == "migrating":
+            targets = ", ".join(lease.get("target_gpus") or []) or "another GPU"
+            print(f"gpufrac: the new share does not fit on this GPU; the agent is moving this "
+                  f"kernel to {targets}. The server restarts it there and its variables come "
+                  "back from the checkpoint just taken.")
+            return
+        hook.request = int(lease.get("request", hook.request or 0))
+        hook.limit = int(lease.get("limit", hook.limit or 0))
+        hook.apply_cap()
+        print(f"gpufrac: request is now {messages.fmt_share(hook.request, env.gpu_total)}, "
+              f"limit {messages.fmt_share(hook.limit, env.gpu_total)}.")
+
+    def do_checkpoint(self, args: argparse.Namespace) -> None:
+        try:
+            result = self.hook.checkpoint(full=args.full)
+        except CheckpointError as exc:
+            # UsageError: one line in the notebook, and an error status for the server.
+            raise UsageError(f"%gpu checkpoint: {exc}") from None
+        if args.quiet:
+            return
+        print(f"gpufrac: checkpoint of {messages.plural(len(result.names), 'variable')} "
+              f"(and {messages.plural(len(result.modules), 'module')} to re-import) in "
+              f"{result.seconds:.2f} s: "
+              f"{messages.fmt_bytes(result.tensors_bytes)} of tensors, "
+              f"{messages.fmt_bytes(result.bytes_written)} written -> {result.path}")
+        if result.lost:
+            parts = [f"{name} ({why})" for name, why in sorted(result.lost.items())]
+            print(f"gpufrac: not saved: {messages.names_list(parts)}")
+
+    def do_restore(self, args: argparse.Namespace) -> None:
+        report = self.hook.restore(None, at_start=False)
+        if not report["ok"]:
+            raise UsageError(f"%gpu restore: {report['error']}")
+        print(report["message"])
+
+    def do_reload(self, args: argparse.Namespace) -> None:
+        back, left, note = self.hook.reload()
+        if note:
+            print(f"gpufrac: {note}")
+        if not back and not left:
+            print("gpufrac: nothing is offloaded to host memory.")
+            return
+        if back:
+            print(f"gpufrac: back on the GPU: {', '.join(r.name for r in back)}.")
+        if left:
+            print(f"gpufrac: still in host memory (no room under the cap): "
+                  f"{', '.join(r.name for r in left)}.")
+
+    def do_release(self, args: argparse.Namespace) -> None:
+        if not torch_adapter.cuda_available():
+            print("gpufrac: no CUDA device in this kernel (or torch is not imported): "
+                  "there is no GPU memory to release.")
+            return
+        moved = self.hook.release(cache_only=args.cache_only)
+        if moved:
+            size = messages.fmt_bytes(sum(r.nbytes for r in moved))
+            print(f"gpufrac: moved {', '.join(r.name for r in moved)} ({size}) to host memory "
+                  "and emptied the allocator cache; `%gpu reload` brings them back.")
+        else:
+            print("gpufrac: emptied the allocator cache; no GPU tensors to move.")

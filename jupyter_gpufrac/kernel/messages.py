@@ -1,0 +1,153 @@
+"""Sentences for people: why the kernel restarted, what came back, what an OOM means (pure)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from jupyter_gpufrac.kernel.env import RestartReason
+from node_agent.quantities import format_bytes
+
+_MAX_NAMES = 12
+
+
+def fmt_bytes(n: int | None) -> str:
+    """``1.5 GiB``; ``?`` for unknown."""
+    return "?" if n is None else format_bytes(n)
+
+
+def fmt_share(nbytes: int | None, total: int | None) -> str:
+    """``4.0 GiB (0.25 of the GPU)``."""
+    if nbytes is None:
+        return "?"
+    if total:
+        return f"{fmt_bytes(nbytes)} ({nbytes / total:.2g} of the GPU)"
+    return fmt_bytes(nbytes)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 variable``, ``2 variables``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def names_list(names: Sequence[str]) -> str:
+    """``a, b, c`` with a tail count when long."""
+    shown = list(names[:_MAX_NAMES])
+    more = len(names) - len(shown)
+    text = ", ".join(shown)
+    return f"{text} and {more} more" if more > 0 else text
+
+
+def _gpu(name: str) -> str:
+    # The server may send an index ("1"), a label ("GPU 1") or a UUID ("GPU-…").
+    return name if name.upper().startswith("GPU") else f"GPU {name}"
+
+
+def restart_cause(reason: RestartReason | None) -> str:
+    """One clause saying why the kernel was restarted."""
+    if reason is None:
+        return "This kernel was restarted by jupyter-gpufrac."
+    gpus = ""
+    if reason.from_gpu and reason.to_gpu:
+        gpus = f" from {_gpu(reason.from_gpu)} to {_gpu(reason.to_gpu)}"
+    elif reason.to_gpu:
+        gpus = f" to {_gpu(reason.to_gpu)}"
+    if reason.cause == "migrated":
+        head = f"This kernel was moved{gpus}"
+    elif reason.cause == "oom_killed":
+        head = ("This kernel was stopped by the GPU memory reclaimer: it held GPU memory "
+                "beyond its guaranteed request that another notebook needed back")
+    elif reason.cause == "request_changed":
+        head = f"This kernel was restarted{gpus} because its GPU request or limit changed"
+    else:
+        head = "This kernel was restarted by jupyter-gpufrac"
+    detail = reason.message.strip().rstrip(".")
+    return f"{head}: {detail}." if detail else f"{head}."
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def restore_message(
+    reason: RestartReason | None,
+    *,
+    restored: Sequence[str],
+    lost: Mapping[str, str],
+    checkpoint_time: float | None,
+    checkpoint_cell: int | None = None,
+    last_cell: int | None = None,
+    newer_names: Sequence[str] = (),
+    moved_to_cpu_bytes: int = 0,
+    cpu_reason: str = "this kernel has no CUDA device",
+    error: str | None = None,
+    now: float | None = None,
+) -> str:
+    """The notebook message after a restart: why, what came back, what did not and what to do."""
+    now = time.time() if now is None else now
+    lines = [restart_cause(reason)]
+    if error:
+        lines.append(f"No variables were restored: {error}")
+    else:
+        when = ""
+        if checkpoint_time:
+            stamp = time.strftime("%H:%M:%S", time.localtime(checkpoint_time))
+            when = f" from the checkpoint taken at {stamp} ({_ago(now - checkpoint_time)} ago"
+            when += f", after cell [{checkpoint_cell}])" if checkpoint_cell else ")"
+        total = len(restored) + len(lost)
+        lines.append(f"Restored {len(restored)} of {plural(total, 'variable')}{when}: "
+                     f"{names_list(sorted(restored)) or 'none'}.")
+        if lost:
+            parts = [f"{name} ({why})" for name, why in sorted(lost.items())]
+            lines.append(f"Not restored (could not be saved): {names_list(parts)}; "
+                         "re-run the cells that create them.")
+        if newer_names:
+            lines.append(f"Defined after the checkpoint, so lost: {names_list(sorted(newer_names))}.")
+        if checkpoint_cell and last_cell and last_cell > checkpoint_cell:
+            lines.append(f"Cells [{checkpoint_cell + 1}] to [{last_cell}] ran after the "
+                         "checkpoint: re-run them if you need their effects.")
+        if moved_to_cpu_bytes:
+            lines.append(f"{fmt_bytes(moved_to_cpu_bytes)} of tensors that were on the GPU are on "
+                         f"the CPU now, because {cpu_reason}; move them back with .cuda() "
+                         "once there is room.")
+    return "\n".join(f"gpufrac: {line}" for line in lines)
+
+
+def oom_explanation(
+    *,
+    request: int | None,
+    limit: int | None,
+    total: int | None,
+    reserved: int | None,
+    allocated: int | None,
+    cap: int | None,
+    shrunk: bool,
+    has_lease: bool,
+) -> str:
+    """What a CUDA OutOfMemoryError means under a lease, and what to do about it."""
+    lines = ["gpufrac: PyTorch ran out of the GPU memory this kernel may use."]
+    if has_lease:
+        lines.append(f"  request (guaranteed): {fmt_share(request, total)}")
+        lines.append(f"  limit (may burst to): {fmt_share(limit, total)}")
+        if cap is not None:
+            lines.append(f"  allocator cap now:    {fmt_bytes(cap)}"
+                         + ("  (lowered to the request: the memory lent to you was reclaimed)"
+                            if shrunk else ""))
+    else:
+        lines.append("  this kernel has no GPU lease, so the limit is the GPU itself")
+    lines.append(f"  in use: {fmt_bytes(allocated)} by tensors, {fmt_bytes(reserved)} reserved "
+                 "by PyTorch's allocator")
+    lines.append("What you can do:")
+    lines.append("  - free tensors you no longer need (`del x`), then `torch.cuda.empty_cache()`;")
+    lines.append("  - use a smaller batch, or `torch.autocast` / half precision;")
+    if has_lease:
+        lines.append("  - ask for more: `%gpu request 0.5 --limit 0.8` (or sizes like 8Gi); the "
+                     "kernel moves to a GPU with room if needed and keeps its variables;")
+        if shrunk:
+            lines.append("  - wait until the other notebook is done, then `%gpu reload`.")
+    lines.append("  `%gpu` shows this kernel's share and the node's GPUs.")
+    return "\n".join(lines)

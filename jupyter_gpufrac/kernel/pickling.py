@@ -1,0 +1,277 @@
+"""One-pass namespace pickling: tensors go to separate blobs, cell functions keep the live globals."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import sys
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from jupyter_gpufrac.kernel import store, tensor_io
+
+TENSOR_TAG = "gpufrac.tensor"
+USER_NS_TAG = "gpufrac.user_ns"
+
+
+@dataclass
+class _CacheEntry:
+    ref: weakref.ref[Any]
+    version: int
+    data_ptr: int
+    nbytes: int
+    blob: str
+
+
+class IncrementalCache:
+    """Remembers which blob holds each tensor's storage, to skip tensors that did not change.
+
+    A tensor counts as unchanged when it is the same object, its ``_version`` (bumped by every
+    in-place operation) is the same, and it still sits on the same storage. Writes that bypass
+    the version counter (``t.data.add_()``, writing through ``t.numpy()``) are not seen: take a
+    full checkpoint (``%gpu checkpoint --full``) after those.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _CacheEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, tensor: Any) -> str | None:
+        """The blob holding ``tensor``'s unchanged storage, or None."""
+        entry = self._entries.get(id(tensor))
+        if entry is None:
+            return None
+        alive = entry.ref()
+        if alive is None or id(alive) != id(tensor):
+            return None
+        storage = tensor.untyped_storage()
+        if (
+            entry.version != tensor._version
+            or entry.data_ptr != storage.data_ptr()
+            or entry.nbytes != storage.nbytes()
+        ):
+            return None
+        return entry.blob
+
+    def remember(self, tensor: Any, blob: str) -> None:
+        """Record that ``blob`` holds ``tensor``'s storage as it is now."""
+        storage = tensor.untyped_storage()
+        key = id(tensor)
+        # The callback drops the entry when the tensor dies, so ids are never confused.
+        def forget(dead: weakref.ref[Any], key: int = key) -> None:
+            self._drop(key, dead)
+
+        ref = weakref.ref(tensor, forget)
+        self._entries[key] = _CacheEntry(
+            ref, int(tensor._version), int(storage.data_ptr()), int(storage.nbytes()), blob
+        )
+
+    def _drop(self, key: int, ref: weakref.ref[Any]) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.ref is ref:
+            del self._entries[key]
+
+    def forget_blobs(self, blobs: set[str]) -> None:
+        """Drop entries pointing at blobs about to be deleted."""
+        for key in [k for k, e in self._entries.items() if e.blob in blobs]:
+            del self._entries[key]
+
+    def clear(self) -> None:
+        """Forget everything: the next checkpoint writes every tensor."""
+        self._entries.clear()
+
+
+@dataclass
+class BlobWriter:
+    """Writes each storage once per checkpoint and reuses blobs of unchanged tensors."""
+
+    root: Path
+    cache: IncrementalCache
+    dry: bool = False
+    referenced: dict[str, int] = field(default_factory=dict)
+    bytes_written: int = 0
+    blobs_written: int = 0
+    tensor_bytes: int = 0
+    new_paths: list[Path] = field(default_factory=list)
+    _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
+    _keepalive: list[Any] = field(default_factory=list)
+
+    def start_pass(self) -> None:
+        """Forget what a failed pickling pass referenced; blobs it wrote are reused, not redone."""
+        self.referenced.clear()
+        self.tensor_bytes = 0
+
+    def record_for(self, tensor: Any) -> tuple[str, int, str]:
+        """(blob, nbytes, device type) of ``tensor``'s storage, writing it if needed."""
+        storage = tensor.untyped_storage()
+        device = tensor.device.type
+        if self.dry:
+            return ("dry.bin", int(storage.nbytes()), device)
+        key = int(storage._cdata)
+        known = self._by_storage.get(key)
+        if known is None:
+            blob = self.cache.lookup(tensor)
+            if blob is not None and store.blob_path(self.root, blob).exists():
+                known = (blob, int(storage.nbytes()))
+            else:
+                blob, nbytes, path = tensor_io.write_storage(self.root, storage)
+                known = (blob, nbytes)
+                self.new_paths.append(path)
+                self.bytes_written += nbytes
+                self.blobs_written += 1
+            self._by_storage[key] = known
+            # Keep the storage alive so its _cdata cannot be reused within this checkpoint.
+            self._keepalive.append(storage)
+        self.cache.remember(tensor, known[0])
+        if known[0] not in self.referenced:
+            self.referenced[known[0]] = known[1]
+            self.tensor_bytes += known[1]
+        return (known[0], known[1], device)
+
+
+def _tensor_classes() -> tuple[type, ...]:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()
+    return (torch.Tensor, torch.nn.Parameter)
+
+
+def _storable(obj: Any) -> bool:
+    import torch
+
+    return (
+        obj.layout == torch.strided
+        and obj.device.type in ("cpu", "cuda")
+        and not obj.is_quantized
+        and not obj.is_nested
+        and not obj.is_neg()
+        and not obj.is_conj()
+    )
+
+
+class NamespacePickler(cloudpickle.Pickler):
+    """cloudpickle with tensors as persistent ids and ``user_ns`` functions bound to the live ns."""
+
+    def __init__(self, file: Any, blobs: BlobWriter, user_ns: dict[str, Any]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._blobs = blobs
+        self._user_ns = user_ns
+        self._tensor_types = _tensor_classes()
+        self._tensor_ids: dict[int, int] = {}
+        # cloudpickle rebuilds functions sharing one __globals__ with one new dict, found in
+        # globals_ref; pre-seeding it with a marker lets us pickle that dict as "the notebook's
+        # namespace", so restored cell functions see later assignments, as they did before.
+        self._ns_marker: dict[str, Any] = {"__name__": "__main__"}
+        self.globals_ref[id(user_ns)] = self._ns_marker
+
+    def persistent_id(self, obj: Any) -> Any:
+        """Tensors and the namespace marker are stored out of band."""
+        if obj is self._ns_marker:
+            return (USER_NS_TAG,)
+        cls = type(obj)
+        if self._tensor_types and cls in self._tensor_types and _storable(obj):
+            index = self._tensor_ids.setdefault(id(obj), len(self._tensor_ids))
+            blob, nbytes, device = self._blobs.record_for(obj)
+            return (
+                TENSOR_TAG, index, blob, nbytes, device, int(obj.storage_offset()),
+                tuple(obj.size()), tuple(obj.stride()), str(obj.dtype).removeprefix("torch."),
+                bool(obj.requires_grad), cls is not self._tensor_types[0],
+            )
+        return None
+
+    def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
+        reduced = super()._dynamic_function_reduce(func)
+        if func.__globals__ is not self._user_ns:
+            return reduced
+        # The function's globals will be the restored namespace itself, so the copies of the
+        # globals it uses need not be pickled (and an unpicklable one cannot sink the function).
+        with contextlib.suppress(Exception):
+            state, slotstate = reduced[2]
+            if isinstance(slotstate, dict) and "__globals__" in slotstate:
+                slotstate = dict(slotstate, __globals__={})
+                reduced = (*reduced[:2], (state, slotstate), *reduced[3:])
+        return reduced
+
+
+class NamespaceUnpickler(pickle.Unpickler):
+    """Rebuilds tensors from blobs on the kernel's device and binds functions to ``user_ns``."""
+
+    def __init__(
+        self, file: Any, root: Path, user_ns: dict[str, Any], device: str,
+        on_tensor: Callable[[Any, str], None] | None = None,
+    ) -> None:
+        super().__init__(file)
+        self._root = root
+        self._user_ns = user_ns
+        self._device = device
+        self._on_tensor = on_tensor
+        self._tensors: dict[int, Any] = {}
+        self._storages: dict[tuple[str, str], Any] = {}
+        self.moved_to_cpu_bytes = 0
+
+    def persistent_load(self, pid: Any) -> Any:
+        """Resolve the ids written by :class:`NamespacePickler`."""
+        if pid == (USER_NS_TAG,):
+            return self._user_ns
+        if isinstance(pid, tuple) and pid and pid[0] == TENSOR_TAG:
+            return self._load_tensor(pid)
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+    def _load_tensor(self, pid: tuple[Any, ...]) -> Any:
+        (_tag, index, blob, nbytes, device, offset, size, stride, dtype_name, requires_grad,
+         is_param) = pid
+        known = self._tensors.get(index)
+        if known is not None:
+            return known
+        import torch
+
+        target = "cpu" if device == "cpu" else self._device
+        if device != "cpu" and target == "cpu":
+            self.moved_to_cpu_bytes += nbytes
+        storage = self._storages.get((blob, target))
+        if storage is None:
+            path = store.blob_path(self._root, blob)
+            store.check_private(path, directory=False)
+            storage = tensor_io.read_storage(path, nbytes, target)
+            self._storages[(blob, target)] = storage
+        dtype = getattr(torch, dtype_name)
+        with torch.no_grad():
+            tensor = torch.empty(0, dtype=dtype, device=storage.device)
+            tensor.set_(storage, offset, size, stride)
+        if requires_grad:
+            tensor.requires_grad_(True)
+        if is_param:
+            tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        self._tensors[index] = tensor
+        if self._on_tensor is not None:
+            self._on_tensor(tensor, blob)
+        return tensor
+
+
+class _NullSink(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return memoryview(data).nbytes
+
+
+def unpicklable_reason(
+    name: str, value: Any, blobs: BlobWriter, user_ns: dict[str, Any]
+) -> str | None:
+    """Why ``value`` alone cannot be pickled, or None if it can (tensors are not written)."""
+    dry = BlobWriter(blobs.root, blobs.cache, dry=True)
+    try:
+        NamespacePickler(_NullSink(), dry, user_ns).dump({name: value})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None

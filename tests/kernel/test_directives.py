@@ -1,0 +1,76 @@
+"""The directive watcher against a real simulated agent: directives, absence, restarts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jupyter_gpufrac.kernel.directives import DirectiveWatcher
+from node_agent.client import AgentClient
+
+from .conftest import Agent
+
+
+class Recorder:
+    """Collects directives and wakes the test when one arrives."""
+
+    def __init__(self) -> None:
+        self.seen: list[Mapping[str, Any]] = []
+        self.arrived = threading.Event()
+
+    def __call__(self, directive: Mapping[str, Any]) -> None:
+        self.seen.append(directive)
+        self.arrived.set()
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_watcher_survives_an_absent_agent(tmp_path: Path) -> None:
+    client = AgentClient(str(tmp_path / "nobody.sock"), timeout=1.0)
+    watcher = DirectiveWatcher(client, "l-x", Recorder(), poll_timeout=1.0)
+    watcher.start()
+    try:
+        wait_for(lambda: watcher.failures >= 2, 10, "two failed polls")
+        assert watcher.alive and watcher.available is False
+        assert "no gpufrac agent answers" in (watcher.last_error or "")
+    finally:
+        watcher.stop()
+
+
+def spread_lease(client: AgentClient) -> dict[str, Any]:
+    """A notebook lease spread onto an idle GPU: physically apart from its bin-packed GPU."""
+    client.create_lease(client="test", request="0.25", limit="0.5", kernel_id="k1")
+    lease = client.create_lease(client="test", request="0.75", limit="1", kernel_id="k2")
+    assert lease["physical_gpu"] != lease["logical_gpu"], lease
+    return dict(lease)
+
+
+def test_watcher_gets_migrate_and_survives_an_agent_restart(agent: Agent) -> None:
+    client = agent.client()
+    lease = spread_lease(client)
+    recorder = Recorder()
+    watcher = DirectiveWatcher(AgentClient(agent.socket, timeout=2.0), lease["id"], recorder,
+                               poll_timeout=1.0, started=time.time() - 1)
+    watcher.start()
+    try:
+        wait_for(lambda: watcher.available is True, 10, "the first answered poll")
+        agent.stop()
+        wait_for(lambda: watcher.failures >= 1, 10, "a failed poll while the agent is down")
+        agent.start()  # same state directory: the lease survives the restart
+        wait_for(lambda: watcher.available is True, 15, "polling to resume")
+        # A job that needs a whole GPU compacts the spread notebook back: a migrate directive.
+        client.create_lease(client="job", kind="job", request="1")
+        assert recorder.arrived.wait(15)
+        assert recorder.seen[0]["kind"] == "migrate"
+        assert recorder.seen[0]["lease_id"] == lease["id"]
+        assert watcher.alive
+    finally:
+        watcher.stop()

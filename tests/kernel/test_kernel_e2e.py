@@ -1,0 +1,240 @@
+"""Real ipykernels with ``--ext=jupyter_gpufrac.kernel``: magics, OOM help, checkpoint, restore."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from jupyter_gpufrac.kernel import store
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+
+from .conftest import Agent
+from .kernels import running_kernel
+from .test_directives import spread_lease
+
+GiB = 1024**3
+
+
+def test_no_lease_mode_magics_errors_and_oom_help(tmp_path: Path) -> None:
+    with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(tmp_path / "ck")}) as k:
+        status = k.run("%gpu")
+        assert status.status == "ok"
+        assert "no GPU lease" in status.stdout and "GPUFRAC_LEASE_ID is not set" in status.stdout
+
+        bad = k.run("%gpu request abc")
+        assert bad.status == "error" and "Traceback" not in bad.text
+        assert "request: expected a fraction 0 < f <= 1" in bad.text and "'abc'" in bad.text
+        bad_limit = k.run("%gpu request 0.5 --limit lots")
+        assert "limit: expected a fraction" in bad_limit.text
+        unknown = k.run("%gpu frobnicate")
+        assert unknown.status == "error" and "unknown subcommand 'frobnicate'" in unknown.text
+        no_lease = k.run("%gpu request 0.5")
+        assert no_lease.status == "error" and "no GPU lease" in no_lease.text
+
+        helped = k.run("%gpu --help")
+        assert helped.status == "ok" and "request" in helped.stdout and "checkpoint" in helped.stdout
+        sub_help = k.run("%gpu request --help")
+        assert sub_help.status == "ok" and "--limit" in sub_help.stdout
+
+        # torch imported mid-session is noticed (no CUDA here, so no cap to apply).
+        k.run("import torch")
+        assert "CUDA is not available" in k.run("%gpu").stdout
+        oom = k.run('raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")')
+        assert oom.status == "error" and oom.error is not None
+        assert oom.error["ename"] == "OutOfMemoryError"
+        assert "ran out of the GPU memory" in oom.traceback and "del x" in oom.traceback
+
+        # The silent checkpoint the server runs before a migration prints nothing.
+        assert "torch" in k.value("__import__('jupyter_gpufrac.kernel', fromlist=['x'])"
+                                  ".checkpoint_now()['modules']")
+        quiet = k.run("%gpu checkpoint --quiet", silent=True)
+        assert quiet.status == "ok" and quiet.stdout == ""
+        assert (tmp_path / "ck" / store.STATE_FILE).exists()
+
+        assert "no GPU memory to release" in k.run("%gpu release").stdout
+        assert "nothing is offloaded" in k.run("%gpu reload").stdout
+        k.run("keep = {'n': 1}\n%gpu checkpoint --quiet\ndel keep")
+        restored = k.run("%gpu restore")
+        assert restored.status == "ok" and "Restored" in restored.stdout
+        assert k.value("keep") == {"n": 1}
+
+        assert k.run("%unload_ext jupyter_gpufrac.kernel").status == "ok"
+        assert k.run("%gpu").status == "error"
+        assert k.run("%load_ext jupyter_gpufrac.kernel").status == "ok"
+        assert "no GPU lease" in k.run("%gpu").stdout
+
+
+CELL_STATE = """
+import torch, threading
+torch.manual_seed(0)
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        return self.fc(x)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.5)
+double = lambda v: 2 * v
+items = [1, 2, 3]
+same_items = items
+gen = (i for i in range(3))
+weights_before = model.fc.weight.detach().clone()
+"""
+
+
+def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent: Agent) -> None:
+    client = agent.client()
+    lease = spread_lease(client)
+    ckdir = tmp_path / "ck"
+    env = {
+        "GPUFRAC_LEASE_ID": lease["id"], "GPUFRAC_AGENT_SOCKET": agent.socket,
+        "GPUFRAC_KERNEL_ID": "k-e2e", "GPUFRAC_REQUEST": str(lease["request"]),
+        "GPUFRAC_LIMIT": str(lease["limit"]), "GPUFRAC_GPU_UUID": lease["physical_gpu"],
+        "GPUFRAC_GPU_INDEX": "1", "GPUFRAC_GPU_NAME": "Simulated 16GiB",
+        "GPUFRAC_GPU_TOTAL": str(16 * GiB), "GPUFRAC_SIMULATED": "1",
+        "GPUFRAC_CHECKPOINT_DIR": str(ckdir),
+    }
+    with running_kernel(env) as k:
+        status = k.run("%gpu").stdout
+        assert f"lease {lease['id']}" in status and "12.0 GiB (0.75 of the GPU)" in status
+        assert "<- this kernel" in status  # the node's GPUs, from the agent
+        inverted = k.run("%gpu request 0.9 --limit 0.5")
+        assert inverted.status == "error" and "limit: must be at least the request" in inverted.text
+        resized = k.run("%gpu request 0.5 --limit 0.8")
+        assert resized.status == "ok", resized.text
+        assert "request is now 8.0 GiB (0.5 of the GPU)" in resized.stdout
+
+        assert k.run(CELL_STATE).status == "ok"
+        # A job needs a whole GPU: the agent compacts this spread kernel back (migrate). The
+        # hook hears it while idle, says so with the next cell and checkpoints after it.
+        client.create_lease(client="job", kind="job", request="1")
+        seen = ""
+        deadline = time.monotonic() + 15
+        while "this kernel is being moved" not in seen:
+            assert time.monotonic() < deadline, f"no migrate notice in {seen!r}"
+            seen += k.run("late = 1").stdout  # also: defined after the checkpoint
+        names = k.value("__import__('jupyter_gpufrac.kernel', fromlist=['x'])"
+                        ".summary()['last_checkpoint']['names']")
+        assert {"model", "opt", "double", "Net", "items", "late"} <= set(names)
+        assert k.run("later = 2").status == "ok"  # after the checkpoint: lost, and said so
+
+    reason = {"cause": "migrated", "message": "free GPU 1 for a job",
+              "from_gpu": "GPU 1", "to_gpu": "GPU 0"}
+    env.update(GPUFRAC_RESTORE="1", GPUFRAC_RESTART_REASON=json.dumps(reason))
+    with running_kernel(env) as k:
+        first = k.run("print('hello')")
+        assert first.status == "ok"
+        assert "This kernel was moved from GPU 1 to GPU 0: free GPU 1 for a job." in first.stdout
+        assert "Restored" in first.stdout and "gen (TypeError" in first.stdout
+        assert "Defined after the checkpoint, so lost: later" in first.stdout
+        assert first.stdout.rstrip().endswith("hello")
+        assert "Restored" not in k.run("print('again')").stdout  # shown once
+
+        assert k.value("double(21)") == 42
+        assert k.value("items is same_items") is True
+        assert k.value("isinstance(model, Net)") is True
+        assert k.value("'gen' in globals() or 'later' in globals()") is False
+        assert k.value("torch.equal(model.fc.weight, weights_before)") is True
+        stepped = k.run("model(torch.ones(3, 4)).sum().backward(); opt.step()\n"
+                        "print(torch.equal(model.fc.weight, weights_before))")
+        assert stepped.stdout.strip() == "False"  # the optimizer drives the restored model
+        assert "last restore:" in k.run("%gpu").stdout
+
+    report = json.loads((ckdir / store.RESTORE_FILE).read_text())
+    assert report["ok"] and report["cause"] == "migrated"
+    assert {"model", "opt", "torch", "late"} <= set(report["restored"])
+    assert report["lost"] == ["gen"] and report["newer_names"] == ["later"]
+    assert report["checkpoint_time"] > 0 and "Restored" in report["message"]
+
+
+def test_restore_without_a_checkpoint_says_so(tmp_path: Path) -> None:
+    env = {"GPUFRAC_CHECKPOINT_DIR": str(tmp_path / "ck"), "GPUFRAC_RESTORE": "1",
+           "GPUFRAC_RESTART_REASON": json.dumps({"cause": "oom_killed",
+                                                 "message": "gave 4.0 GiB back to a notebook"})}
+    with running_kernel(env) as k:
+        first = k.run("1 + 1")
+        assert "stopped by the GPU memory reclaimer" in first.stdout
+        assert "No variables were restored: there is no checkpoint" in first.stdout
+    report = json.loads((tmp_path / "ck" / store.RESTORE_FILE).read_text())
+    assert not report["ok"] and report["cause"] == "oom_killed"
+    assert "there is no checkpoint" in report["error"]
+
+
+OWNER = """
+import sys
+print("ready", flush=True)
+sys.stdin.readline()
+held = b"x" * (450 * 2**20)  # touched pages: resident memory the simulated GPU counts
+print("allocated", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_bursting_kernel_checkpoints_and_hears_shrink(tmp_path: Path) -> None:
+    root = tmp_path / "agent"
+    root.mkdir()
+    agent = Agent(root, spec="1x1GiB", args=("--poll-interval", "0.2", "--reclaim-grace", "300"))
+    agent.start()
+    owner: subprocess.Popen[str] | None = None
+    try:
+        client = agent.client()
+        lease = client.create_lease(client="test", request="0.25", limit="1", kernel_id="kb")
+        ckdir = tmp_path / "ck"
+        env = {"GPUFRAC_LEASE_ID": lease["id"], "GPUFRAC_AGENT_SOCKET": agent.socket,
+               "GPUFRAC_REQUEST": str(lease["request"]), "GPUFRAC_LIMIT": str(lease["limit"]),
+               "GPUFRAC_GPU_TOTAL": str(GiB), "GPUFRAC_GPU_UUID": lease["physical_gpu"],
+               "GPUFRAC_CHECKPOINT_DIR": str(ckdir)}
+        with running_kernel(env) as k:
+            assert k.run("import torch").status == "ok"
+            client.register_pid(lease["id"], k.pid)  # after torch: its import is baseline
+            assert k.run("big = torch.ones(600 * 2**20 // 4)").status == "ok"
+            wait_for(lambda: client.lease(lease["id"])["bursting"], 15, "the agent to see a burst")
+            assert k.run("x = 1").status == "ok"  # after this cell: bursting -> checkpoint
+            header = Checkpointer(ckdir).read_header()
+            assert header is not None and "big" in header["names"]
+
+            owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+            assert owner.stdin is not None and owner.stdout is not None
+            assert owner.stdout.readline().strip() == "ready"
+            other = client.create_lease(client="test", request="0.5", kernel_id="owner")
+            client.register_pid(other["id"], owner.pid)
+            owner.stdin.write("go\n")
+            owner.stdin.flush()
+            assert owner.stdout.readline().strip() == "allocated"
+            wait_for(lambda: client.lease(lease["id"])["state"] == "shrinking", 15,
+                     "the agent to reclaim the loan")
+            seen = ""
+            deadline = time.monotonic() + 15
+            while "needs the GPU memory lent to this kernel back" not in seen:
+                assert time.monotonic() < deadline, f"no shrink notice in {seen!r}"
+                seen += k.run("pass").stdout
+            assert "shrinking" in k.run("%gpu").stdout
+
+            owner.kill()  # the owner is done: the reclaim ends and the loan may be used again
+            owner.wait()
+            wait_for(lambda: client.lease(lease["id"])["state"] == "active", 15,
+                     "the reclaim to end")
+            seen = ""
+            deadline = time.monotonic() + 15
+            while "no longer needs the memory lent" not in seen:
+                assert time.monotonic() < deadline, f"no end-of-shrink notice in {seen!r}"
+                seen += k.run("pass").stdout
+            assert "shrinking" not in k.run("%gpu").stdout
+    finally:
+        if owner is not None:
+            owner.kill()
+            owner.wait()
+        agent.stop()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

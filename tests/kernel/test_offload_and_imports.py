@@ -1,0 +1,90 @@
+"""Offload bookkeeping, the after-import hook, and the layer rule (no jupyter_server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jupyter_gpufrac.kernel import offload
+from jupyter_gpufrac.kernel.import_hook import ImportWatcher
+
+from .kernels import REPO
+
+
+def on_cpu(tensor: Any) -> bool:
+    # Without a GPU, CPU tensors stand in for "on the device" to exercise the bookkeeping.
+    return bool(tensor.device.type == "cpu")
+
+
+def test_offload_moves_modules_in_place_and_reload_restores_them() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ns: dict[str, Any] = {"model": model, "opt": opt, "t": torch.ones(4), "n": 3,
+                          "_hidden": torch.ones(1)}
+    moved = offload.offload(ns, host="cpu", on_gpu=on_cpu)
+    assert [(r.name, r.kind) for r in moved] == [
+        ("model", "module"), ("opt", "optimizer"), ("t", "tensor")]
+    assert ns["model"] is model  # identity kept: the optimizer still holds its parameters
+    assert moved[0].nbytes == (3 * 2 + 2) * 4
+    ns["t"] = torch.zeros(1)  # rebound by the user: forgotten, not moved back
+    back, left = offload.reload(ns, moved, budget=(3 * 2 + 2) * 4)
+    assert [r.name for r in back] == ["model"] and [r.name for r in left] == ["opt"]
+    back, left = offload.reload(ns, left, budget=None)
+    assert [r.name for r in back] == ["opt"] and left == []
+
+
+def test_import_watcher_runs_after_the_module_is_complete(tmp_path: Path) -> None:
+    (tmp_path / "gpufrac_probe_pkg").mkdir()
+    (tmp_path / "gpufrac_probe_pkg" / "__init__.py").write_text("VALUE = 41\nVALUE += 1\n")
+    seen: list[int] = []
+    watcher = ImportWatcher(["gpufrac_probe_pkg"], lambda m: seen.append(m.VALUE))
+    sys.path.insert(0, str(tmp_path))
+    watcher.install()
+    try:
+        import gpufrac_probe_pkg  # type: ignore[import-not-found]
+
+        assert seen == [42]
+        assert type(gpufrac_probe_pkg.__loader__).__name__ != "_CallbackLoader"
+    finally:
+        watcher.uninstall()
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gpufrac_probe_pkg", None)
+
+
+def test_failing_callback_never_breaks_the_import(tmp_path: Path) -> None:
+    (tmp_path / "gpufrac_probe_bad.py").write_text("X = 1\n")
+
+    def boom(module: Any) -> None:
+        raise RuntimeError("callback failure")
+
+    watcher = ImportWatcher(["gpufrac_probe_bad"], boom)
+    sys.path.insert(0, str(tmp_path))
+    watcher.install()
+    try:
+        import gpufrac_probe_bad  # type: ignore[import-not-found]
+
+        assert gpufrac_probe_bad.X == 1
+    finally:
+        watcher.uninstall()
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gpufrac_probe_bad", None)
+
+
+def test_the_kernel_package_imports_neither_jupyter_server_nor_torch() -> None:
+    code = textwrap.dedent("""
+        import sys
+        import jupyter_gpufrac.kernel, jupyter_gpufrac.kernel.hook, jupyter_gpufrac.kernel.magics
+        bad = sorted(m for m in sys.modules
+                     if m.split(".")[0] in ("jupyter_server", "torch", "tornado"))
+        print(bad)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,146 @@
+"""Pure pieces: environment parsing, ladder decisions, namespace selection, messages, %gpu parser."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from IPython.core.error import UsageError
+
+from jupyter_gpufrac.kernel import env as kenv
+from jupyter_gpufrac.kernel import ladder, messages, namespace
+from jupyter_gpufrac.kernel.magics import build_parser
+
+GiB = 1024**3
+
+
+def test_env_parses_the_provisioner_contract() -> None:
+    parsed = kenv.parse({
+        "GPUFRAC_LEASE_ID": "l-1", "GPUFRAC_AGENT_SOCKET": "/s", "GPUFRAC_KERNEL_ID": "k",
+        "GPUFRAC_REQUEST": str(4 * GiB), "GPUFRAC_LIMIT": str(8 * GiB),
+        "GPUFRAC_GPU_UUID": "GPU-a", "GPUFRAC_GPU_INDEX": "1", "GPUFRAC_GPU_NAME": "Sim",
+        "GPUFRAC_GPU_TOTAL": str(16 * GiB), "GPUFRAC_SIMULATED": "1",
+        "GPUFRAC_CHECKPOINT_DIR": "/ck", "GPUFRAC_RESTORE": "1",
+        "GPUFRAC_RESTART_REASON": '{"cause": "migrated", "message": "free GPU 1", '
+                                  '"from_gpu": "GPU-a", "to_gpu": "GPU-b"}',
+    })
+    assert parsed.has_lease and parsed.request == 4 * GiB and parsed.limit == 8 * GiB
+    assert parsed.gpu_index == 1 and parsed.simulated and parsed.restore
+    assert parsed.checkpoint_dir == Path("/ck")
+    assert parsed.restart_reason == kenv.RestartReason("migrated", "free GPU 1", "GPU-a", "GPU-b")
+    assert parsed.problems == ()
+
+
+def test_env_without_lease_and_with_bad_values() -> None:
+    parsed = kenv.parse({"GPUFRAC_REQUEST": "lots", "GPUFRAC_RESTART_REASON": "plain words"},
+                        connection_file="/run/kernel-abc-123.json")
+    assert not parsed.has_lease and "GPUFRAC_LEASE_ID is not set" in parsed.no_lease_reason()
+    assert parsed.kernel_id == "abc-123"
+    assert parsed.checkpoint_dir.name == "abc-123"
+    assert parsed.problems == ("GPUFRAC_REQUEST: expected a whole number of bytes, got 'lots'",)
+    assert parsed.restart_reason == kenv.RestartReason("unknown", "plain words")
+    assert not parsed.restore
+
+
+def test_limit_below_request_is_reported_and_clamped() -> None:
+    parsed = kenv.parse({"GPUFRAC_REQUEST": "10", "GPUFRAC_LIMIT": "5"})
+    assert parsed.limit == 10 and "below" in parsed.problems[0]
+
+
+def test_namespace_selection() -> None:
+    hidden_exit = object()
+    ns = {"In": [], "Out": {}, "_": 1, "__": 2, "_i": "", "_i12": "", "_12": 3, "_oh": {},
+          "exit": hidden_exit, "quit": object(), "x": 1, "_private": 2, "types": types,
+          "__builtins__": {}, "get_ipython": print}
+    sel = namespace.select(ns, {"exit": hidden_exit})
+    assert set(sel.values) == {"x", "_private"}
+    assert sel.modules == {"types": "types"}
+
+
+@given(st.integers(0, 100))
+def test_backoff_is_monotonic_and_capped(failures: int) -> None:
+    delay = ladder.backoff_delay(failures)
+    assert 0 <= delay <= 30
+    assert ladder.backoff_delay(failures + 1) >= delay
+
+
+def test_directive_filtering_and_cursor() -> None:
+    started = 1000.0
+    directives = [
+        {"seq": 1, "lease_id": "l-1", "kind": "migrate", "created": 900.0},  # old history
+        {"seq": 2, "lease_id": "l-2", "kind": "shrink", "created": 1001.0},  # someone else
+        {"seq": 3, "lease_id": "l-1", "kind": "shrink", "created": 1001.0},
+    ]
+    assert [d["seq"] for d in ladder.fresh_directives(directives, "l-1", started)] == [3]
+    assert ladder.next_cursor(5, 9) == 9
+    assert ladder.next_cursor(9, 2) == 0  # the agent restarted with a new sequence
+
+
+def test_shrink_then_offload_between_cells() -> None:
+    state = ladder.LadderState()
+    actions = ladder.on_directive(state, {"kind": "shrink", "reason": "owner needs it",
+                                          "deadline": 5.0})
+    assert actions == [ladder.Action.EMPTY_CACHE, ladder.Action.CAP_REQUEST]
+    assert state.shrinking and state.deadline == 5.0 and "owner needs it" in state.notices[0]
+    after = ladder.after_cell(state, usage=10, request=5, bursting=True)
+    assert after == [ladder.Action.OFFLOAD, ladder.Action.EMPTY_CACHE, ladder.Action.CHECKPOINT]
+    assert ladder.after_cell(state, usage=4, request=5, bursting=False) == []
+
+
+def test_migrate_directive_asks_for_a_checkpoint_after_the_cell() -> None:
+    state = ladder.LadderState()
+    assert ladder.on_directive(state, {"kind": "migrate"}) == []
+    assert ladder.after_cell(state, usage=None, request=None, bursting=False) == [
+        ladder.Action.CHECKPOINT]
+
+
+def test_automatic_checkpoints_bounded_overhead() -> None:
+    assert not ladder.checkpoint_due(bursting=False, last_time=None, last_seconds=None, now=0)
+    assert ladder.checkpoint_due(bursting=True, last_time=None, last_seconds=None, now=0)
+    # A 2 s checkpoint is repeated at most every 20 s (10 % overhead).
+    assert not ladder.checkpoint_due(bursting=True, last_time=100, last_seconds=2, now=110)
+    assert ladder.checkpoint_due(bursting=True, last_time=100, last_seconds=2, now=120)
+    assert ladder.is_bursting(10, 5) and not ladder.is_bursting(5, 5)
+    assert ladder.is_bursting(None, 5, reported=True)
+
+
+def test_restart_messages_say_why_and_what() -> None:
+    reason = kenv.RestartReason("migrated", "free GPU 1 for a job", "GPU-a", "GPU-b")
+    text = messages.restore_message(
+        reason, restored=["model", "opt"], lost={"gen": "TypeError: generator"},
+        checkpoint_time=1000.0, checkpoint_cell=4, last_cell=6, newer_names=["late"],
+        now=1030.0,
+    )
+    assert "moved from GPU-a to GPU-b: free GPU 1 for a job." in text
+    assert "Restored 2 of 3 variables" in text and "model, opt" in text
+    assert "gen (TypeError: generator)" in text and "late" in text
+    assert "Cells [5] to [6]" in text
+    oom = messages.restart_cause(kenv.RestartReason("oom_killed", "give 4.0 GiB back"))
+    assert "reclaimer" in oom and "give 4.0 GiB back" in oom
+    failed = messages.restore_message(None, restored=[], lost={}, checkpoint_time=None,
+                                      error="there is no checkpoint in /x")
+    assert "No variables were restored: there is no checkpoint" in failed
+
+
+def test_oom_explanation_names_request_limit_and_remedies() -> None:
+    text = messages.oom_explanation(request=4 * GiB, limit=8 * GiB, total=16 * GiB,
+                                    reserved=7 * GiB, allocated=6 * GiB, cap=4 * GiB,
+                                    shrunk=True, has_lease=True)
+    assert "4.0 GiB (0.25 of the GPU)" in text and "8.0 GiB (0.5 of the GPU)" in text
+    assert "%gpu request" in text and "%gpu reload" in text and "del x" in text
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (["request"], "the following arguments are required: request"),
+        (["request", "1", "--limit"], "argument --limit: expected one argument"),
+        (["checkpoint", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_parser_errors_are_usage_errors(line: list[str], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        build_parser().parse_args(line)
