@@ -1,0 +1,176 @@
+/**
+ * The server extension's REST contract (docs/server-api.md) as types, and the
+ * two GET requests the extension makes. Everything goes through
+ * ServerConnection so the base URL, token and XSRF cookie are handled the same
+ * way JupyterLab handles them for its own services.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+/** The jupyter_events schema id of the server's kernel events. */
+export const EVENT_SCHEMA_ID =
+  'https://jupyter-gpufrac.github.io/events/kernel/v1';
+
+/** States the server reports for a kernel (its `state` field). */
+export type KernelState =
+  | 'guaranteed'
+  | 'bursting'
+  | 'shrinking'
+  | 'migrating'
+  | 'restored'
+  | 'oom-killed'
+  | 'no-gpu';
+
+/** Event names of the kernel event schema. */
+export type EventName =
+  | 'placed'
+  | 'bursting'
+  | 'shrink_requested'
+  | 'migrating'
+  | 'migrated'
+  | 'oom_killed'
+  | 'restored'
+  | 'no_gpu';
+
+export interface IGpuRef {
+  uuid: string;
+  index: number;
+  name: string;
+  simulated?: boolean;
+  memory_total?: number;
+}
+
+/** A lease as the agent describes it (docs/agent-api.md); only what we show. */
+export interface ILease {
+  id: string;
+  kind: 'notebook' | 'job' | string;
+  kernel_id?: string | null;
+  name?: string;
+  request: number;
+  limit: number;
+  request_spec?: string;
+  limit_spec?: string;
+  devices?: number;
+  logical_gpu?: string | null;
+  physical_gpu?: string | null;
+  target_gpus?: string[];
+  usage?: number;
+  bursting?: boolean;
+  state: string;
+  reason?: string;
+  created?: number;
+  updated?: number;
+}
+
+/** One kernel event, as it arrives on the event stream or in `events`. */
+export interface IGpuFracEvent {
+  kernel_id: string;
+  event: EventName | string;
+  message?: string;
+  reason?: string;
+  gpu_index?: number | null;
+  gpu_uuid?: string | null;
+  from_gpu_index?: number | null;
+  to_gpu_index?: number | null;
+  request?: number;
+  limit?: number;
+  usage?: number;
+  restored?: string[];
+  lost?: string[];
+  time?: number;
+}
+
+/** `GET /api/gpufrac/kernels/<id>` */
+export interface IKernelStatus {
+  kernel_id: string;
+  state: KernelState | string;
+  reason?: string | null;
+  gpu: IGpuRef | null;
+  request?: number | null;
+  limit?: number | null;
+  usage?: number | null;
+  lease?: ILease | null;
+  events?: IGpuFracEvent[];
+}
+
+export interface INodeGpu extends IGpuRef {
+  memory_total: number;
+  memory_used: number;
+  memory_free: number;
+  utilization?: number | null;
+  healthy: boolean;
+  leases?: string[];
+}
+
+/** `GET /api/gpufrac/node` */
+export interface INodeInfo {
+  simulated: boolean;
+  backend: string | null;
+  agent?: {
+    socket?: string;
+    embedded?: boolean;
+    available?: boolean;
+    error?: string | null;
+  };
+  gpus: INodeGpu[];
+  leases: ILease[];
+}
+
+/** A failed request; `status` 0 means the server could not be reached. */
+export class ApiError extends Error {
+  /**
+   * @param fromExtension - the answer was the extension's JSON error; a 404
+   *   without it means the server extension itself is not there.
+   */
+  constructor(
+    readonly status: number,
+    message: string,
+    readonly fromExtension = false
+  ) {
+    super(message);
+  }
+}
+
+async function getJSON<T>(
+  path: string,
+  settings: ServerConnection.ISettings
+): Promise<T> {
+  const url = URLExt.join(settings.baseUrl, 'api', 'gpufrac', path);
+  let response: Response;
+  try {
+    response = await ServerConnection.makeRequest(url, {}, settings);
+  } catch (err) {
+    throw new ApiError(0, String(err));
+  }
+  let body: any = null;
+  try {
+    body = await response.json();
+  } catch {
+    // A proxy error page or an empty body: report the status alone.
+  }
+  if (!response.ok) {
+    const detail = body?.error?.message ?? body?.error ?? body?.message;
+    throw new ApiError(
+      response.status,
+      typeof detail === 'string' ? detail : response.statusText,
+      typeof detail === 'string'
+    );
+  }
+  return body as T;
+}
+
+export function fetchKernelStatus(
+  kernelId: string,
+  settings: ServerConnection.ISettings
+): Promise<IKernelStatus> {
+  return getJSON<IKernelStatus>(
+    URLExt.join('kernels', encodeURIComponent(kernelId)),
+    settings
+  );
+}
+
+export function fetchNode(
+  settings: ServerConnection.ISettings
+): Promise<INodeInfo> {
+  return getJSON<INodeInfo>('node', settings);
+}

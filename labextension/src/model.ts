@@ -1,0 +1,278 @@
+/**
+ * What the extension knows about the current kernel's GPU lease.
+ *
+ * Two sources feed it: the server's jupyter_events stream (immediate, the
+ * primary source) and a Poll of GET /api/gpufrac/kernels/<id> (the fallback:
+ * it catches events lost while the websocket was reconnecting and gives the
+ * authoritative figures after every event). The poll stands by while the page
+ * is hidden or no kernel is followed.
+ */
+import { Event, ServerConnection } from '@jupyterlab/services';
+import { IDisposable } from '@lumino/disposable';
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import {
+  ApiError,
+  EVENT_SCHEMA_ID,
+  fetchKernelStatus,
+  IGpuFracEvent,
+  IKernelStatus
+} from './api';
+import { eventKey } from './format';
+
+/** Where a kernel stands when the server gave no status (yet). */
+export type LocalState = 'unknown' | 'unavailable';
+
+/** The state an event implies, shown until the next fetch confirms it. */
+const STATE_AFTER_EVENT: Record<string, string> = {
+  placed: 'guaranteed',
+  bursting: 'bursting',
+  shrink_requested: 'shrinking',
+  migrating: 'migrating',
+  migrated: 'restored',
+  oom_killed: 'oom-killed',
+  restored: 'restored',
+  no_gpu: 'no-gpu'
+};
+
+/** How many event keys to remember; far more than the server keeps (50). */
+const SEEN_LIMIT = 1000;
+
+export interface IModelOptions {
+  serverSettings: ServerConnection.ISettings;
+  /** The server's event bus; without it the model only polls. */
+  events?: Event.IManager | null;
+  /** Poll interval in ms (default 5000). */
+  interval?: number;
+}
+
+export class GpuFracModel implements IDisposable {
+  constructor(options: IModelOptions) {
+    this._settings = options.serverSettings;
+    this._events = options.events ?? null;
+    this._events?.stream.connect(this._onEmission, this);
+    this._poll = new Poll<void, ApiError, 'fetch'>({
+      factory: () => this._fetch(),
+      frequency: {
+        interval: options.interval ?? 5000,
+        backoff: true,
+        max: 60 * 1000
+      },
+      name: 'jupyter-gpufrac:kernel',
+      // No kernel, or a 404 for it: nothing to ask. Hidden page: nobody to tell.
+      standby: () =>
+        this._kernelId === null || this._stopped ? true : 'when-hidden'
+    });
+    document.addEventListener('visibilitychange', this._onVisibility);
+  }
+
+  /** Fired whenever status, state or kernel change. */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  /**
+   * Fired once for each new event of any kernel (notifications use it). Events
+   * already in a kernel's history when it is first fetched are not new.
+   */
+  get eventReceived(): ISignal<this, IGpuFracEvent> {
+    return this._eventReceived;
+  }
+
+  get kernelId(): string | null {
+    return this._kernelId;
+  }
+
+  set kernelId(id: string | null) {
+    if (id === this._kernelId) {
+      return;
+    }
+    this._kernelId = id;
+    this._status = null;
+    this._localState = 'unknown';
+    this._stopped = false;
+    this._changed.emit();
+    if (id !== null) {
+      void this.refresh();
+    }
+  }
+
+  /** The path of the notebook whose kernel this is (for headings). */
+  get path(): string {
+    return this._path;
+  }
+
+  set path(path: string) {
+    if (path !== this._path) {
+      this._path = path;
+      this._changed.emit();
+    }
+  }
+
+  /** The last status the server gave for the current kernel. */
+  get status(): IKernelStatus | null {
+    return this._status;
+  }
+
+  /** The state to show: the server's, or ours when it has not answered. */
+  get state(): string {
+    return this._status?.state ?? this._localState;
+  }
+
+  /** The last error message, when the server did not answer. */
+  get error(): string | null {
+    return this._error;
+  }
+
+  get serverSettings(): ServerConnection.ISettings {
+    return this._settings;
+  }
+
+  get isDisposed(): boolean {
+    return this._isDisposed;
+  }
+
+  /** Fetch now (again); resolves when the fetch is done or failed. */
+  async refresh(): Promise<void> {
+    if (this._kernelId === null || this._isDisposed) {
+      return;
+    }
+    // Asked explicitly (kernel restarted, event heard): worth asking again.
+    this._stopped = false;
+    await this._poll.refresh();
+    await this._poll.tick.catch(() => undefined);
+  }
+
+  dispose(): void {
+    if (this._isDisposed) {
+      return;
+    }
+    this._isDisposed = true;
+    document.removeEventListener('visibilitychange', this._onVisibility);
+    this._events?.stream.disconnect(this._onEmission, this);
+    this._poll.dispose();
+    Signal.clearData(this);
+  }
+
+  private async _fetch(): Promise<void> {
+    const kernelId = this._kernelId;
+    if (kernelId === null) {
+      return;
+    }
+    let status: IKernelStatus;
+    try {
+      status = await fetchKernelStatus(kernelId, this._settings);
+    } catch (err) {
+      if (kernelId !== this._kernelId) {
+        return;
+      }
+      const apiError =
+        err instanceof ApiError ? err : new ApiError(0, String(err));
+      // A JSON 404 names a kernel the server does not know (shut down, or
+      // not started through it): nothing to show. Any other failure means the
+      // extension did not answer. A 404 either way stops the polling until
+      // something happens (refresh(), another kernel): asking again would
+      // only add an error to the browser console each time.
+      this._localState =
+        apiError.status === 404 && apiError.fromExtension
+          ? 'unknown'
+          : 'unavailable';
+      this._stopped = apiError.status === 404;
+      this._error = apiError.message;
+      this._status = null;
+      this._changed.emit();
+      // Rejecting makes the Poll back off.
+      throw apiError;
+    }
+    if (kernelId !== this._kernelId) {
+      return; // the user switched notebooks while we waited
+    }
+    this._error = null;
+    this._takeHistory(kernelId, status.events ?? []);
+    this._status = status;
+    this._changed.emit();
+  }
+
+  /**
+   * Events in a fetched history that the stream did not deliver are passed on
+   * as new, except on the first fetch of a kernel: that is old news.
+   */
+  private _takeHistory(kernelId: string, events: IGpuFracEvent[]): void {
+    const baseline = !this._fetchedKernels.has(kernelId);
+    this._fetchedKernels.add(kernelId);
+    for (const event of events) {
+      const key = eventKey({ ...event, kernel_id: kernelId });
+      if (this._remember(key) && !baseline) {
+        this._eventReceived.emit({ ...event, kernel_id: kernelId });
+      }
+    }
+  }
+
+  /** Returns true when the key was not seen before. */
+  private _remember(key: string): boolean {
+    if (this._seen.has(key)) {
+      return false;
+    }
+    this._seen.add(key);
+    if (this._seen.size > SEEN_LIMIT) {
+      // Sets iterate in insertion order: drop the oldest.
+      const oldest = this._seen.values().next().value;
+      if (oldest !== undefined) {
+        this._seen.delete(oldest);
+      }
+    }
+    return true;
+  }
+
+  private _onEmission(_: Event.IManager, emission: Event.Emission): void {
+    if (emission.schema_id !== EVENT_SCHEMA_ID) {
+      return;
+    }
+    const event = emission as unknown as IGpuFracEvent;
+    if (typeof event.kernel_id !== 'string' || !event.event) {
+      return;
+    }
+    if (!this._remember(eventKey(event))) {
+      return;
+    }
+    this._eventReceived.emit(event);
+    if (event.kernel_id !== this._kernelId) {
+      return;
+    }
+    // Show the change at once; the fetch that follows brings the figures.
+    const state = STATE_AFTER_EVENT[event.event];
+    if (state && this._status) {
+      this._status = {
+        ...this._status,
+        state,
+        reason: event.reason ?? this._status.reason,
+        events: [...(this._status.events ?? []), event]
+      };
+      this._changed.emit();
+    }
+    void this.refresh();
+  }
+
+  private _onVisibility = (): void => {
+    // Coming back to the page: do not wait for the next tick to catch up.
+    if (document.visibilityState === 'visible' && this._kernelId !== null) {
+      void this.refresh();
+    }
+  };
+
+  private _settings: ServerConnection.ISettings;
+  private _events: Event.IManager | null;
+  private _poll: Poll<void, ApiError, 'fetch'>;
+  private _kernelId: string | null = null;
+  private _status: IKernelStatus | null = null;
+  private _path = '';
+  private _localState: LocalState = 'unknown';
+  private _stopped = false;
+  private _error: string | null = null;
+  private _seen = new Set<string>();
+  private _fetchedKernels = new Set<string>();
+  private _isDisposed = false;
+  private _changed = new Signal<this, void>(this);
+  private _eventReceived = new Signal<this, IGpuFracEvent>(this);
+}

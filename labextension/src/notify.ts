@@ -1,0 +1,141 @@
+/**
+ * Turns the agent's interventions into JupyterLab notifications that say what
+ * happened, why, and what was kept — instead of a bare "kernel died".
+ *
+ * A move or a kill is followed by a `restored` event from the restarted
+ * kernel; that updates the same notification with the variables kept, so the
+ * user sees one story per intervention.
+ */
+import { Notification } from '@jupyterlab/apputils';
+
+import { IGpuFracEvent } from './api';
+import { describeEvent, restoredSummary } from './format';
+import { KernelNamer } from './panel';
+
+/** JupyterLab truncates notification messages longer than this. */
+const MAX_MESSAGE = 140;
+
+/** How long a move or kill waits for its `restored` event to join it. */
+const JOIN_WINDOW_MS = 5 * 60 * 1000;
+
+interface IOpen {
+  id: string;
+  event: string;
+  message: string;
+  since: number;
+}
+
+export class InterventionNotifier {
+  constructor(
+    private readonly _kernelName: KernelNamer,
+    private readonly _openDetails: (kernelId: string) => void
+  ) {}
+
+  /** Handle one new event of any kernel. */
+  handle(event: IGpuFracEvent): void {
+    switch (event.event) {
+      case 'migrating':
+        this._start(event, 'in-progress', false);
+        break;
+      case 'migrated':
+        this._start(event, 'info', false);
+        break;
+      case 'shrink_requested':
+        this._start(event, 'warning', 20000);
+        break;
+      case 'oom_killed':
+        this._start(event, 'error', false);
+        break;
+      case 'restored':
+        this._restored(event);
+        break;
+      default:
+        // placed, bursting, no_gpu: the status bar item is enough.
+        break;
+    }
+  }
+
+  private _prefix(kernelId: string): string {
+    const path = this._kernelName(kernelId);
+    return path ? `${path.split('/').pop()}: ` : '';
+  }
+
+  private _actions(kernelId: string): Notification.IAction[] {
+    return [
+      {
+        label: 'Details',
+        caption: 'Show the GPU lease and history of this kernel',
+        callback: () => this._openDetails(kernelId)
+      }
+    ];
+  }
+
+  private _start(
+    event: IGpuFracEvent,
+    type: Notification.TypeOptions,
+    autoClose: number | false
+  ): void {
+    const message = fit(this._prefix(event.kernel_id), describeEvent(event));
+    const open = this._open.get(event.kernel_id);
+    const options = { autoClose, actions: this._actions(event.kernel_id) };
+    // A `migrated` continues the `migrating` story: update, do not stack.
+    if (
+      open &&
+      open.event === 'migrating' &&
+      Date.now() - open.since < JOIN_WINDOW_MS
+    ) {
+      Notification.update({ id: open.id, message, type, ...options });
+      this._open.set(event.kernel_id, { ...open, event: event.event, message });
+      return;
+    }
+    const id = Notification.emit(message, type, options);
+    this._open.set(event.kernel_id, {
+      id,
+      event: event.event,
+      message,
+      since: Date.now()
+    });
+  }
+
+  private _restored(event: IGpuFracEvent): void {
+    const open = this._open.get(event.kernel_id);
+    const joined =
+      open !== undefined && Date.now() - open.since < JOIN_WINDOW_MS;
+    const lost = (event.lost ?? []).length > 0;
+    const prefix = this._prefix(event.kernel_id);
+    // The server's `restored` message tells the whole story (why and what was
+    // kept); without one, add what was kept to what we already said.
+    const message = event.message
+      ? fit(prefix, event.message)
+      : joined
+        ? `${open.message.replace(/\.?$/, '.')} ${capitalise(restoredSummary(event))}.`
+        : fit(prefix, describeEvent(event));
+    const options = {
+      message,
+      type: (lost || open?.event === 'oom_killed'
+        ? 'warning'
+        : 'success') as Notification.TypeOptions,
+      autoClose: lost ? (false as const) : 15000,
+      actions: this._actions(event.kernel_id)
+    };
+    if (joined) {
+      Notification.update({ id: open.id, ...options });
+      this._open.delete(event.kernel_id);
+    } else {
+      // A restart we did not see begin (the page was reloaded meanwhile).
+      Notification.emit(message, options.type, options);
+    }
+  }
+
+  private _open = new Map<string, IOpen>();
+}
+
+/** The notebook's name first, unless that pushes facts past the cut. */
+function fit(prefix: string, text: string): string {
+  // JupyterLab cuts messages at 140 characters: keep the facts, not the name.
+  return (prefix + text).length > MAX_MESSAGE ? text : prefix + text;
+}
+
+function capitalise(text: string): string {
+  return text.charAt(0).toUpperCase() + text.slice(1);
+}

@@ -1,0 +1,90 @@
+/**
+ * The status bar item: "GPU 1 · 16GiB · simulated [▮▮▯|▯] bursting".
+ * It is a focusable button; Enter, Space or a click open the details panel.
+ */
+import { Widget } from '@lumino/widgets';
+
+import { h, replaceChildren } from './dom';
+import { formatBytes, gpuLabel, stateHelp, stateLabel } from './format';
+import { GpuFracModel } from './model';
+import { usageBar } from './usageBar';
+
+export class GpuStatusItem extends Widget {
+  constructor(
+    private readonly _model: GpuFracModel,
+    private readonly _open: () => void
+  ) {
+    super();
+    this.addClass('jp-gpufrac-StatusItem');
+    this.node.tabIndex = 0;
+    this.node.setAttribute('role', 'button');
+    this.node.addEventListener('click', this._onClick);
+    this.node.addEventListener('keydown', this._onKeyDown);
+    _model.changed.connect(this._render, this);
+    this._render();
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    this._model.changed.disconnect(this._render, this);
+    this.node.removeEventListener('click', this._onClick);
+    this.node.removeEventListener('keydown', this._onKeyDown);
+    super.dispose();
+  }
+
+  private _onClick = (event: MouseEvent): void => {
+    event.preventDefault();
+    this._open();
+  };
+
+  private _onKeyDown = (event: KeyboardEvent): void => {
+    if (event.key === 'Enter' || event.key === ' ') {
+      // Space would otherwise scroll the page.
+      event.preventDefault();
+      event.stopPropagation();
+      this._open();
+    }
+  };
+
+  private _render(): void {
+    const status = this._model.status;
+    const state = this._model.state;
+    const gpu = status?.gpu ?? null;
+    const node = this.node;
+    node.dataset.state = state;
+    node.dataset.gpuIndex = gpu ? String(gpu.index) : '';
+
+    // Without a GPU the state word says it all ("no GPU", "unavailable").
+    const label = gpu ? gpuLabel(gpu) : state === 'no-gpu' ? '' : 'GPU';
+    const figures = {
+      usage: status?.usage,
+      request: status?.request,
+      limit: status?.limit
+    };
+    const numbers = gpu
+      ? `${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} guaranteed, ${formatBytes(figures.limit)} limit`
+      : '';
+    const reason = status?.reason ? ` ${status.reason}` : '';
+    const summary = [label, numbers, stateLabel(state)]
+      .filter(Boolean)
+      .join(', ');
+    node.title = `${summary}. ${stateHelp(state)}${reason}\nClick for details.`;
+    node.setAttribute(
+      'aria-label',
+      `GPU lease: ${summary}.${reason} Press Enter for details.`
+    );
+
+    replaceChildren(
+      node,
+      label ? h('span', { class: 'jp-gpufrac-StatusItem-gpu' }, label) : null,
+      gpu ? usageBar(figures, 'jp-gpufrac-StatusItem-bar') : null,
+      h(
+        'span',
+        { class: 'jp-gpufrac-StatusItem-state', 'data-state': state },
+        stateLabel(state)
+      )
+    );
+  }
+}
