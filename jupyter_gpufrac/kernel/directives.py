@@ -53,6 +53,7 @@ class DirectiveWatcher:
         self.last_error: str | None = None
         self.available: bool | None = None  # unknown until the first poll answers or fails
         self._reported: int | None = None
+        self._primed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpufrac-directives", daemon=True)
         self.polled = threading.Event()  # set after every poll attempt (tests wait on it)
@@ -97,6 +98,10 @@ class DirectiveWatcher:
         if used is not None and used != self._reported:
             self.client.report_usage(self.lease_id, used)
             self._reported = used
+        if not self._primed:
+            # Start from now: a restarted kernel must not act on the directive that moved it.
+            _, self.after = self.client.directives(lease=self.lease_id, after=-1, timeout=0)
+            self._primed = True
         directives, last = self.client.directives(
             lease=self.lease_id, after=self.after, timeout=self.poll_timeout
         )

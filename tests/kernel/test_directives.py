@@ -74,3 +74,21 @@ def test_watcher_gets_migrate_and_survives_an_agent_restart(agent: Agent) -> Non
         assert watcher.alive
     finally:
         watcher.stop()
+
+
+def test_a_restarted_kernel_does_not_replay_the_directive_that_moved_it(agent: Agent) -> None:
+    client = agent.client()
+    lease = spread_lease(client)
+    client.create_lease(client="job", kind="job", request="1")  # sends the migrate
+    assert [d["kind"] for d in client.directives(lease=lease["id"], after=0, timeout=0)[0]] == [
+        "migrate"]
+    # The kernel that comes back on the new GPU starts its watcher right after the move.
+    recorder = Recorder()
+    watcher = DirectiveWatcher(AgentClient(agent.socket, timeout=2.0), lease["id"], recorder,
+                               poll_timeout=0.2)
+    watcher.start()
+    try:
+        wait_for(lambda: watcher.polls >= 3, 10, "a few polls")
+        assert recorder.seen == []
+    finally:
+        watcher.stop()
