@@ -1,9 +1,9 @@
-# Two entry points that work on a fresh clone: `make demo` and `make test`.
+# Entry points that work on a fresh clone: `make lab`, `make test`, `make demo`, `make bench`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: lab demo test bench clean
 
 $(BIN)/gpufrac-agent: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,12 @@ $(BIN)/gpufrac-agent: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
+
+# Every kernel gets its GPU lease through the provisioner; with no agent running, the
+# server embeds one (NVML when it starts, otherwise a simulated 2-GPU node).
+lab: $(BIN)/gpufrac-agent
+	$(BIN)/jupyter lab --KernelProvisionerFactory.default_provisioner_name=gpufrac-provisioner \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 demo: $(BIN)/gpufrac-agent
 	$(BIN)/gpufrac-agent demo
@@ -23,6 +29,8 @@ test: $(BIN)/gpufrac-agent
 
 bench: $(BIN)/gpufrac-agent
 	$(BIN)/python bench/agent_bench.py
+	$(BIN)/python bench/checkpoint_bench.py
+	$(BIN)/python bench/migration_bench.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,370 @@
+"""The ``GpuFrac`` server extension: config, the embedded agent, REST, events and directives."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from typing import Any
+
+from jupyter_server.extension.application import ExtensionApp
+from traitlets import Bool, Float, TraitError, Unicode, default, validate
+
+from jupyter_gpufrac.agent_link import AgentLink, AgentUnavailable, server_client_name
+from jupyter_gpufrac.directives import DirectiveListener
+from jupyter_gpufrac.embedded_agent import EmbeddedAgent
+from jupyter_gpufrac.handlers import handlers
+from jupyter_gpufrac.kernel_checkpoint import read_restore_report
+from jupyter_gpufrac.kernel_events import SCHEMA_PATH, KernelEventLog
+from jupyter_gpufrac.kernel_settings import KernelSettings, default_checkpoint_root
+from jupyter_gpufrac.launch import lease_gpus
+from jupyter_gpufrac.provisioner import GpuFracProvisioner
+from node_agent.quantities import QuantityError, parse_quantity
+
+_SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
+RESTORE_REPORT_WAIT_S = 60.0
+
+
+class GpuFrac(ExtensionApp):
+    """Makes notebook kernels first-class citizens of shared GPUs."""
+
+    name = "jupyter_gpufrac"
+    load_other_extensions = True
+
+    agent_socket = Unicode(
+        help="Unix socket of the node agent. Default: $GPUFRAC_AGENT_SOCKET, else the system "
+        "agent's /run/gpufrac/agent.sock when it exists, else a per-user socket.",
+    ).tag(config=True)
+
+    default_request = Unicode(
+        "0.25",
+        help="GPU memory a kernel is guaranteed when its kernelspec (metadata.gpufrac.request) "
+        "and the user's last %gpu request say nothing: a fraction of one GPU (0.25) or memory "
+        "(2500M, 4G, 4Gi, bytes).",
+    ).tag(config=True)
+
+    default_limit = Unicode(
+        "1",
+        help="Most GPU memory a kernel may burst to when nothing more specific says: a fraction "
+        "or memory, at least default_request. RUNAI_GPU_MEMORY_LIMIT in the server's "
+        "environment takes precedence. Empty: the limit is the request (no bursting).",
+    ).tag(config=True)
+
+    migrate_grace_period = Float(
+        30.0,
+        help="Seconds a running cell may finish before a kernel that must move is restarted "
+        "from its last checkpoint instead of a fresh one.",
+    ).tag(config=True)
+
+    checkpoint_dir = Unicode(
+        help="Directory for kernel checkpoints (one 0700 subdirectory per kernel). "
+        "Default: <jupyter data dir>/gpufrac/checkpoints.",
+    ).tag(config=True)
+
+    embedded_agent = Bool(
+        True,
+        help="Start a node agent as a child process when none answers at agent_socket at "
+        "server start, and stop it with the server.",
+    ).tag(config=True)
+
+    embedded_agent_simulate = Unicode(
+        "2x16GiB",
+        help="The node the embedded agent simulates when NVML does not initialise "
+        "(COUNTxMEMORY, e.g. 2x16GiB or 4xH100-80GB). Empty: no fallback, NVML or nothing.",
+    ).tag(config=True)
+
+    embedded_agent_timeout = Float(
+        30.0,
+        help="Seconds to wait for the embedded agent to answer before giving up on it.",
+    ).tag(config=True)
+
+    lease_poll_interval = Float(
+        5.0,
+        help="Seconds between looks at this server's leases (bursting events, %gpu request).",
+    ).tag(config=True)
+
+    @default("agent_socket")
+    def _default_agent_socket(self) -> str:
+        from node_agent.client import default_socket_path
+
+        return os.environ.get("GPUFRAC_AGENT_SOCKET") or default_socket_path()
+
+    @default("checkpoint_dir")
+    def _default_checkpoint_dir(self) -> str:
+        return default_checkpoint_root()
+
+    @validate("default_request", "default_limit")
+    def _validate_quantity(self, proposal: Any) -> str:
+        name = proposal.trait.name
+        value = str(proposal.value).strip()
+        if name == "default_limit" and value == "":
+            return value
+        try:
+            parse_quantity(value, f"c.GpuFrac.{name}")
+        except QuantityError as err:
+            raise TraitError(f"{err.field}: {err.message}") from None
+        return value
+
+    @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval")
+    def _validate_seconds(self, proposal: Any) -> float:
+        value = float(proposal.value)
+        smallest = 0.0 if proposal.trait.name == "migrate_grace_period" else 0.1
+        if not value >= smallest or value == float("inf"):
+            raise TraitError(
+                f"c.GpuFrac.{proposal.trait.name}: expected seconds >= {smallest:g}, got {value!r}"
+            )
+        return value
+
+    @validate("agent_socket", "checkpoint_dir")
+    def _validate_path(self, proposal: Any) -> str:
+        value = os.path.expanduser(str(proposal.value).strip())
+        if not value:
+            raise TraitError(f"c.GpuFrac.{proposal.trait.name}: expected a path, got an empty string")
+        if not os.path.isabs(value):
+            raise TraitError(
+                f"c.GpuFrac.{proposal.trait.name}: expected an absolute path, got {proposal.value!r}"
+            )
+        return value
+
+    @validate("embedded_agent_simulate")
+    def _validate_simulate(self, proposal: Any) -> str:
+        value = str(proposal.value).strip()
+        if value and not _SIMULATE_SPEC.match(value):
+            raise TraitError(
+                "c.GpuFrac.embedded_agent_simulate: expected COUNTxMEMORY like 2x16GiB or "
+                f"4xH100-80GB, got {proposal.value!r}"
+            )
+        return value
+
+    def check_limits(self) -> None:
+        """request <= limit where both are of one kind (fractions, or bytes)."""
+        if not self.default_limit:
+            return
+        request = parse_quantity(self.default_request, "c.GpuFrac.default_request")
+        limit = parse_quantity(self.default_limit, "c.GpuFrac.default_limit")
+        for a, b in ((request.fraction, limit.fraction), (request.nbytes, limit.nbytes)):
+            if a is not None and b is not None and b < a:
+                raise TraitError(
+                    f"c.GpuFrac.default_limit: must be at least default_request "
+                    f"({self.default_request}), got {self.default_limit}"
+                )
+
+    # -- wiring ------------------------------------------------------------------------
+
+    def initialize_settings(self) -> None:
+        """Events, the agent link and what every kernel's provisioner reads."""
+        if not self._linked:
+            # Linking failed, most likely on a bad c.GpuFrac value (logged just before with
+            # the trait's name); running on defaults instead would hide the mistake.
+            raise TraitError(
+                "jupyter_gpufrac is not loaded: its configuration is invalid (see the error above)"
+            )
+        self.check_limits()
+        # An empty string set in config skips validation (it equals the unset value): default.
+        self.agent_socket = self.agent_socket or self._default_agent_socket()
+        self.checkpoint_dir = self.checkpoint_dir or self._default_checkpoint_dir()
+        event_logger = getattr(self.serverapp, "event_logger", None)
+        if event_logger is not None:
+            event_logger.register_event_schema(SCHEMA_PATH)
+        self.events = KernelEventLog(event_logger, self.log)
+        self.link = AgentLink(self.agent_socket)
+        self.client_name = server_client_name()
+        self.embedded: EmbeddedAgent | None = None
+        self.listener: DirectiveListener | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._bursting: dict[str, bool] = {}
+        self.kernel_settings = KernelSettings(
+            socket_path=self.agent_socket,
+            client_name=self.client_name,
+            default_request=self.default_request,
+            default_limit=self.default_limit,
+            checkpoint_root=self.checkpoint_dir,
+            events=self.events,
+            on_launched=self._kernel_launched,
+        )
+        self.settings["gpufrac_app"] = self
+        self.log.info(
+            "gpufrac: agent socket %s, checkpoints in %s, client %s",
+            self.agent_socket, self.checkpoint_dir, self.client_name,
+        )
+
+    def initialize_handlers(self) -> None:
+        """``/api/gpufrac/node`` and ``/api/gpufrac/kernels/<id>``."""
+        self.handlers.extend(handlers())
+
+    async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        """Start (or find) the agent, then listen for directives and watch leases."""
+        if getattr(self, "kernel_settings", None) is None:
+            return  # not loaded (invalid configuration, already reported)
+        await self.ensure_agent()
+        self.listener = DirectiveListener(
+            self.link, self.client_name, serverapp.kernel_manager, self.events,
+            self.migrate_grace_period, self.log,
+        )
+        self._spawn(self.listener.run())
+        self._spawn(self._watch_leases())
+
+    async def ensure_agent(self) -> None:
+        """Use the agent at the socket; without one, start the embedded agent if configured."""
+        try:
+            await self.link.node()
+            self.log.info("gpufrac: using the GPU agent at %s", self.agent_socket)
+            return
+        except AgentUnavailable as err:
+            if not self.embedded_agent:
+                self.log.warning(
+                    "gpufrac: %s; kernels start without GPU leases until an agent runs", err
+                )
+                return
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        state_dir = os.path.join(jupyter_runtime_dir(), "gpufrac-agent")
+        agent = EmbeddedAgent(self.agent_socket, state_dir, self.embedded_agent_simulate, self.log)
+        try:
+            await agent.start(self.embedded_agent_timeout)
+        except Exception as err:
+            self.log.error("gpufrac: could not start the embedded GPU agent: %s", err)
+            return
+        self.embedded = agent
+
+    async def stop_extension(self) -> None:
+        """Stop listening; stop the embedded agent (after giving back our kernels' leases)."""
+        if getattr(self, "kernel_settings", None) is None:
+            return
+        if self.listener is not None:
+            await self.listener.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.embedded is not None:
+            # The server shuts kernels down after its extensions: release their leases now,
+            # while the agent still answers, so its ledger holds nothing stale next time.
+            for provisioner in self._provisioners().values():
+                lease, provisioner.lease = provisioner.lease, None
+                if lease is not None:
+                    try:
+                        await self.link.release(str(lease["id"]))
+                    except Exception as err:
+                        self.log.info("gpufrac: lease %s not released: %s", lease["id"], err)
+            await self.embedded.stop()
+            self.embedded = None
+
+    # -- following kernels -------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _provisioners(self) -> dict[str, GpuFracProvisioner]:
+        if self.serverapp is None:
+            return {}
+        km = self.serverapp.kernel_manager
+        found = {}
+        for kernel_id in list(km.list_kernel_ids()):
+            provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
+            if isinstance(provisioner, GpuFracProvisioner):
+                found[kernel_id] = provisioner
+        return found
+
+    def _kernel_launched(self, kernel_id: str, info: dict[str, Any]) -> None:
+        """After each launch: when it restored, wait for the kernel hook's report."""
+        reason = info.get("reason")
+        self._bursting.pop(kernel_id, None)
+        if reason is not None:
+            self._spawn(self._follow_restore(kernel_id, reason, time.time()))
+
+    async def _follow_restore(self, kernel_id: str, reason: dict[str, Any], since: float) -> None:
+        directory = os.path.join(self.checkpoint_dir, kernel_id)
+        deadline = time.monotonic() + RESTORE_REPORT_WAIT_S
+        report = None
+        while time.monotonic() < deadline:
+            report = await asyncio.to_thread(read_restore_report, directory, since)
+            if report is not None:
+                break
+            await asyncio.sleep(0.2)
+        provisioner = self._provisioners().get(kernel_id)
+        where: dict[str, Any] = {}
+        if provisioner is not None and provisioner.lease is not None:
+            uuids = lease_gpus(provisioner.lease)
+            if uuids:
+                where = {
+                    "gpu_uuid": uuids[0],
+                    "gpu_index": provisioner.gpus.get(uuids[0], {}).get("index"),
+                }
+        cause = str(reason.get("message") or "Restarted").rstrip(".")
+        if report is None:
+            self.events.emit(
+                kernel_id, "restored",
+                f"{cause}; the kernel did not report a restore within "
+                f"{RESTORE_REPORT_WAIT_S:.0f} s, so its variables may be lost.",
+                reason=str(reason.get("message") or ""), restored=[], lost=[], **where,
+            )
+            return
+        restored = [str(name) for name in report.get("restored") or []]
+        lost_field = report.get("lost") or []
+        lost = [str(name) for name in lost_field]  # a list, or a mapping name -> why
+        # Names defined after the checkpoint did not come back either.
+        lost += [str(name) for name in report.get("newer_names") or [] if str(name) not in lost]
+        if report.get("error"):
+            message = f"{cause}; no variables were restored: {report['error']}"
+        else:
+            message = f"{cause}; {len(restored)} of {len(restored) + len(lost)} variables restored"
+            if lost:
+                message += f"; lost: {', '.join(lost)}"
+            when = report.get("checkpoint_time")
+            if reason.get("checkpoint") == "last" and isinstance(when, int | float):
+                at = time.strftime("%H:%M:%S", time.localtime(when))
+                message += f"; work after the checkpoint of {at} is lost"
+        self.events.emit(
+            kernel_id, "restored", message + ".", reason=str(reason.get("message") or ""),
+            restored=restored, lost=lost, **where,
+        )
+
+    async def _watch_leases(self) -> None:
+        """Bursting events, and the user's ``%gpu request`` remembered for their next kernel."""
+        while True:
+            await asyncio.sleep(self.lease_poll_interval)
+            provisioners = self._provisioners()
+            if not any(p.lease for p in provisioners.values()):
+                continue
+            try:
+                leases = {lease["id"]: lease for lease in await self.link.leases()}
+            except Exception as err:  # the listener reports the agent going away
+                self.log.debug("gpufrac: lease watch: %s", err)
+                continue
+            for kernel_id, provisioner in provisioners.items():
+                if provisioner.lease is None or provisioner.lease["id"] not in leases:
+                    continue
+                lease = provisioner.lease = leases[provisioner.lease["id"]]
+                self._note_request(provisioner, lease)
+                bursting = bool(lease.get("bursting"))
+                if bursting and not self._bursting.get(kernel_id):
+                    self._emit_bursting(kernel_id, provisioner, lease)
+                self._bursting[kernel_id] = bursting
+
+    def _note_request(self, provisioner: GpuFracProvisioner, lease: dict[str, Any]) -> None:
+        asked = provisioner.asked_share
+        spec = (lease.get("request_spec"), lease.get("limit_spec"))
+        if asked is not None and spec[0] and spec != asked:
+            # The user changed the request in the kernel (%gpu request): remember it.
+            provisioner.asked_share = (str(spec[0]), spec[1])
+            self.kernel_settings.remember_request(str(spec[0]), spec[1])
+
+    def _emit_bursting(
+        self, kernel_id: str, provisioner: GpuFracProvisioner, lease: dict[str, Any]
+    ) -> None:
+        from node_agent.quantities import format_bytes
+
+        uuids = lease_gpus(lease)
+        uuid = uuids[0] if uuids else None
+        index = provisioner.gpus.get(uuid or "", {}).get("index")
+        self.events.emit(
+            kernel_id, "bursting",
+            f"Using {format_bytes(int(lease.get('usage') or 0))}, above its "
+            f"{format_bytes(int(lease.get('request') or 0))} guarantee on GPU {index}: the memory "
+            "above the guarantee is loaned and may be asked back.",
+            gpu_uuid=uuid, gpu_index=index, request=lease.get("request"),
+            limit=lease.get("limit"), usage=lease.get("usage"),
+        )

@@ -1,0 +1,263 @@
+"""Carrying out the agent's directives for this server's kernels: migrate, shrink, killed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime
+from typing import Any
+
+from jupyter_gpufrac.agent_link import AgentError, AgentLink, AgentUnavailable
+from jupyter_gpufrac.kernel_checkpoint import checkpoint, wait_until_idle
+from jupyter_gpufrac.kernel_events import KernelEventLog
+from jupyter_gpufrac.provisioner import GpuFracProvisioner, gpu_label
+from node_agent.quantities import format_bytes
+
+LONG_POLL_S = 25.0
+MAX_BACKOFF_S = 10.0
+# Time left before the agent's deadline for the restart itself after the checkpoint.
+RESTART_MARGIN_S = 10.0
+
+
+def restart_cause(directive: dict[str, Any]) -> str:
+    """``request_changed`` for a move the user's new request caused, else ``migrated``."""
+    return "request_changed" if directive.get("cause") == "request_changed" else "migrated"
+
+
+def sentence(text: str) -> str:
+    """An agent's reason ("moved from GPU 1 to GPU 0 to free …") as the start of a sentence."""
+    text = text.strip().rstrip(".")
+    return text[:1].upper() + text[1:]
+
+
+class DirectiveListener:
+    """Long-polls the agent for directives addressed to this server and acts on each."""
+
+    def __init__(
+        self,
+        link: AgentLink,
+        client_name: str,
+        kernel_manager: Any,
+        events: KernelEventLog,
+        grace_period: float,
+        log: logging.Logger,
+    ) -> None:
+        self.link = link
+        self.client_name = client_name
+        self.kernel_manager = kernel_manager
+        self.events = events
+        self.grace_period = grace_period
+        self.log = log
+        self.after = 0
+        self.connected = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def run(self) -> None:
+        """Poll forever; survive the agent going away and coming back (exponential backoff)."""
+        backoff = 0.5
+        self.log.info("gpufrac: listening for GPU agent directives as %s", self.client_name)
+        while True:
+            try:
+                # Not yet connected: a poll that answers at once tells us the agent is there.
+                directives, last = await self.link.directives(
+                    client=self.client_name, after=self.after,
+                    wait=LONG_POLL_S if self.connected else 0.0,
+                )
+            except asyncio.CancelledError:
+                raise
+            except (AgentUnavailable, AgentError, OSError, TimeoutError) as err:
+                if self.connected:
+                    self.log.warning("lost the GPU agent (%s); retrying", err)
+                self.connected = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            except Exception:
+                self.log.exception("unexpected error polling GPU agent directives")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            if not self.connected and backoff > 0.5:
+                self.log.info("gpufrac: the GPU agent is back")
+            self.connected, backoff = True, 0.5
+            if last < self.after:
+                # The agent started over (new sequence numbers): do not skip its new directives.
+                self.log.info("GPU agent directive sequence restarted at %s", last)
+                self.after = 0
+                continue
+            for directive in directives:
+                self.after = max(self.after, int(directive.get("seq", 0)))
+                self.dispatch(directive)
+            self.after = max(self.after, last)
+
+    def dispatch(self, directive: dict[str, Any]) -> None:
+        """Act on one directive in its own task, one at a time per kernel."""
+        task = asyncio.create_task(self._handle(directive))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        """Cancel directives in progress (the server is going down)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _handle(self, directive: dict[str, Any]) -> None:
+        kernel_id = str(directive.get("kernel_id") or "")
+        kind = directive.get("kind")
+        if kernel_id not in self.kernel_manager:
+            self.log.info("directive %s for unknown kernel %s ignored", kind, kernel_id)
+            return
+        lock = self._locks.setdefault(kernel_id, asyncio.Lock())
+        async with lock:
+            try:
+                if kind == "migrate":
+                    await self.migrate(kernel_id, directive)
+                elif kind == "shrink":
+                    self.shrink(kernel_id, directive)
+                elif kind == "killed":
+                    await self.killed(kernel_id, directive)
+                else:
+                    self.log.warning("unknown directive %r for kernel %s", kind, kernel_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("directive %s for kernel %s failed", kind, kernel_id)
+
+    def _provisioner(self, kernel_id: str) -> GpuFracProvisioner | None:
+        kernel = self.kernel_manager.get_kernel(kernel_id)
+        provisioner = getattr(kernel, "provisioner", None)
+        return provisioner if isinstance(provisioner, GpuFracProvisioner) else None
+
+    # -- migrate -----------------------------------------------------------------------
+
+    async def migrate(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """Checkpoint (now when idle, else after the grace period) and restart on the new GPU."""
+        kernel = self.kernel_manager.get_kernel(kernel_id)
+        provisioner = self._provisioner(kernel_id)
+        if provisioner is None:
+            return
+        try:
+            lease = await self.link.lease(str(directive.get("lease_id")))
+        except AgentError as err:
+            self.log.warning("kernel %s: migrate for a lease the agent cannot show: %s", kernel_id, err)
+            return
+        if lease.get("state") != "migrating":
+            # Already carried out (a directive seen twice after the agent restarted), or the
+            # agent gave up on the move and killed the kernel: nothing to do here.
+            self.log.info("kernel %s: lease is %s; migrate directive skipped", kernel_id, lease.get("state"))
+            return
+        gpus = provisioner.gpus
+        source, target = directive.get("from_gpu"), directive.get("to_gpu")
+        reason = str(directive.get("reason") or "")
+        moves = f"from {gpu_label(gpus, source)} to {gpu_label(gpus, target)}"
+        self.events.emit(
+            kernel_id, "migrating",
+            f"Checkpointing to move {moves}: {reason or 'asked by the GPU agent'}.", reason=reason,
+            from_gpu_index=gpus.get(source or "", {}).get("index"),
+            to_gpu_index=gpus.get(target or "", {}).get("index"),
+            gpu_uuid=source, gpu_index=gpus.get(source or "", {}).get("index"),
+        )
+        now, clock = time.time(), time.monotonic()
+        agent_deadline = float(directive.get("deadline") or now + self.grace_period + 60)
+        time_left = max(agent_deadline - now - RESTART_MARGIN_S, 1.0)
+        idle = await wait_until_idle(kernel, clock + min(self.grace_period, time_left))
+        saved, why = False, "a cell was still running when the grace period ended"
+        if idle:
+            saved, why = await checkpoint(kernel, timeout=max(time_left - self.grace_period, 5.0))
+            if not saved:
+                self.log.warning("kernel %s: checkpoint before move failed: %s", kernel_id, why)
+        message = sentence(reason) if reason else f"Moved {moves}"
+        if not saved:
+            message += f"; restarted from its last checkpoint because {why}"
+        provisioner.request_restore({
+            "cause": restart_cause(directive),
+            "message": message + ".",
+            "from_gpu": source,
+            "to_gpu": target,
+            "checkpoint": "fresh" if saved else "last",
+        })
+        self.log.info("kernel %s: restarting %s (checkpoint %s)", kernel_id, moves, saved)
+        try:
+            await self._restart(kernel_id, now=not idle)
+        except Exception:
+            if provisioner.restore_pending:
+                provisioner.cancel_restore()
+            raise
+
+    async def _restart(self, kernel_id: str, now: bool) -> None:
+        future = await self.kernel_manager.restart_kernel(kernel_id, now=now)
+        if isinstance(future, asyncio.Future):
+            try:
+                await asyncio.wait_for(future, timeout=120)
+            except Exception as err:
+                self.log.warning("kernel %s: restart did not answer: %s", kernel_id, err)
+
+    # -- shrink and killed -------------------------------------------------------------
+
+    def shrink(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """The kernel hook shrinks itself (it hears the agent too); the user hears why."""
+        request, usage = int(directive.get("request") or 0), int(directive.get("usage") or 0)
+        deadline = directive.get("deadline")
+        by = ""
+        if deadline:
+            by = f" by {datetime.fromtimestamp(float(deadline)).strftime('%H:%M:%S')}"
+        reason = str(directive.get("reason") or "")
+        self.events.emit(
+            kernel_id, "shrink_requested",
+            f"Asked to shrink to its {format_bytes(request)} request{by} (it holds "
+            f"{format_bytes(usage)}): {reason or 'its GPU owner needs the memory back'}. "
+            "If it does not, the kernel is stopped and restored from its last checkpoint.",
+            reason=reason, request=directive.get("request"), limit=directive.get("limit"),
+            usage=directive.get("usage"),
+        )
+
+    async def killed(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """Tell the user; make sure the kernel comes back once, restoring its last checkpoint."""
+        provisioner = self._provisioner(kernel_id)
+        if provisioner is None:
+            return
+        gpu = directive.get("gpu") or directive.get("to_gpu")
+        moved = directive.get("cause") == "migrate_timeout"
+        reason = str(directive.get("reason") or "")
+        if reason:
+            message = f"{sentence(reason)}; restored from its last checkpoint."
+        else:
+            message = "Stopped by the GPU agent; restored from its last checkpoint."
+        self.events.emit(
+            kernel_id, "oom_killed", message, reason=reason, request=directive.get("request"),
+            limit=directive.get("limit"), usage=directive.get("usage"),
+        )
+        killed_at = float(directive.get("created") or time.time())
+        # A launch that began after the kill has read the killed lease and restores by itself.
+        already_back = provisioner.last_launch_started >= killed_at
+        if not already_back:
+            provisioner.request_restore({
+                "cause": "migrated" if moved else "oom_killed",
+                "message": message,
+                "from_gpu": (provisioner.lease or {}).get("physical_gpu") if moved else gpu,
+                "to_gpu": gpu,
+                "checkpoint": "last",
+            })
+        kernel = self.kernel_manager.get_kernel(kernel_id)
+        if already_back:
+            return
+        # jupyter_client's restarter brings dead kernels back; restarting here as well would
+        # start the kernel twice. Step in only when it is off or has not acted in time.
+        launches = provisioner.launches
+        restarter = getattr(kernel, "_restarter", None)
+        wait_s = 0.0
+        if getattr(kernel, "autorestart", False) and restarter is not None:
+            wait_s = 3 * float(getattr(restarter, "time_to_dead", 3.0)) + 15.0
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and provisioner.launches == launches:
+            await asyncio.sleep(0.2)
+        if provisioner.launches != launches or kernel_id not in self.kernel_manager:
+            return
+        if await kernel.is_alive():
+            self.log.info("kernel %s: reported killed but alive; leaving it be", kernel_id)
+            return
+        self.log.info("kernel %s: not restarted after the kill; restarting it", kernel_id)
+        await self._restart(kernel_id, now=True)

@@ -1,0 +1,96 @@
+"""REST handlers for the JupyterLab widget: ``/api/gpufrac/node`` and ``/api/gpufrac/kernels/<id>``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from tornado import web
+
+from jupyter_gpufrac.agent_link import AgentError, AgentUnavailable
+from jupyter_gpufrac.kernel_status import kernel_model, node_model
+from jupyter_gpufrac.provisioner import GpuFracProvisioner
+
+AUTH_RESOURCE = "gpufrac"
+
+
+class GpuFracHandler(APIHandler):
+    """Shared pieces: the extension app and JSON answers."""
+
+    auth_resource = AUTH_RESOURCE
+
+    @property
+    def gpufrac(self) -> Any:
+        return self.settings["gpufrac_app"]
+
+    def write_json(self, model: dict[str, Any], status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(model))
+
+
+def own_leases(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Only this user's leases (an admin's agent answers with everyone's)."""
+    uid = os.getuid()
+    return [lease for lease in leases if lease.get("owner_uid", uid) == uid]
+
+
+class NodeHandler(GpuFracHandler):
+    """The node's GPUs and this user's leases."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        app = self.gpufrac
+        node, leases, error = None, [], None
+        try:
+            node = await app.link.node()
+            leases = own_leases(await app.link.leases())
+        except AgentUnavailable as err:
+            error = f"No GPU agent answers at {app.link.socket_path}: {err}"
+        except AgentError as err:
+            error = f"The GPU agent answered with an error: {err}"
+        agent = {
+            "socket": app.link.socket_path,
+            "embedded": app.embedded is not None,
+            "available": error is None,
+            "error": error,
+        }
+        self.write_json(node_model(node, leases, agent))
+
+
+class KernelHandler(GpuFracHandler):
+    """One kernel's GPU state, lease and recent events."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        app = self.gpufrac
+        km = self.kernel_manager
+        if kernel_id not in km:
+            self.write_json({"error": f"no kernel with id {kernel_id}"}, status=404)
+            return
+        kernel = km.get_kernel(kernel_id)
+        provisioner = getattr(kernel, "provisioner", None)
+        if not isinstance(provisioner, GpuFracProvisioner):
+            provisioner = None
+        lease = provisioner.lease if provisioner is not None else None
+        if lease is not None:
+            try:
+                lease = await app.link.lease(str(lease["id"]))
+                provisioner.lease = lease  # type: ignore[union-attr]
+            except (AgentUnavailable, AgentError) as err:
+                # Last known lease: the widget keeps showing where the kernel runs.
+                self.log.info("kernel %s: lease not refreshed: %s", kernel_id, err)
+        self.write_json(kernel_model(kernel_id, kernel, provisioner, lease, app.events.events(kernel_id)))
+
+
+def handlers() -> list[tuple[str, type[APIHandler]]]:
+    """URL patterns (under the server's base URL) and their handlers."""
+    return [
+        (r"/api/gpufrac/node", NodeHandler),
+        (r"/api/gpufrac/kernels/(?P<kernel_id>[\w-]+)", KernelHandler),
+    ]

@@ -1,0 +1,83 @@
+"""Kernel GPU events: the jupyter_events schema, emission, and the last events of each kernel."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pathlib
+import time
+from collections.abc import Iterable
+from typing import Any
+
+SCHEMA_ID = "https://jupyter-gpufrac.github.io/events/kernel/v1"
+SCHEMA_PATH = pathlib.Path(__file__).parent / "events" / "kernel.yaml"
+EVENT_KINDS = (
+    "placed",
+    "bursting",
+    "shrink_requested",
+    "migrating",
+    "migrated",
+    "oom_killed",
+    "restored",
+    "no_gpu",
+)
+KEEP_PER_KERNEL = 50
+
+_INT_FIELDS = ("gpu_index", "from_gpu_index", "to_gpu_index", "request", "limit", "usage")
+_STR_FIELDS = ("reason", "gpu_uuid")
+
+
+def make_event(kernel_id: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
+    """One event as the schema wants it: fields that are unknown (None) are left out."""
+    if event not in EVENT_KINDS:
+        raise ValueError(f"unknown gpufrac event {event!r}")
+    data: dict[str, Any] = {"kernel_id": kernel_id, "event": event, "message": message}
+    for name in _INT_FIELDS:
+        if fields.get(name) is not None:
+            data[name] = int(fields[name])
+    for name in _STR_FIELDS:
+        if fields.get(name) is not None:
+            data[name] = str(fields[name])
+    for name in ("restored", "lost"):
+        if fields.get(name) is not None:
+            data[name] = [str(v) for v in fields[name]]
+    data["time"] = float(fields.get("time") or time.time())
+    return data
+
+
+class KernelEventLog:
+    """Emits events through the server's event logger and keeps the last 50 per kernel."""
+
+    def __init__(self, event_logger: Any | None, log: logging.Logger) -> None:
+        # The event logger is optional so the provisioner also works outside a server.
+        self._event_logger = event_logger
+        self._log = log
+        self._events: dict[str, collections.deque[dict[str, Any]]] = {}
+
+    def emit(self, kernel_id: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
+        """Record and emit one event; never raises (an event must not break a kernel restart)."""
+        data = make_event(kernel_id, event, message, **fields)
+        self._events.setdefault(kernel_id, collections.deque(maxlen=KEEP_PER_KERNEL)).append(data)
+        self._log.info("gpufrac event %s for kernel %s: %s", event, kernel_id, message)
+        if self._event_logger is not None:
+            try:
+                self._event_logger.emit(schema_id=SCHEMA_ID, data=data)
+            except Exception:
+                self._log.exception("could not emit gpufrac event %s for kernel %s", event, kernel_id)
+        return data
+
+    def events(self, kernel_id: str) -> list[dict[str, Any]]:
+        """The kernel's recorded events, newest last."""
+        return list(self._events.get(kernel_id, ()))
+
+    def last(self, kernel_id: str, kinds: Iterable[str] | None = None) -> dict[str, Any] | None:
+        """The kernel's newest event (of one of ``kinds`` when given)."""
+        wanted = set(kinds) if kinds is not None else None
+        for data in reversed(self._events.get(kernel_id, ())):
+            if wanted is None or data["event"] in wanted:
+                return data
+        return None
+
+    def forget(self, kernel_id: str) -> None:
+        """Drop a kernel's events once it is shut down."""
+        self._events.pop(kernel_id, None)

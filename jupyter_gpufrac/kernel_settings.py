@@ -1,0 +1,69 @@
+"""What a provisioner needs from the server extension, and stand-in values when there is none."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_gpufrac.kernel_events import KernelEventLog
+
+LAST_REQUEST_FILE = "last-request.json"
+
+
+@dataclass
+class KernelSettings:
+    """Settings shared by every kernel of one server (built by ``GpuFrac``)."""
+
+    socket_path: str
+    client_name: str
+    default_request: str
+    default_limit: str
+    checkpoint_root: str
+    events: KernelEventLog
+    # Called after each launch so the server can follow the kernel (restore report, bursting).
+    on_launched: Callable[[str, dict[str, Any]], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def last_request(self) -> dict[str, Any] | None:
+        """The user's last ``%gpu request`` (request/limit specs), remembered across kernels."""
+        path = os.path.join(self.checkpoint_root, LAST_REQUEST_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("request") else None
+
+    def remember_request(self, request: str, limit: str | None) -> None:
+        """Store a ``%gpu request`` so the user's next kernel asks for the same."""
+        os.makedirs(self.checkpoint_root, mode=0o700, exist_ok=True)
+        path = os.path.join(self.checkpoint_root, LAST_REQUEST_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"request": request, "limit": limit}, f)
+        os.replace(tmp, path)
+
+
+def default_checkpoint_root() -> str:
+    """``<jupyter data dir>/gpufrac/checkpoints``: the user's own, and it survives reboots."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    return os.path.join(jupyter_data_dir(), "gpufrac", "checkpoints")
+
+
+def standalone_settings(log: logging.Logger) -> KernelSettings:
+    """Settings for a provisioner used without the server extension (e.g. ``jupyter console``)."""
+    from jupyter_gpufrac.agent_link import default_socket_path
+
+    return KernelSettings(
+        socket_path=os.environ.get("GPUFRAC_AGENT_SOCKET") or default_socket_path(),
+        client_name=f"jupyter-client-{os.getpid()}",
+        default_request="0.25",
+        default_limit="1",
+        checkpoint_root=default_checkpoint_root(),
+        events=KernelEventLog(None, log),
+    )

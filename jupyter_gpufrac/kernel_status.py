@@ -1,0 +1,116 @@
+"""The REST models of docs/server-api.md: a kernel's GPU status and the node's."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from jupyter_gpufrac.launch import lease_gpus
+
+NOT_OURS = (
+    "This kernel was not started by the gpufrac provisioner; set "
+    "c.KernelProvisionerFactory.default_provisioner_name = 'gpufrac-provisioner' "
+    "or name it in the kernelspec's metadata.kernel_provisioner."
+)
+_LEASE_STATES = {"migrating": "migrating", "shrinking": "shrinking", "killed": "oom-killed"}
+
+
+def _activity_after(kernel: Any, when: float) -> bool:
+    last = getattr(kernel, "last_activity", None)
+    if not isinstance(last, datetime.datetime):
+        return False
+    return last.timestamp() > when + 1.0
+
+
+def kernel_state(
+    kernel: Any, provisioner: Any, lease: dict[str, Any] | None, events: list[dict[str, Any]]
+) -> tuple[str, str | None]:
+    """``(state, reason)``; the reason is a sentence for people unless plainly guaranteed/bursting."""
+    if provisioner is None:
+        return "no-gpu", NOT_OURS
+    if lease is None:
+        return "no-gpu", provisioner.no_gpu_reason or "This kernel has no GPU lease."
+    state = str(lease.get("state") or "active")
+    if state in _LEASE_STATES:
+        wanted = {"migrating": "migrating", "shrinking": "shrink_requested", "killed": "oom_killed"}
+        event = next((e for e in reversed(events) if e["event"] == wanted[state]), None)
+        reason = event["message"] if event else (lease.get("reason") or None)
+        return _LEASE_STATES[state], reason
+    if events and events[-1]["event"] == "restored" and not _activity_after(kernel, events[-1]["time"]):
+        # Shown until the user does something in the kernel, so a returning user reads it.
+        return "restored", str(events[-1]["message"])
+    if lease.get("bursting"):
+        return "bursting", None
+    return "guaranteed", None
+
+
+def gpu_model(gpu: dict[str, Any] | None, simulated: bool) -> dict[str, Any] | None:
+    """The short GPU description of the kernel status."""
+    if gpu is None:
+        return None
+    return {
+        "uuid": gpu.get("uuid"),
+        "index": gpu.get("index"),
+        "name": gpu.get("name"),
+        "simulated": simulated,
+        "memory_total": gpu.get("memory_total"),
+    }
+
+
+def kernel_model(
+    kernel_id: str,
+    kernel: Any,
+    provisioner: Any,
+    lease: dict[str, Any] | None,
+    events: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """``GET /api/gpufrac/kernels/<kernel_id>``."""
+    state, reason = kernel_state(kernel, provisioner, lease, events)
+    gpu = None
+    if lease is not None and provisioner is not None:
+        uuids = lease_gpus(lease)
+        if uuids:
+            gpu = gpu_model(provisioner.gpus.get(uuids[0], {"uuid": uuids[0]}), provisioner.simulated)
+    return {
+        "kernel_id": kernel_id,
+        "state": state,
+        "reason": reason,
+        "gpu": gpu,
+        "request": lease.get("request") if lease else None,
+        "limit": lease.get("limit") if lease else None,
+        "usage": lease.get("usage") if lease else None,
+        "lease": lease,
+        "events": events,
+    }
+
+
+def node_model(
+    node: dict[str, Any] | None,
+    leases: list[dict[str, Any]],
+    agent: dict[str, Any],
+) -> dict[str, Any]:
+    """``GET /api/gpufrac/node``: the GPUs, which of this user's leases sit on each, the agent."""
+    if node is None:
+        return {"simulated": False, "backend": None, "agent": agent, "gpus": [], "leases": []}
+    simulated = bool(node.get("simulated"))
+    gpus = []
+    for gpu in node.get("gpus", []):
+        model = {
+            key: gpu.get(key)
+            for key in (
+                "uuid", "index", "name", "memory_total", "memory_used", "memory_free",
+                "utilization", "healthy",
+            )
+        }
+        model["simulated"] = simulated
+        model["leases"] = [
+            lease["id"] for lease in leases if gpu.get("uuid") in (lease.get("physical_gpus") or [])
+        ]
+        gpus.append(model)
+    return {
+        "simulated": simulated,
+        "backend": node.get("backend"),
+        "agent": agent,
+        "gpus": gpus,
+        "leases": leases,
+    }

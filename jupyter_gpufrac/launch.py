@@ -1,0 +1,185 @@
+"""Pure pieces of a kernel launch: where request/limit come from, the environment, the arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from node_agent.quantities import QuantityError, parse_quantity
+
+KERNEL_EXTENSION = "jupyter_gpufrac.kernel"
+EXT_ARGUMENT = f"--ext={KERNEL_EXTENSION}"
+RUNAI_LIMIT_VARIABLE = "RUNAI_GPU_MEMORY_LIMIT"
+DEFAULT_REQUEST = "0.25"
+
+# Variables this launch owns: removed from the inherited environment first so that a value
+# from an earlier launch (a restore flag, an old GPU) never leaks into the next one.
+OWNED_VARIABLES = (
+    "GPUFRAC_LEASE_ID",
+    "GPUFRAC_KERNEL_ID",
+    "GPUFRAC_REQUEST",
+    "GPUFRAC_LIMIT",
+    "GPUFRAC_GPU_UUID",
+    "GPUFRAC_GPU_INDEX",
+    "GPUFRAC_GPU_NAME",
+    "GPUFRAC_GPU_TOTAL",
+    "GPUFRAC_SIMULATED",
+    "GPUFRAC_CHECKPOINT_DIR",
+    "GPUFRAC_RESTORE",
+    "GPUFRAC_RESTART_REASON",
+)
+
+
+@dataclass(frozen=True)
+class ShareSpec:
+    """The request and limit a new lease asks for, and where each came from (for logs)."""
+
+    request: str
+    limit: str | None
+    request_source: str
+    limit_source: str | None
+
+
+def _spec_text(value: object) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def resolve_share(
+    kernelspec_metadata: Mapping[str, Any] | None,
+    last_request: Mapping[str, Any] | None,
+    environ: Mapping[str, str],
+    default_request: str,
+    default_limit: str,
+) -> ShareSpec:
+    """Pick request and limit for a new kernel's lease.
+
+    Sources, first that says wins: the kernelspec's ``metadata.gpufrac``, the user's last
+    ``%gpu request``, ``c.GpuFrac``; the environment's ``RUNAI_GPU_MEMORY_LIMIT`` is a limit.
+    Every value is checked here so that a typo names its source (raises QuantityError).
+    """
+    gpufrac = (kernelspec_metadata or {}).get("gpufrac") or {}
+    if not isinstance(gpufrac, Mapping):
+        raise QuantityError("metadata.gpufrac", f"expected a mapping, got {gpufrac!r}")
+    last = last_request or {}
+    runai_limit = environ.get(RUNAI_LIMIT_VARIABLE) or None
+    if runai_limit is not None:
+        parse_quantity(runai_limit, RUNAI_LIMIT_VARIABLE)
+    # (source, request, limit, the field names an error should show), first wins
+    sources: list[tuple[str, object, object, str, str]] = [
+        ("kernelspec", gpufrac.get("request"), gpufrac.get("limit"),
+         "metadata.gpufrac.request", "metadata.gpufrac.limit"),
+        ("last %gpu request", last.get("request"), last.get("limit"),
+         "%gpu request", "%gpu request --limit"),
+        ("c.GpuFrac", default_request or DEFAULT_REQUEST, default_limit or None,
+         "c.GpuFrac.default_request", "c.GpuFrac.default_limit"),
+    ]
+    for _, request, limit, request_field, limit_field in sources:
+        if request is not None:
+            parse_quantity(request, request_field)
+        if limit is not None:
+            parse_quantity(limit, limit_field)
+    # The last source always has a request, so this finds one.
+    at = next(i for i, source in enumerate(sources) if source[1] is not None)
+    request_source, request = sources[at][0], sources[at][1]
+    # The limit: the request's own source, then the platform's RUNAI_GPU_MEMORY_LIMIT, then
+    # later sources -- never an earlier one (a kernelspec asking for 0.5 must not inherit a
+    # smaller limit from another notebook's last request). The platform's limit beats the
+    # config default.
+    own = (request_source, sources[at][2])
+    runai = (RUNAI_LIMIT_VARIABLE, runai_limit)
+    later = [(name, limit) for name, _, limit, _, _ in sources[at + 1 :]]
+    limits = [runai, own] if request_source == "c.GpuFrac" else [own, runai, *later]
+    for limit_source, limit in limits:
+        if limit is not None:
+            return ShareSpec(_spec_text(request), _spec_text(limit), request_source, limit_source)
+    return ShareSpec(_spec_text(request), None, request_source, None)
+
+
+def lease_gpus(lease: Mapping[str, Any]) -> list[str]:
+    """UUIDs the kernel should run on: the migration target while migrating, else physical."""
+    if lease.get("state") == "migrating" and lease.get("target_gpus"):
+        return list(lease["target_gpus"])
+    gpus = lease.get("physical_gpus") or []
+    if not gpus and lease.get("physical_gpu"):
+        gpus = [lease["physical_gpu"]]
+    return list(gpus)
+
+
+def is_ipykernel(argv: Sequence[str], language: str) -> bool:
+    """Whether the kernel is IPython's, the only one that can load our extension."""
+    return language.lower() == "python" and any("ipykernel" in arg for arg in argv)
+
+
+def kernel_arguments(extra_arguments: Sequence[str] | None, load_extension: bool) -> list[str]:
+    """A NEW extra-argument list with our extension exactly once.
+
+    pre_launch gets a shallow copy of the launch arguments and runs on every restart:
+    appending to the list it was given would add one more ``--ext`` per restart.
+    """
+    arguments = [arg for arg in (extra_arguments or []) if arg != EXT_ARGUMENT]
+    if load_extension:
+        arguments.append(EXT_ARGUMENT)
+    return arguments
+
+
+def build_kernel_env(
+    base: Mapping[str, str],
+    *,
+    kernel_id: str,
+    socket_path: str,
+    checkpoint_dir: str,
+    lease: Mapping[str, Any] | None,
+    gpus: Mapping[str, Mapping[str, Any]],
+    simulated: bool,
+    restart_reason: Mapping[str, Any] | None,
+    hide_gpus: bool,
+) -> dict[str, str]:
+    """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
+
+    Without a lease, ``hide_gpus`` says whether to set ``CUDA_VISIBLE_DEVICES=""``: we do
+    when the agent answered but gave no lease (the GPUs are leased to others) and leave it
+    alone when no agent runs at all (then nothing on this node is managed).
+    """
+    env = {key: value for key, value in base.items() if key not in OWNED_VARIABLES}
+    env["GPUFRAC_AGENT_SOCKET"] = socket_path
+    env["GPUFRAC_KERNEL_ID"] = kernel_id
+    env["GPUFRAC_CHECKPOINT_DIR"] = checkpoint_dir
+    if lease is None:
+        if hide_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+    uuids = lease_gpus(lease)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
+    env["GPUFRAC_LEASE_ID"] = str(lease["id"])
+    env["GPUFRAC_REQUEST"] = str(int(lease["request"]))
+    env["GPUFRAC_LIMIT"] = str(int(lease["limit"]))
+    if uuids:
+        gpu = gpus.get(uuids[0], {})
+        env["GPUFRAC_GPU_UUID"] = uuids[0]
+        if gpu.get("index") is not None:
+            env["GPUFRAC_GPU_INDEX"] = str(int(gpu["index"]))
+        if gpu.get("name"):
+            env["GPUFRAC_GPU_NAME"] = str(gpu["name"])
+        if gpu.get("memory_total") is not None:
+            env["GPUFRAC_GPU_TOTAL"] = str(int(gpu["memory_total"]))
+    if simulated:
+        env["GPUFRAC_SIMULATED"] = "1"
+    if restart_reason is not None:
+        env["GPUFRAC_RESTORE"] = "1"
+        env["GPUFRAC_RESTART_REASON"] = json.dumps(dict(restart_reason), sort_keys=True)
+    return env
+
+
+def kernel_checkpoint_dir(root: str, kernel_id: str) -> str:
+    """The kernel's own checkpoint directory, created 0700 (checkpoints are unpickled)."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    path = os.path.join(root, kernel_id)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    # makedirs honours the umask and leaves an existing directory alone: enforce 0700.
+    for directory in (root, path):
+        if os.stat(directory).st_mode & 0o077:
+            os.chmod(directory, 0o700)
+    return path

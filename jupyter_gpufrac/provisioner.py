@@ -1,0 +1,309 @@
+"""The kernel provisioner: a GPU lease before launch, the kernel's GPU environment, its pid after."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from jupyter_client.provisioning import LocalProvisioner
+
+from jupyter_gpufrac.agent_link import AgentError, AgentLink, AgentUnavailable
+from jupyter_gpufrac.kernel_settings import KernelSettings, standalone_settings
+from jupyter_gpufrac.launch import (
+    build_kernel_env,
+    is_ipykernel,
+    kernel_arguments,
+    kernel_checkpoint_dir,
+    lease_gpus,
+    resolve_share,
+)
+from node_agent.quantities import format_bytes, parse_quantity
+
+EXTENSION_NAME = "jupyter_gpufrac"
+
+
+class GpuFracConfigError(ValueError):
+    """A request or limit the agent cannot accept: the kernel does not start, the message says why."""
+
+
+def gpu_label(gpus: dict[str, dict[str, Any]], uuid: str | None) -> str:
+    """``GPU 1`` (by index) for people; the UUID when the GPU is unknown."""
+    if not uuid:
+        return "no GPU"
+    index = gpus.get(uuid, {}).get("index")
+    return f"GPU {index}" if index is not None else uuid
+
+
+class GpuFracProvisioner(LocalProvisioner):
+    """Launches a local kernel on the GPU the node agent leases to it.
+
+    The lease is created at the first launch, kept across restarts (a restart after a
+    migration lands on the lease's new GPU) and released when the kernel shuts down.
+
+    Without a lease the kernel still starts, and a ``no_gpu`` event says why:
+
+    - no agent answers at the socket: ``CUDA_VISIBLE_DEVICES`` is left as the server has
+      it -- nothing on this node is managed, so there is nobody's memory to protect;
+    - the agent answers but gives no lease (the node is full): ``CUDA_VISIBLE_DEVICES=""``,
+      because the GPUs' memory is leased to others;
+    - a request or limit the agent refuses as malformed (4xx naming ``request``/``limit``)
+      fails the start with :class:`GpuFracConfigError` -- a configuration mistake must show.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lease: dict[str, Any] | None = None
+        self.gpus: dict[str, dict[str, Any]] = {}
+        self.simulated = False
+        self.launches = 0
+        self.no_gpu_reason: str | None = None
+        self.last_launch_reason: dict[str, Any] | None = None
+        self.last_launch_time = 0.0
+        self.last_launch_started = 0.0
+        self._restart_reason: dict[str, Any] | None = None
+        self._moving = False
+        self._settings_cache: KernelSettings | None = None
+        # (request_spec, limit_spec) of the lease as created: a change means `%gpu request`.
+        self.asked_share: tuple[str, str | None] | None = None
+
+    # -- who we work for ---------------------------------------------------------------
+
+    def gpufrac_app(self) -> Any | None:
+        """The ``GpuFrac`` extension of the server that owns this kernel, if any."""
+        node: Any = self.parent
+        while node is not None:
+            manager = getattr(node, "extension_manager", None)
+            if manager is not None:
+                point = manager.extension_points.get(EXTENSION_NAME)
+                return getattr(point, "app", None) if point is not None else None
+            node = getattr(node, "parent", None)
+        return None
+
+    def settings(self) -> KernelSettings:
+        """The server extension's settings, or stand-in ones outside a server."""
+        app = self.gpufrac_app()
+        if app is not None and getattr(app, "kernel_settings", None) is not None:
+            settings: KernelSettings = app.kernel_settings
+            return settings
+        if self._settings_cache is None:
+            self._settings_cache = standalone_settings(self.log)
+        return self._settings_cache
+
+    def request_restore(self, reason: dict[str, Any]) -> None:
+        """The next launch restores the latest checkpoint and tells the kernel why it restarted."""
+        self._restart_reason = dict(reason)
+
+    def cancel_restore(self) -> None:
+        """The restart asked for did not happen: the user's next restart must not restore."""
+        self._restart_reason = None
+
+    @property
+    def restore_pending(self) -> bool:
+        """A restore was asked for and the kernel was not launched since."""
+        return self._restart_reason is not None
+
+    def get_stable_start_time(self, recommended: float = 10.0) -> float:
+        """Soon after start, count the kernel as started for good.
+
+        Until then jupyter_client's restarter restarts a dead kernel on new ports, which cuts
+        the open notebook's connection; a kernel the agent stops has run for a while.
+        """
+        return min(recommended, 3.0)
+
+    # -- launch ------------------------------------------------------------------------
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        """Get (or re-read) the lease and build the kernel's GPU environment and arguments."""
+        self.last_launch_started = time.time()
+        settings = self.settings()
+        link = AgentLink(settings.socket_path)
+        kernel_id = str(self.kernel_id)
+        reason, self._restart_reason = self._restart_reason, None
+        lease: dict[str, Any] | None = None
+        hide_gpus = False
+        self.no_gpu_reason = None
+        try:
+            node = await link.node()
+            self.gpus = {gpu["uuid"]: gpu for gpu in node.get("gpus", [])}
+            self.simulated = bool(node.get("simulated"))
+            if self.lease is not None:
+                lease = await self._reread_lease(link)
+            if lease is None:
+                lease = await self._create_lease(link, settings, kwargs.get("env") or {})
+                self.asked_share = (str(lease.get("request_spec")), lease.get("limit_spec"))
+            if reason is None and lease.get("state") == "killed":
+                # The restarter got here before the server heard of the kill: restore anyway.
+                reason = {
+                    "cause": "oom_killed",
+                    "message": lease.get("reason") or "The GPU agent stopped the kernel.",
+                    "from_gpu": lease.get("physical_gpu"),
+                    "to_gpu": lease.get("physical_gpu"),
+                }
+        except AgentError as err:  # AgentUnavailable included
+            if self.lease is not None:
+                # The agent went away (or failed) after we got our lease: stay where we ran.
+                lease = self.lease
+                self.log.warning("kernel %s: agent: %s; keeping its GPU", kernel_id, err)
+            elif isinstance(err, AgentUnavailable):
+                self.no_gpu_reason = (
+                    f"No GPU agent answers at {settings.socket_path}, so this kernel started "
+                    f"without a GPU lease ({err})."
+                )
+            elif err.status in (400, 422) and err.field in ("request", "limit", "devices"):
+                raise GpuFracConfigError(
+                    f"GPU {err.field} for kernel {kernel_id} was refused by the agent: {err.message}"
+                ) from err
+            else:
+                hide_gpus = True
+                self.no_gpu_reason = f"The GPU agent gave this kernel no GPU: {err.message}"
+
+        self._moving = lease is not None and lease.get("state") == "migrating"
+        self.lease = lease
+        self.last_launch_reason = reason if lease is not None else None
+        spec = self.kernel_spec
+        argv = list(getattr(spec, "argv", []) or [])
+        load_ext = is_ipykernel(argv, str(getattr(spec, "language", "") or ""))
+        checkpoint_dir = kernel_checkpoint_dir(settings.checkpoint_root, kernel_id)
+        kwargs["extra_arguments"] = kernel_arguments(kwargs.get("extra_arguments"), load_ext)
+        kwargs["env"] = build_kernel_env(
+            kwargs.get("env") or os.environ,
+            kernel_id=kernel_id,
+            socket_path=settings.socket_path,
+            checkpoint_dir=checkpoint_dir,
+            lease=lease,
+            gpus=self.gpus,
+            simulated=self.simulated,
+            restart_reason=self.last_launch_reason,
+            hide_gpus=hide_gpus,
+        )
+        result: dict[str, Any] = await super().pre_launch(**kwargs)
+        return result
+
+    async def _reread_lease(self, link: AgentLink) -> dict[str, Any] | None:
+        assert self.lease is not None
+        try:
+            return await link.lease(str(self.lease["id"]))
+        except AgentError as err:
+            if err.status == 404:
+                self.log.warning(
+                    "kernel %s: lease %s is gone; asking anew", self.kernel_id, self.lease["id"]
+                )
+                return None
+            raise
+
+    async def _create_lease(
+        self, link: AgentLink, settings: KernelSettings, env: dict[str, str]
+    ) -> dict[str, Any]:
+        metadata = getattr(self.kernel_spec, "metadata", None) or {}
+        share = resolve_share(
+            metadata, settings.last_request(), os.environ, settings.default_request,
+            settings.default_limit,
+        )
+        limit = share.limit
+        totals = [int(gpu["memory_total"]) for gpu in self.gpus.values() if gpu.get("memory_total")]
+        if limit is not None and share.limit_source != share.request_source and totals:
+            # A default limit from elsewhere (c.GpuFrac "1", RUNAI) below an explicit request
+            # would be refused; the request's own source said nothing of a limit: use the request.
+            total = min(totals)
+            if parse_quantity(limit, "limit").bytes_of(total) < parse_quantity(
+                share.request, "request"
+            ).bytes_of(total):
+                limit = None
+        self.log.info(
+            "kernel %s: asking for request %s (%s), limit %s (%s)", self.kernel_id,
+            share.request, share.request_source, limit, share.limit_source,
+        )
+        return await link.create_notebook_lease(
+            request=share.request,
+            limit=limit,
+            client=settings.client_name,
+            kernel_id=str(self.kernel_id),
+            name=env.get("JPY_SESSION_NAME", ""),
+        )
+
+    async def post_launch(self, **kwargs: Any) -> None:
+        """Register the kernel's pid with its lease; finish a move; tell the user where it runs."""
+        await super().post_launch(**kwargs)
+        settings = self.settings()
+        kernel_id = str(self.kernel_id)
+        self.launches += 1
+        self.last_launch_time = time.time()
+        if self.lease is not None and self.pid is not None:
+            link = AgentLink(settings.socket_path)
+            try:
+                lease = await link.register_pid(str(self.lease["id"]), int(self.pid))
+                if self._moving:
+                    lease = await link.migrated(str(self.lease["id"]))
+                self.lease = lease
+            except (AgentUnavailable, AgentError) as err:
+                self.log.warning("kernel %s: could not register pid %s: %s", kernel_id, self.pid, err)
+            self._moving = False
+        self._announce_launch(settings)
+        if settings.on_launched is not None:
+            settings.on_launched(kernel_id, {"reason": self.last_launch_reason})
+
+    def _announce_launch(self, settings: KernelSettings) -> None:
+        kernel_id = str(self.kernel_id)
+        if self.lease is None:
+            settings.events.emit(
+                kernel_id, "no_gpu", self.no_gpu_reason or "This kernel runs without a GPU.",
+                reason=self.no_gpu_reason or "",
+            )
+            return
+        lease = self.lease
+        uuids = lease_gpus(lease)
+        uuid = uuids[0] if uuids else None
+        figures = {
+            "gpu_uuid": uuid,
+            "gpu_index": self.gpus.get(uuid or "", {}).get("index"),
+            "request": lease.get("request"),
+            "limit": lease.get("limit"),
+            "usage": lease.get("usage"),
+        }
+        reason = self.last_launch_reason
+        if reason is not None and reason.get("cause") in ("migrated", "request_changed"):
+            source, target = reason.get("from_gpu"), reason.get("to_gpu") or uuid
+            settings.events.emit(
+                kernel_id, "migrated",
+                f"{_text(reason.get('message')) or 'Moved from ' + gpu_label(self.gpus, source)}"
+                "; restoring its variables.",
+                reason=reason.get("message") or "",
+                from_gpu_index=self.gpus.get(source or "", {}).get("index"),
+                to_gpu_index=self.gpus.get(target or "", {}).get("index"),
+                **figures,
+            )
+            return
+        request, limit = int(lease.get("request") or 0), int(lease.get("limit") or 0)
+        restarted = " after it was stopped, restoring its variables" if reason is not None else ""
+        settings.events.emit(
+            kernel_id, "placed",
+            f"Running on {gpu_label(self.gpus, uuid)}{restarted} with {format_bytes(request)} "
+            f"guaranteed, bursting up to {format_bytes(limit)}.",
+            reason=(reason or {}).get("message") or "",
+            **figures,
+        )
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    async def cleanup(self, restart: bool = False) -> None:
+        """At shutdown (not restart) give the lease back."""
+        await super().cleanup(restart=restart)
+        if restart or self.lease is None:
+            return
+        settings = self.settings()
+        lease_id = str(self.lease["id"])
+        self.lease = None
+        try:
+            await AgentLink(settings.socket_path).release(lease_id)
+        except AgentUnavailable:
+            self.log.info("kernel %s: agent gone; lease %s not released", self.kernel_id, lease_id)
+        except AgentError as err:
+            if err.status != 404:
+                self.log.warning("kernel %s: releasing lease %s: %s", self.kernel_id, lease_id, err)
+        settings.events.forget(str(self.kernel_id))
+
+
+def _text(message: object) -> str:
+    """A reason without its final full stop, to continue the sentence."""
+    return str(message or "").strip().rstrip(".")

@@ -1,0 +1,250 @@
+"""A real ``jupyter server`` as a child process, and a notebook's websocket connection to a kernel."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import websocket
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Poll ``check`` until it returns something truthy, or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    token: str
+    root: Path
+    log: Path
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+    def api(self, path: str, method: str = "GET", body: object = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=data, method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                raw = response.read()
+                return response.status, (json.loads(raw) if raw else None)
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            try:
+                return err.code, json.loads(raw)
+            except ValueError:  # an HTML error page
+                return err.code, raw.decode(errors="replace")
+
+    def get(self, path: str) -> Any:
+        status, body = self.api(path)
+        assert status == 200, (path, status, body)
+        return body
+
+    def open_notebook(self, path: str, kernel: str = "python3") -> Notebook:
+        """What JupyterLab does for an opened notebook: a session, then the kernel's websocket."""
+        status, session = self.api(
+            "/api/sessions", "POST",
+            {"path": path, "type": "notebook", "name": path, "kernel": {"name": kernel}},
+        )
+        assert status == 201, (status, session)
+        return Notebook(self, session["kernel"]["id"])
+
+    def kernel_status(self, kernel_id: str) -> dict[str, Any]:
+        return dict(self.get(f"/api/gpufrac/kernels/{kernel_id}"))
+
+    def events(self, kernel_id: str) -> list[str]:
+        return [event["event"] for event in self.kernel_status(kernel_id)["events"]]
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_server(
+    tmp: Path,
+    agent_socket: str,
+    config: str = "",
+    kernelspecs: dict[str, dict[str, Any]] | None = None,
+    deadline_s: float = 60,
+) -> Server:
+    """``python -m jupyter_server`` with its own HOME and Jupyter dirs, the extension enabled.
+
+    ``kernelspecs`` maps names to kernelspec metadata for extra ipykernel kernelspecs.
+    """
+    dirs = {name: tmp / name for name in ("home", "config", "data", "runtime", "root")}
+    for path in dirs.values():
+        path.mkdir(parents=True, exist_ok=True)
+    for name, metadata in (kernelspecs or {}).items():
+        spec_dir = dirs["data"] / "kernels" / name
+        spec_dir.mkdir(parents=True)
+        (spec_dir / "kernel.json").write_text(json.dumps({
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": name, "language": "python", "metadata": metadata,
+        }))
+    (dirs["config"] / "jupyter_server_config.py").write_text(
+        # Only what the tests need: other installed extensions add seconds to each start.
+        "c.ServerApp.jpserver_extensions = {'jupyter_gpufrac': True, 'jupyterlab': False,"
+        " 'jupyter_lsp': False, 'jupyter_server_terminals': False, 'notebook_shim': False}\n"
+        'c.KernelProvisionerFactory.default_provisioner_name = "gpufrac-provisioner"\n'
+        + config
+    )
+    token, port = uuid.uuid4().hex, free_port()
+    env = {
+        **os.environ,
+        "HOME": str(dirs["home"]),
+        "JUPYTER_CONFIG_DIR": str(dirs["config"]),
+        "JUPYTER_DATA_DIR": str(dirs["data"]),
+        "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
+        "GPUFRAC_AGENT_SOCKET": agent_socket,
+        "PYTHONPATH": str(ROOT),
+    }
+    env.pop("JUPYTER_PATH", None)
+    env.pop("RUNAI_GPU_MEMORY_LIMIT", None)
+    log = tmp / "server.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
+             f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}",
+             f"--ServerApp.root_dir={dirs['root']}"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    server = Server(f"http://127.0.0.1:{port}", token, dirs["root"], log, process)
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"jupyter server exited: {server.log_text()[-3000:]}")
+        try:
+            return server.api("/api/status")[0] == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(ready, deadline_s, "the jupyter server to answer")
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@contextlib.contextmanager
+def running_server(
+    tmp: Path, agent_socket: str, config: str = "", kernelspecs: dict[str, dict[str, Any]] | None = None
+) -> Iterator[Server]:
+    server = start_server(tmp, agent_socket, config, kernelspecs)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+@dataclass
+class Reply:
+    status: str
+    stdout: str
+    error: str
+
+
+class Notebook:
+    """A kernel connection as an open notebook page holds it: one websocket, kept throughout."""
+
+    def __init__(self, server: Server, kernel_id: str) -> None:
+        self.server = server
+        self.kernel_id = kernel_id
+        self.session = uuid.uuid4().hex
+        url = server.url.replace("http://", "ws://")
+        self.ws = websocket.create_connection(
+            f"{url}/api/kernels/{kernel_id}/channels?session_id={self.session}",
+            header=[f"Authorization: token {server.token}"], timeout=60,
+        )
+
+    def send(self, code: str) -> str:
+        """Send a cell without waiting for it; returns its message id."""
+        msg_id = uuid.uuid4().hex
+        self.ws.send(json.dumps({
+            "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": self.session,
+                       "username": "test", "version": "5.3", "date": ""},
+            "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+            "content": {"code": code, "silent": False, "store_history": True,
+                        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
+        }))
+        return msg_id
+
+    def wait(self, msg_id: str, timeout: float = 120) -> Reply:
+        """Collect a cell's output until its reply and the kernel's return to idle."""
+        deadline = time.monotonic() + timeout
+        stdout, error, status, idle = [], "", "", False
+        while not (status and idle):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"cell {msg_id} did not finish in {timeout:g} s; out: {stdout}")
+            self.ws.settimeout(remaining)
+            msg = json.loads(self.ws.recv())
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and content["name"] == "stdout":
+                stdout.append(content["text"])
+            elif kind == "stream":
+                error += content["text"]  # IPython prints UsageError on stderr
+            elif kind == "error":
+                error = f"{content['ename']}: {content['evalue']}"
+            elif kind == "execute_reply":
+                status = content["status"]
+                if status == "error" and not error:
+                    error = f"{content.get('ename')}: {content.get('evalue')}"
+            elif kind == "status" and content["execution_state"] == "idle":
+                idle = True
+        return Reply(status, "".join(stdout), error)
+
+    def run(self, code: str, timeout: float = 120) -> Reply:
+        return self.wait(self.send(code), timeout)
+
+    def ok(self, code: str, timeout: float = 120) -> str:
+        """Run a cell that must succeed; returns what it printed."""
+        reply = self.run(code, timeout)
+        assert reply.status == "ok", f"{code!r} failed: {reply.error}\n{reply.stdout}"
+        return reply.stdout
+
+    def close(self) -> None:
+        self.ws.close()

@@ -1,0 +1,39 @@
+"""What goes wrong is said clearly: bad configuration, bad ``%gpu`` arguments, no agent at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .jupyter_process import running_server, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bad_configuration_names_the_trait(tmp_path: Path) -> None:
+    config = 'c.GpuFrac.default_request = "lots"\n'
+    with running_server(tmp_path, str(tmp_path / "none.sock"), config) as server:
+        line = wait_for(
+            lambda: next((ln for ln in server.log_text().splitlines() if "c.GpuFrac." in ln), None),
+            30, "the configuration error in the server log",
+        )
+        assert "c.GpuFrac.default_request: expected a fraction" in line, line
+        # The server itself keeps running; only the extension is missing.
+        assert server.api("/api/status")[0] == 200
+        assert server.api("/api/gpufrac/node")[0] == 404
+
+
+def test_no_agent_kernels_still_start_and_say_why(tmp_path: Path) -> None:
+    socket = str(tmp_path / "nobody" / "agent.sock")
+    with running_server(tmp_path, socket, "c.GpuFrac.embedded_agent = False\n") as server:
+        node = server.get("/api/gpufrac/node")
+        assert node["agent"]["available"] is False and socket in node["agent"]["error"]
+        nb = server.open_notebook("plain.ipynb")
+        assert nb.ok("print(6 * 7)").strip() == "42"
+        status = server.kernel_status(nb.kernel_id)
+        assert status["state"] == "no-gpu" and socket in status["reason"]
+        assert [e["event"] for e in status["events"]] == ["no_gpu"]
+        reply = nb.run("%gpu request 0.5")
+        assert reply.status == "error" and "no GPU lease" in reply.error, reply
+        nb.close()

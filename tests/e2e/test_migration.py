@@ -1,0 +1,199 @@
+"""Headline: a whole-GPU job arrives, a notebook is moved, its variables and references survive."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server.agent_process import AgentProcess, running_agent
+
+from .jupyter_process import Server, running_server, wait_for
+
+pytestmark = pytest.mark.e2e
+
+STATE = """
+import os, random, torch
+torch.manual_seed(0)
+random.seed(1)
+shared = [1, 2, 3]
+data = {"a": shared, "b": shared, "text": "hello"}
+t = torch.arange(10, dtype=torch.float32)
+holder = {"t": t}
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model(torch.ones(3, 4)).sum().backward()
+opt.step()
+weight_sum = float(model.weight.sum())
+print("WHERE", os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
+"""
+
+CHECK = """
+import os
+assert data["a"] is data["b"] is shared and shared == [1, 2, 3], "aliases"
+assert holder["t"] is t and torch.equal(t, torch.arange(10, dtype=torch.float32)), "tensor"
+assert opt.param_groups[0]["params"][0] is model.weight, "optimizer shares the parameters"
+assert "momentum_buffer" in opt.state[model.weight], "optimizer state"
+assert abs(float(model.weight.sum()) - weight_sum) < 1e-6, "weights"
+print("WHERE", os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
+"""
+
+
+def where(output: str) -> list[str]:
+    """The pid and GPU a cell printed (the first cell after a restore also shows why)."""
+    return next(line.split()[1:] for line in output.splitlines() if line.startswith("WHERE "))
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
+    """One agent on a simulated 2x2GiB node and one server for the module."""
+    tmp = tmp_path_factory.mktemp("migration")
+    with running_agent(tmp / "agent", "2x2GiB", "--poll-interval", "0.2", "--migrate-grace", "90") as agent:
+        config = "c.GpuFrac.migrate_grace_period = 3\nc.GpuFrac.lease_poll_interval = 1\n"
+        with running_server(tmp / "server", agent.socket, config) as server:
+            yield agent, server
+
+
+def test_job_moves_a_notebook_and_its_state_survives(
+    node: tuple[AgentProcess, Server], tmp_path: Path
+) -> None:
+    agent, server = node
+    server_pid = server.process.pid
+    first, second = server.open_notebook("first.ipynb"), server.open_notebook("second.ipynb")
+    before = {nb.kernel_id: where(nb.ok(STATE)) for nb in (first, second)}
+    # Spread: each notebook has a GPU of its own.
+    assert {gpu for _, gpu in before.values()} == {
+        gpu["uuid"] for gpu in server.get("/api/gpufrac/node")["gpus"]
+    }
+
+    out = tmp_path / "job-gpu"
+    job = subprocess.run(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
+         "--timeout", "120", "--", "sh", "-c", f'echo "$CUDA_VISIBLE_DEVICES" > {out}; sleep 1'],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert job.returncode == 0, job.stderr
+
+    moved = [nb for nb in (first, second) if "migrated" in server.events(nb.kernel_id)]
+    assert len(moved) == 1, [server.events(nb.kernel_id) for nb in (first, second)]
+    [mover] = moved
+    [stayer] = [nb for nb in (first, second) if nb is not mover]
+    freed = before[mover.kernel_id][1]
+    # The job ran on the GPU the notebook left.
+    assert out.read_text().strip() == freed
+
+    def restored_status() -> dict[str, Any] | None:
+        status = server.kernel_status(mover.kernel_id)
+        return status if status["events"][-1]["event"] == "restored" else None
+
+    status = wait_for(restored_status, 60, "the restore report")
+    kinds = [event["event"] for event in status["events"]]
+    assert kinds[:4] == ["placed", "migrating", "migrated", "restored"], kinds
+    restored = status["events"][-1]
+    # Nothing of the user's was lost (interpreter bookkeeping such as __warningregistry__ aside).
+    assert [name for name in restored["lost"] if not name.startswith("__")] == []
+    assert {"shared", "data", "t", "holder", "model", "opt", "weight_sum"} <= set(restored["restored"])
+    assert "free GPU" in restored["message"] and "variables restored" in restored["message"]
+    assert status["state"] == "restored" and status["gpu"]["uuid"] != freed
+
+    # Same kernel id, same websocket: the page never reconnected.
+    output = mover.ok(CHECK)
+    pid, gpu = where(output)
+    assert pid != before[mover.kernel_id][0] and gpu == status["gpu"]["uuid"]
+    # The first cell after the move tells the user what happened.
+    assert "free GPU" in output
+    # The other notebook and the server were not touched.
+    assert where(stayer.ok(CHECK)) == before[stayer.kernel_id]
+    assert "migrating" not in server.events(stayer.kernel_id)
+    assert server.process.pid == server_pid and server.process.poll() is None
+    for nb in (first, second):
+        nb.close()
+
+
+def test_busy_notebook_moves_after_the_grace_period_from_its_last_checkpoint(
+    node: tuple[AgentProcess, Server],
+) -> None:
+    agent, server = node
+    # The node is compacted after the first test: a new notebook gets the idle GPU.
+    nb = server.open_notebook("busy.ipynb")
+    gpu = where(nb.ok("import os\nsaved = 'before'\n%gpu checkpoint\n"
+                      "print('WHERE', os.getpid(), os.environ['CUDA_VISIBLE_DEVICES'])"))[1]
+    nb.send("unsaved = 'after'\nimport time\ntime.sleep(600)")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
+         "--timeout", "120", "--", "sleep", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        def restored() -> dict[str, Any] | None:
+            status = server.kernel_status(nb.kernel_id)
+            return status if status["events"][-1]["event"] == "restored" else None
+
+        status = wait_for(restored, 90, "the busy notebook to be moved")
+        assert job.wait(60) == 0, job.stderr.read() if job.stderr else ""
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert status["gpu"]["uuid"] != gpu
+    message = status["events"][-1]["message"]
+    assert "a cell was still running when the grace period ended" in message, message
+    output = nb.ok("print(saved, 'unsaved' in globals())")
+    assert "before False" in output
+    nb.close()
+    server.api(f"/api/kernels/{nb.kernel_id}", "DELETE")
+
+
+def test_larger_request_moves_the_notebook(node: tuple[AgentProcess, Server]) -> None:
+    _, server = node
+    for kernel in server.get("/api/kernels"):  # start from an empty node
+        server.api(f"/api/kernels/{kernel['id']}", "DELETE")
+    # Spread: the first two notebooks get a GPU each, the third shares one with the first.
+    notebooks = [server.open_notebook(f"n{i}.ipynb") for i in range(3)]
+    grower = notebooks[2]
+    gpus = [server.kernel_status(nb.kernel_id)["gpu"]["uuid"] for nb in notebooks]
+    assert gpus[0] != gpus[1] and gpus[2] == gpus[0], gpus
+    gpu = gpus[2]
+    grower.ok("x = 41")
+    # 0.8 of a GPU does not fit beside the first notebook's guarantee: the agent moves it.
+    assert "moving this kernel" in grower.ok("%gpu request 0.8")
+
+    def restored() -> dict[str, Any] | None:
+        status = server.kernel_status(grower.kernel_id)
+        return status if status["events"][-1]["event"] == "restored" else None
+
+    status = wait_for(restored, 60, "the grown notebook to be moved")
+    assert status["gpu"]["uuid"] != gpu and status["lease"]["request_spec"] == "0.8"
+    assert "because its request changed" in status["events"][-1]["message"]
+    assert "request or limit changed" in grower.ok("print(x + 1)")
+    for nb in notebooks:
+        nb.close()
+        server.api(f"/api/kernels/{nb.kernel_id}", "DELETE")
+
+
+def test_gpu_request_errors_and_the_next_kernel_remembers(node: tuple[AgentProcess, Server]) -> None:
+    _, server = node
+    nb = server.open_notebook("magic.ipynb")
+    reply = nb.run("%gpu request lots")
+    assert reply.status == "error" and "UsageError" in reply.error
+    assert "request" in reply.error and "fraction" in reply.error
+    reply = nb.run("%gpu request 0.5 --limit 0.25")
+    assert reply.status == "error" and "limit" in reply.error and "at least the request" in reply.error
+    # A change that fits where the kernel is: in place, and the user's next kernel asks the same.
+    assert "request is now" in nb.ok("%gpu request 0.3 --limit 0.5 --no-checkpoint")
+    lease = server.kernel_status(nb.kernel_id)["lease"]
+    assert (lease["request_spec"], lease["limit_spec"]) == ("0.3", "0.5")
+    remembered = server.root.parent / "data" / "gpufrac" / "checkpoints" / "last-request.json"
+    wait_for(
+        lambda: remembered.exists() and json.loads(remembered.read_text())["request"] == "0.3",
+        10, "the server to remember the request",
+    )
+    after = server.open_notebook("after.ipynb")
+    lease = server.kernel_status(after.kernel_id)["lease"]
+    assert (lease["request_spec"], lease["limit_spec"]) == ("0.3", "0.5")
+    for notebook in (nb, after):
+        notebook.close()
+        server.api(f"/api/kernels/{notebook.kernel_id}", "DELETE")

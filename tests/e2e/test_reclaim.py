@@ -1,0 +1,77 @@
+"""Reclaim: a borrower above its request is asked to shrink, then stopped; it comes back restored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from server.agent_process import AgentProcess, running_agent
+
+from .jupyter_process import Server, running_server, wait_for
+
+pytestmark = pytest.mark.e2e
+
+KERNELSPECS = {
+    # 256 MiB guaranteed, may burst to the whole 2 GiB GPU.
+    "borrower": {"gpufrac": {"request": "0.125", "limit": "1"}},
+    # 1 GiB guaranteed, no bursting.
+    "owner": {"gpufrac": {"request": "0.5", "limit": "0.5"}},
+}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
+    """One simulated 2 GiB GPU, a short reclaim grace period, and a server."""
+    tmp = tmp_path_factory.mktemp("reclaim")
+    args = ("--poll-interval", "0.2", "--reclaim-grace", "2", "--headroom", "0.25")
+    with running_agent(tmp / "agent", "1x2GiB", *args) as agent:
+        config = "c.GpuFrac.lease_poll_interval = 0.5\n"
+        with running_server(tmp / "server", agent.socket, config, KERNELSPECS) as server:
+            yield agent, server
+
+
+def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, Server]) -> None:
+    _, server = node
+    borrower = server.open_notebook("borrower.ipynb", kernel="borrower")
+    borrower.ok("import torch\nkeep = {'numbers': [1, 2, 3]}\ng = (i for i in range(3))\n"
+                "%gpu checkpoint")
+    # A long cell holding 1 GB of (simulated device) memory: far above its 256 MiB request.
+    borrower.send("big = torch.ones(1000 * 2**20 // 4)\nimport time\ntime.sleep(600)")
+
+    def state() -> str:
+        return str(server.kernel_status(borrower.kernel_id)["state"])
+
+    wait_for(lambda: state() == "bursting", 60, "the borrower to burst")
+    wait_for(lambda: "bursting" in server.events(borrower.kernel_id), 10, "the bursting event")
+
+    owner = server.open_notebook("owner.ipynb", kernel="owner")
+    owner_pid = owner.ok("import os, torch\nprint(os.getpid())").strip()
+    # The owner grows within its guarantee, into memory the borrower holds.
+    owner.ok("mine = torch.ones(400 * 2**20 // 4)")
+
+    def restored() -> dict[str, Any] | None:
+        status = server.kernel_status(borrower.kernel_id)
+        return status if status["events"][-1]["event"] == "restored" else None
+
+    status = wait_for(restored, 120, "the borrower to be stopped and restored")
+    kinds = [event["event"] for event in status["events"]]
+    assert kinds.index("shrink_requested") < kinds.index("oom_killed") < kinds.index("restored"), kinds
+    shrink = status["events"][kinds.index("shrink_requested")]
+    assert shrink["request"] == 2**30 // 4 and shrink["usage"] > shrink["request"]
+    killed = status["events"][kinds.index("oom_killed")]
+    assert "loaned memory" in killed["message"] and "restored from its last checkpoint" in killed["message"]
+    report = status["events"][-1]
+    assert "keep" in report["restored"]
+    # The generator could not be saved; the running cell's work came after the checkpoint.
+    assert report["lost"] == ["g"], report
+    assert "lost: g" in report["message"] and "work after the checkpoint" in report["message"]
+
+    # The same page goes on: the first cell says what happened, the checkpointed state is back.
+    output = borrower.ok("print(keep['numbers'], 'big' in globals())")
+    assert "[1, 2, 3] False" in output and "g" in output.split("[1, 2, 3]")[0]
+    assert server.kernel_status(borrower.kernel_id)["lease"]["state"] == "active"
+    # The owner was never touched.
+    assert owner.ok("print(os.getpid(), mine.numel())").split() == [owner_pid, str(400 * 2**20 // 4)]
+    borrower.close()
+    owner.close()

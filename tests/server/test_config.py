@@ -1,0 +1,111 @@
+"""Configuration: every ``c.GpuFrac`` trait is checked and a bad value names itself."""
+
+from __future__ import annotations
+
+import pytest
+from traitlets import TraitError
+from traitlets.config import Config
+
+from jupyter_gpufrac.app import GpuFrac
+from jupyter_gpufrac.launch import resolve_share
+from node_agent.quantities import QuantityError
+
+
+def make_app(**traits: object) -> GpuFrac:
+    return GpuFrac(config=Config({"GpuFrac": traits}))
+
+
+@pytest.mark.parametrize(
+    ("traits", "expected"),
+    [
+        ({"default_request": "lots"}, "c.GpuFrac.default_request: expected a fraction"),
+        ({"default_request": "1.5"}, "c.GpuFrac.default_request: a fraction must be at most 1"),
+        ({"default_limit": "-1"}, "c.GpuFrac.default_limit: expected a fraction"),
+        ({"migrate_grace_period": -5}, "c.GpuFrac.migrate_grace_period: expected seconds >= 0"),
+        ({"embedded_agent_timeout": 0}, "c.GpuFrac.embedded_agent_timeout: expected seconds >= 0.1"),
+        ({"checkpoint_dir": "relative/dir"}, "c.GpuFrac.checkpoint_dir: expected an absolute path"),
+        ({"agent_socket": "./agent.sock"}, "c.GpuFrac.agent_socket: expected an absolute path"),
+        ({"embedded_agent_simulate": "two GPUs"}, "c.GpuFrac.embedded_agent_simulate: expected"),
+    ],
+)
+def test_bad_value_names_the_trait_and_what_was_expected(traits: dict[str, object], expected: str) -> None:
+    with pytest.raises(TraitError) as info:
+        make_app(**traits)
+    assert expected in str(info.value)
+
+
+def test_limit_below_request_is_refused() -> None:
+    app = make_app(default_request="0.5", default_limit="0.25")
+    with pytest.raises(TraitError, match=r"c.GpuFrac.default_limit: must be at least default_request"):
+        app.check_limits()
+
+
+def test_good_values_are_kept() -> None:
+    app = make_app(
+        default_request="4Gi", default_limit="8Gi", migrate_grace_period=0,
+        checkpoint_dir="~/ck", embedded_agent_simulate="4xH100-80GB",
+    )
+    app.check_limits()
+    assert app.default_request == "4Gi"
+    assert app.checkpoint_dir.endswith("/ck") and app.checkpoint_dir.startswith("/")
+    assert app.migrate_grace_period == 0
+
+
+def test_agent_socket_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", "/tmp/somewhere/agent.sock")
+    assert GpuFrac().agent_socket == "/tmp/somewhere/agent.sock"
+    monkeypatch.delenv("GPUFRAC_AGENT_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/nonexistent-runtime")
+    assert GpuFrac().agent_socket.endswith("/agent.sock")
+
+
+def test_every_trait_has_help_and_is_configurable() -> None:
+    own = GpuFrac.class_own_traits(config=True)
+    assert {"agent_socket", "default_request", "default_limit", "migrate_grace_period",
+            "checkpoint_dir", "embedded_agent", "embedded_agent_simulate"} <= set(own)
+    for name, trait in own.items():
+        assert trait.help, name
+
+
+# -- where a new kernel's request and limit come from -------------------------------------
+
+
+def test_kernelspec_wins_and_keeps_its_own_limit() -> None:
+    share = resolve_share(
+        {"gpufrac": {"request": 0.5, "limit": "12Gi"}}, {"request": "0.1", "limit": "0.2"},
+        {"RUNAI_GPU_MEMORY_LIMIT": "0.9"}, "0.25", "1",
+    )
+    assert (share.request, share.limit, share.request_source) == ("0.5", "12Gi", "kernelspec")
+
+
+def test_last_gpu_request_beats_config() -> None:
+    share = resolve_share({}, {"request": "2Gi", "limit": None}, {}, "0.25", "1")
+    assert (share.request, share.limit) == ("2Gi", "1")
+    assert (share.request_source, share.limit_source) == ("last %gpu request", "c.GpuFrac")
+
+
+def test_runai_limit_is_a_limit_and_beats_config() -> None:
+    share = resolve_share(None, None, {"RUNAI_GPU_MEMORY_LIMIT": "2500M"}, "0.25", "1")
+    assert (share.request, share.limit, share.limit_source) == ("0.25", "2500M", "RUNAI_GPU_MEMORY_LIMIT")
+
+
+def test_limit_never_comes_from_an_earlier_source() -> None:
+    share = resolve_share({"gpufrac": {"limit": "0.3"}}, None, {}, "0.25", "")
+    # The kernelspec gave only a limit: the request comes from config, the limit is not the
+    # kernelspec's (a source before the request's own) -- empty config limit means request.
+    assert (share.request, share.limit) == ("0.25", None)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "environ", "field"),
+    [
+        ({"gpufrac": {"request": "a lot"}}, {}, "metadata.gpufrac.request"),
+        ({"gpufrac": {"request": "0.2", "limit": "7 bananas"}}, {}, "metadata.gpufrac.limit"),
+        ({"gpufrac": "0.5"}, {}, "metadata.gpufrac"),
+        ({}, {"RUNAI_GPU_MEMORY_LIMIT": "1.7"}, "RUNAI_GPU_MEMORY_LIMIT"),
+    ],
+)
+def test_bad_share_names_its_source(metadata: dict[str, object], environ: dict[str, str], field: str) -> None:
+    with pytest.raises(QuantityError) as info:
+        resolve_share(metadata, None, environ, "0.25", "1")
+    assert info.value.field == field

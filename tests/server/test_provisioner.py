@@ -1,0 +1,198 @@
+"""The provisioner's launch arguments and environment, across restarts, with real kernels."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+from jupyter_gpufrac.launch import EXT_ARGUMENT, build_kernel_env, kernel_arguments
+from jupyter_gpufrac.provisioner import GpuFracProvisioner
+
+from .agent_process import AgentProcess
+
+LEASE = {
+    "id": "l-1", "request": 100, "limit": 200, "state": "active",
+    "physical_gpus": ["GPU-b"], "target_gpus": [],
+}
+GPUS = {"GPU-b": {"uuid": "GPU-b", "index": 1, "name": "Sim", "memory_total": 1000}}
+
+
+def test_arguments_are_a_new_list_with_the_extension_once() -> None:
+    given = ["--foo", EXT_ARGUMENT]
+    built = kernel_arguments(given, load_extension=True)
+    assert built == ["--foo", EXT_ARGUMENT] and built is not given
+    assert kernel_arguments(built, load_extension=True) == ["--foo", EXT_ARGUMENT]
+    assert kernel_arguments(["--foo"], load_extension=False) == ["--foo"]
+    assert given == ["--foo", EXT_ARGUMENT]
+
+
+def test_env_is_new_and_drops_what_an_earlier_launch_set() -> None:
+    base = {"PATH": "/bin", "GPUFRAC_RESTORE": "1", "GPUFRAC_LEASE_ID": "l-old"}
+    env = build_kernel_env(
+        base, kernel_id="k", socket_path="/s", checkpoint_dir="/c", lease=LEASE, gpus=GPUS,
+        simulated=True, restart_reason=None, hide_gpus=False,
+    )
+    assert base["GPUFRAC_RESTORE"] == "1"  # the caller's dict is untouched
+    assert "GPUFRAC_RESTORE" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-b"
+    assert [env["GPUFRAC_LEASE_ID"], env["GPUFRAC_REQUEST"], env["GPUFRAC_LIMIT"]] == ["l-1", "100", "200"]
+    gpu = [env["GPUFRAC_GPU_INDEX"], env["GPUFRAC_GPU_TOTAL"], env["GPUFRAC_SIMULATED"]]
+    assert gpu == ["1", "1000", "1"]
+
+
+def test_env_while_migrating_points_at_the_target() -> None:
+    moving = {**LEASE, "state": "migrating", "target_gpus": ["GPU-c"]}
+    reason = {"cause": "migrated", "message": "m", "from_gpu": "GPU-b", "to_gpu": "GPU-c"}
+    env = build_kernel_env(
+        {}, kernel_id="k", socket_path="/s", checkpoint_dir="/c", lease=moving, gpus=GPUS,
+        simulated=False, restart_reason=reason, hide_gpus=False,
+    )
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-c"
+    assert env["GPUFRAC_RESTORE"] == "1"
+    assert json.loads(env["GPUFRAC_RESTART_REASON"]) == reason
+    assert "GPUFRAC_SIMULATED" not in env
+
+
+@pytest.mark.parametrize(("hide", "expected"), [(True, ""), (False, "GPU-parent")])
+def test_env_without_lease(hide: bool, expected: str) -> None:
+    env = build_kernel_env(
+        {"CUDA_VISIBLE_DEVICES": "GPU-parent"}, kernel_id="k", socket_path="/s",
+        checkpoint_dir="/c", lease=None, gpus={}, simulated=False, restart_reason=None,
+        hide_gpus=hide,
+    )
+    assert env["CUDA_VISIBLE_DEVICES"] == expected
+    assert "GPUFRAC_LEASE_ID" not in env
+
+
+# -- real kernels, a real agent -------------------------------------------------------------
+
+
+def write_kernelspec(root: Path, metadata: dict[str, object]) -> KernelSpecManager:
+    """An ipykernel kernelspec that names our provisioner itself (no server config needed)."""
+    spec_dir = root / "kernels" / "gpu-python"
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python (GPU)",
+        "language": "python",
+        "metadata": {"kernel_provisioner": {"provisioner_name": "gpufrac-provisioner"}, **metadata},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return KernelSpecManager(kernel_dirs=[str(root / "kernels")])
+
+
+def process_view(pid: int) -> tuple[list[str], dict[str, str]]:
+    """A live process's command line and environment, as the kernel sees them."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    items = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    env = dict(item.split("=", 1) for item in items if "=" in item)
+    return argv, env
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, agent: AgentProcess) -> Path:
+    """Stand-alone provisioner settings: the agent's socket and checkpoints under tmp."""
+    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", agent.socket)
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.delenv("RUNAI_GPU_MEMORY_LIMIT", raising=False)
+    return tmp_path
+
+
+async def test_lease_env_and_arguments_across_restarts(isolated: Path, no_leases: AgentProcess) -> None:
+    ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25", "limit": "0.5"}})
+    km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
+    await km.start_kernel()
+    try:
+        provisioner = km.provisioner
+        assert isinstance(provisioner, GpuFracProvisioner)
+        lease = no_leases.client().lease(provisioner.lease["id"])
+        assert lease["kernel_id"] == km.kernel_id and lease["request_spec"] == "0.25"
+        assert lease["pids"] == [provisioner.pid]
+        gpu = lease["physical_gpu"]
+        for launch in range(3):
+            argv, env = process_view(provisioner.pid)
+            assert argv.count(EXT_ARGUMENT) == 1, argv
+            assert env["CUDA_VISIBLE_DEVICES"] == gpu
+            assert env["GPUFRAC_LEASE_ID"] == lease["id"]
+            assert env["GPUFRAC_REQUEST"] == str(lease["request"])
+            assert env["GPUFRAC_KERNEL_ID"] == km.kernel_id
+            assert env["GPUFRAC_SIMULATED"] == "1"
+            checkpoint_dir = Path(env["GPUFRAC_CHECKPOINT_DIR"])
+            assert checkpoint_dir.is_dir() and checkpoint_dir.stat().st_mode & 0o777 == 0o700
+            if launch == 1:
+                # The restart asked for by the server restores; the user's next one does not.
+                assert env["GPUFRAC_RESTORE"] == "1"
+                assert json.loads(env["GPUFRAC_RESTART_REASON"])["cause"] == "oom_killed"
+            else:
+                assert "GPUFRAC_RESTORE" not in env and "GPUFRAC_RESTART_REASON" not in env
+            if launch == 0:
+                provisioner.request_restore({"cause": "oom_killed", "message": "test"})
+            await km.restart_kernel(now=True)
+            # The lease is kept across restarts: same id, the new pid registered.
+            assert provisioner.lease["id"] == lease["id"]
+            assert no_leases.client().lease(lease["id"])["pids"] == [provisioner.pid]
+        assert provisioner.launches == 4
+    finally:
+        await km.shutdown_kernel(now=True)
+    assert provisioner.lease is None  # released: the no_leases fixture checks the agent
+
+
+async def test_kernel_starts_without_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    socket = str(tmp_path / "nobody" / "agent.sock")
+    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", socket)
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-untouched")
+    ksm = write_kernelspec(tmp_path, {})
+    km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
+    await km.start_kernel()
+    try:
+        provisioner = km.provisioner
+        assert isinstance(provisioner, GpuFracProvisioner)
+        assert provisioner.lease is None
+        assert socket in (provisioner.no_gpu_reason or "")
+        _, env = process_view(provisioner.pid)
+        # Nothing is managed on this node: the kernel keeps whatever GPUs it was given.
+        assert env["CUDA_VISIBLE_DEVICES"] == "GPU-untouched"
+        assert "GPUFRAC_LEASE_ID" not in env
+        client = km.client()
+        client.start_channels()
+        await client.wait_for_ready(timeout=60)
+        reply = await client.execute("1 + 1", reply=True, timeout=60)
+        assert reply["content"]["status"] == "ok"
+        client.stop_channels()
+    finally:
+        await km.shutdown_kernel(now=True)
+
+
+async def test_request_the_agent_refuses_fails_clearly(isolated: Path, no_leases: AgentProcess) -> None:
+    ksm = write_kernelspec(isolated, {"gpufrac": {"request": "64Gi"}})
+    km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
+    with pytest.raises(ValueError, match=r"GPU request .* refused by the agent: .*more than one GPU"):
+        await km.start_kernel()
+
+
+async def test_full_node_starts_the_kernel_without_gpus(isolated: Path, no_leases: AgentProcess) -> None:
+    client = no_leases.client()
+    jobs = [client.create_lease(client="test", kind="job", request="1") for _ in range(2)]
+    ksm = write_kernelspec(isolated, {})
+    km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
+    try:
+        await km.start_kernel()
+        provisioner = km.provisioner
+        assert isinstance(provisioner, GpuFracProvisioner)
+        assert provisioner.lease is None
+        assert "gave this kernel no GPU" in (provisioner.no_gpu_reason or "")
+        _, env = process_view(provisioner.pid)
+        # The GPUs are leased to others: the kernel must not use them.
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
+        await km.shutdown_kernel(now=True)
+    finally:
+        for job in jobs:
+            client.release(job["id"])
