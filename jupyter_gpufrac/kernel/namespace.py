@@ -20,8 +20,9 @@ _HISTORY = re.compile(r"^_(i|ii|iii|i\d+|\d+)$")
 
 
 def is_ipython_name(name: str) -> bool:
-    """True for names IPython owns rather than the user."""
-    return name in _IPYTHON_NAMES or bool(_HISTORY.match(name))
+    """True for names IPython or the interpreter own (``__warningregistry__``), not the user."""
+    dunder = len(name) > 4 and name.startswith("__") and name.endswith("__")
+    return dunder or name in _IPYTHON_NAMES or bool(_HISTORY.match(name))
 
 
 @dataclass
