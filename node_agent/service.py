@@ -278,7 +278,7 @@ class Agent:
         )
         with self.ledger.transaction():
             self.ledger.insert(lease)
-            self._start_moves(moves, f"free {self._labels(physical)} for {kind} {lease.id}")
+            self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
         log.info("lease %s (%s, uid %d): request %s on %s, physical %s, %d move(s)",
                  lease.id, kind, caller.uid, format_bytes(req), logical, physical, len(moves))
         return self.ledger.leases[lease.id]
@@ -301,6 +301,12 @@ class Agent:
         if moves is None:
             raise ApiError(409, "request", "no set of moves makes room; try again shortly")
         return logical, physical, moves
+
+    @staticmethod
+    def _describe(lease: Lease) -> str:
+        """``job "python train.py" (l-…)``: what a person recognises, and the id to look up."""
+        name = lease.name if len(lease.name) <= 40 else lease.name[:39] + "…"
+        return f'{lease.kind} "{name}" ({lease.id})' if name else f"{lease.kind} {lease.id}"
 
     def _labels(self, uuids: Iterable[str]) -> str:
         return ", ".join(self.gpu_label(u) for u in uuids)
@@ -352,7 +358,7 @@ class Agent:
         reason = (f"moved from {self._labels(lease.physical)} to {self._labels(physical)} "
                   f"because its request changed to {format_bytes(req)}")
         with self.ledger.transaction():
-            self._start_moves(moves, f"make room for {lease.id}")
+            self._start_moves(moves, f"make room for {self._describe(lease)}")
             deadline = time.time() + self.config.migrate_grace
             lease = self.ledger.update(lease.id, **changes, logical=logical, target=physical,
                                        state="migrating", deadline=deadline, reason=reason)

@@ -38,8 +38,10 @@ def names_list(names: Sequence[str]) -> str:
     return f"{text} and {more} more" if more > 0 else text
 
 
-def _gpu(name: str) -> str:
-    # The server may send an index ("1"), a label ("GPU 1") or a UUID ("GPU-…").
+def _gpu(name: str) -> str | None:
+    """``GPU 1`` for an index or a label; None for a UUID, which means nothing to people."""
+    if name.upper().startswith(("GPU-", "MIG-")):
+        return None
     return name if name.upper().startswith("GPU") else f"GPU {name}"
 
 
@@ -47,11 +49,13 @@ def restart_cause(reason: RestartReason | None) -> str:
     """One clause saying why the kernel was restarted."""
     if reason is None:
         return "This kernel was restarted by jupyter-gpufrac."
-    gpus = ""
-    if reason.from_gpu and reason.to_gpu:
-        gpus = f" from {_gpu(reason.from_gpu)} to {_gpu(reason.to_gpu)}"
-    elif reason.to_gpu:
-        gpus = f" to {_gpu(reason.to_gpu)}"
+    detail = reason.message.strip().rstrip(".")
+    if reason.cause == "migrated" and detail.lower().startswith("moved "):
+        # The server's sentence already says from where to where, by index.
+        return f"This kernel was {detail[0].lower()}{detail[1:]}."
+    src = _gpu(reason.from_gpu) if reason.from_gpu else None
+    dst = _gpu(reason.to_gpu) if reason.to_gpu else None
+    gpus = f" from {src} to {dst}" if src and dst else f" to {dst}" if dst else ""
     if reason.cause == "migrated":
         head = f"This kernel was moved{gpus}"
     elif reason.cause == "oom_killed":
@@ -61,7 +65,6 @@ def restart_cause(reason: RestartReason | None) -> str:
         head = f"This kernel was restarted{gpus} because its GPU request or limit changed"
     else:
         head = "This kernel was restarted by jupyter-gpufrac"
-    detail = reason.message.strip().rstrip(".")
     return f"{head}: {detail}." if detail else f"{head}."
 
 
