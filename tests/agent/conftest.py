@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from node_agent.client import AgentClient
+from support import AgentProcess
 
 ALLOCATE = (
     "import sys\n"
@@ -31,46 +27,6 @@ ALLOCATE = (
 )
 
 
-@dataclass
-class AgentProcess:
-    """A `gpufrac-agent serve` subprocess; restartable on the same socket and state."""
-
-    socket: str
-    state_dir: str
-    args: list[str]
-    proc: subprocess.Popen[str] | None = None
-    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
-
-    def start(self) -> AgentProcess:
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "node_agent", "serve", "--socket", self.socket,
-                 "--state-dir", self.state_dir, *self.args],
-                stdout=subprocess.PIPE, stderr=log, text=True,
-            )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert "ready" in line, f"agent did not start: {line!r}\n{self.log.read_text()}"
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: no clean-up at all, as in a crash."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def client(self, timeout: float = 10.0) -> AgentClient:
-        return AgentClient(self.socket, timeout=timeout)
-
-
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A temporary directory other uids may enter (pytest's own are 0700)."""
@@ -85,11 +41,10 @@ def start_agent(shared_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
     def start(*args: str, spec: str = "2x1GiB") -> AgentProcess:
-        agent = AgentProcess(
-            socket=str(shared_tmp / f"agent{len(started)}.sock"),
-            state_dir=str(shared_tmp / f"state{len(started)}"),
-            args=["--simulate", spec, "--poll-interval", "0.05", *args],
-        )
+        root = shared_tmp / f"agent{len(started)}"
+        root.mkdir()
+        root.chmod(0o755)
+        agent = AgentProcess(root, spec, ["--poll-interval", "0.05", *args])
         started.append(agent.start())
         return agent
 
@@ -141,14 +96,3 @@ def holders() -> Iterator[Callable[..., Holder]]:
     for h in made:
         h.stop()
 
-
-def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
-    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)

@@ -12,12 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from support import AgentProcess, wait_for
 
 from node_agent import procs
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
 from node_agent.quantities import GiB
 
-from .conftest import AgentProcess, Holder, wait_for
+from .conftest import Holder
 
 NOBODY = 65534
 

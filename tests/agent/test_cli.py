@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .conftest import AgentProcess, wait_for
+from support import AgentProcess, wait_for
 
 
 def test_demo_places_spreads_and_compacts() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from support import wait_for
 
 from node_agent.devices import (
     BackendUnavailable,
@@ -23,7 +24,7 @@ from node_agent.devices.nvml import MIG_UNSUPPORTED
 from node_agent.devices.simulated import parse_spec
 from node_agent.quantities import GiB, QuantityError
 
-from .conftest import Holder, wait_for
+from .conftest import Holder
 from .fake_pynvml import FakeNvml
 
 

@@ -8,9 +8,11 @@ import sqlite3
 import threading
 from collections.abc import Callable
 
+from support import AgentProcess, wait_for
+
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
 
-from .conftest import AgentProcess, Holder, wait_for
+from .conftest import Holder
 
 GiB = 2**30
 

@@ -8,7 +8,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .conftest import AgentProcess, Holder, wait_for
+from support import AgentProcess, wait_for
+
+from .conftest import Holder
 
 MiB = 2**20
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from support import wait_for
 
 if TYPE_CHECKING:
     from conftest import Lab
@@ -58,14 +59,11 @@ IGNORED_CONSOLE = (re.compile(r"favicon"),)
 
 
 def _wait_for(what: str, check: Callable[[], object], timeout: float, lab: Lab) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n--- lab log ---\n{lab.log_tail()}")
-        time.sleep(0.5)
+    """``wait_for``, with the tail of the Lab's log in the failure message."""
+    try:
+        return wait_for(check, timeout, what, interval=0.5)
+    except AssertionError as err:
+        pytest.fail(f"{err}\n--- lab log ---\n{lab.log_tail()}")
 
 
 def _kernel_gpu(lab: Lab, kernel_id: str) -> int | None:

@@ -13,27 +13,15 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import websocket
+from support import wait_for
 
-T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Poll ``check`` until it returns something truthy, or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 def free_port() -> int:
@@ -150,7 +138,7 @@ def start_server(
             return False
 
     try:
-        wait_for(ready, deadline_s, "the jupyter server to answer")
+        wait_for(ready, deadline_s, "the jupyter server to answer", interval=0.2)
     except BaseException:
         stop_server(server)
         raise

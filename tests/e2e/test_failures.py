@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import wait_for
 
-from .jupyter_process import running_server, wait_for
+from .jupyter_process import running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -16,7 +17,7 @@ def test_bad_configuration_names_the_trait(tmp_path: Path) -> None:
     with running_server(tmp_path, str(tmp_path / "none.sock"), config) as server:
         line = wait_for(
             lambda: next((ln for ln in server.log_text().splitlines() if "c.GpuFrac." in ln), None),
-            30, "the configuration error in the server log",
+            30, "the configuration error in the server log", interval=0.2,
         )
         assert "c.GpuFrac.default_request: expected a fraction" in line, line
         # The server itself keeps running; only the extension is missing.

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from server.agent_process import AgentProcess, running_agent
+from support import AgentProcess, wait_for
 
-from .jupyter_process import Server, running_server, wait_for
+from .jupyter_process import Server, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProces
     """One simulated 2 GiB GPU, a short reclaim grace period, and a server."""
     tmp = tmp_path_factory.mktemp("reclaim")
     args = ("--poll-interval", "0.2", "--reclaim-grace", "2", "--headroom", "0.25")
-    with running_agent(tmp / "agent", "1x2GiB", *args) as agent:
+    with AgentProcess(tmp / "agent", "1x2GiB", args) as agent:
         config = "c.GpuFrac.lease_poll_interval = 0.5\n"
         with running_server(tmp / "server", agent.socket, config, KERNELSPECS) as server:
             yield agent, server
@@ -42,8 +42,8 @@ def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, S
     def state() -> str:
         return str(server.kernel_status(borrower.kernel_id)["state"])
 
-    wait_for(lambda: state() == "bursting", 60, "the borrower to burst")
-    wait_for(lambda: "bursting" in server.events(borrower.kernel_id), 10, "the bursting event")
+    wait_for(lambda: state() == "bursting", 60, "the borrower to burst", interval=0.2)
+    wait_for(lambda: "bursting" in server.events(borrower.kernel_id), 10, "the bursting event", interval=0.2)
 
     owner = server.open_notebook("owner.ipynb", kernel="owner")
     owner_pid = owner.ok("import os, torch\nprint(os.getpid())").strip()
@@ -54,7 +54,7 @@ def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, S
         status = server.kernel_status(borrower.kernel_id)
         return status if status["events"][-1]["event"] == "restored" else None
 
-    status = wait_for(restored, 120, "the borrower to be stopped and restored")
+    status = wait_for(restored, 120, "the borrower to be stopped and restored", interval=0.2)
     kinds = [event["event"] for event in status["events"]]
     assert kinds.index("shrink_requested") < kinds.index("oom_killed") < kinds.index("restored"), kinds
     shrink = status["events"][kinds.index("shrink_requested")]

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from support import AgentProcess, wait_for
+
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from node_agent.client import AgentClient
-
-from .conftest import Agent
 
 
 class Recorder:
@@ -24,13 +24,6 @@ class Recorder:
     def __call__(self, directive: Mapping[str, Any]) -> None:
         self.seen.append(directive)
         self.arrived.set()
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_watcher_survives_an_absent_agent(tmp_path: Path) -> None:
@@ -53,7 +46,7 @@ def spread_lease(client: AgentClient) -> dict[str, Any]:
     return dict(lease)
 
 
-def test_watcher_gets_migrate_and_survives_an_agent_restart(agent: Agent) -> None:
+def test_watcher_gets_migrate_and_survives_an_agent_restart(agent: AgentProcess) -> None:
     client = agent.client()
     lease = spread_lease(client)
     recorder = Recorder()
@@ -76,7 +69,7 @@ def test_watcher_gets_migrate_and_survives_an_agent_restart(agent: Agent) -> Non
         watcher.stop()
 
 
-def test_a_restarted_kernel_does_not_replay_the_directive_that_moved_it(agent: Agent) -> None:
+def test_a_restarted_kernel_does_not_replay_the_directive_that_moved_it(agent: AgentProcess) -> None:
     client = agent.client()
     lease = spread_lease(client)
     client.create_lease(client="job", kind="job", request="1")  # sends the migrate

@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+from support import AgentProcess, wait_for
 
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
 
-from .conftest import Agent
 from .kernels import running_kernel
 from .test_directives import spread_lease
 
@@ -87,7 +87,7 @@ weights_before = model.fc.weight.detach().clone()
 """
 
 
-def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent: Agent) -> None:
+def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent: AgentProcess) -> None:
     client = agent.client()
     lease = spread_lease(client)
     ckdir = tmp_path / "ck"
@@ -176,9 +176,8 @@ sys.stdin.readline()
 
 
 def test_bursting_kernel_checkpoints_and_hears_shrink(tmp_path: Path) -> None:
-    root = tmp_path / "agent"
-    root.mkdir()
-    agent = Agent(root, spec="1x1GiB", args=("--poll-interval", "0.2", "--reclaim-grace", "300"))
+    agent = AgentProcess(tmp_path / "agent", "1x1GiB",
+                         ["--log-level", "warning", "--poll-interval", "0.2", "--reclaim-grace", "300"])
     agent.start()
     owner: subprocess.Popen[str] | None = None
     try:
@@ -231,10 +230,3 @@ def test_bursting_kernel_checkpoints_and_hears_shrink(tmp_path: Path) -> None:
             owner.kill()
             owner.wait()
         agent.stop()
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)

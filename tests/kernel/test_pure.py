@@ -54,7 +54,7 @@ def test_namespace_selection() -> None:
     hidden_exit = object()
     ns = {"In": [], "Out": {}, "_": 1, "__": 2, "_i": "", "_i12": "", "_12": 3, "_oh": {},
           "exit": hidden_exit, "quit": object(), "x": 1, "_private": 2, "types": types,
-          "__builtins__": {}, "get_ipython": print}
+          "__builtins__": {}, "get_ipython": print, "__warningregistry__": {}}
     sel = namespace.select(ns, {"exit": hidden_exit})
     assert set(sel.values) == {"x", "_private"}
     assert sel.modules == {"types": "types"}
@@ -108,13 +108,20 @@ def test_automatic_checkpoints_bounded_overhead() -> None:
 
 
 def test_restart_messages_say_why_and_what() -> None:
-    reason = kenv.RestartReason("migrated", "free GPU 1 for a job", "GPU-a", "GPU-b")
+    reason = kenv.RestartReason("migrated", "free GPU 1 for a job", "1", "0")
     text = messages.restore_message(
         reason, restored=["model", "opt"], lost={"gen": "TypeError: generator"},
         checkpoint_time=1000.0, checkpoint_cell=4, last_cell=6, newer_names=["late"],
         now=1030.0,
     )
-    assert "moved from GPU-a to GPU-b: free GPU 1 for a job." in text
+    assert "moved from GPU 1 to GPU 0: free GPU 1 for a job." in text
+    # UUIDs mean nothing to people; the server's own sentence names GPUs by index.
+    server = kenv.RestartReason("migrated", "Moved from GPU 1 to GPU 0 to free GPU 1 for a job",
+                                "GPU-5eed-1", "GPU-5eed-0")
+    assert messages.restart_cause(server) == (
+        "This kernel was moved from GPU 1 to GPU 0 to free GPU 1 for a job.")
+    assert "GPU-5eed" not in messages.restart_cause(kenv.RestartReason("migrated", "", "GPU-5eed-1",
+                                                                       "GPU-5eed-0"))
     assert "Restored 2 of 3 variables" in text and "model, opt" in text
     assert "gen (TypeError: generator)" in text and "late" in text
     assert "Cells [5] to [6]" in text

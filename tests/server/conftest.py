@@ -10,8 +10,7 @@ import pytest
 # pytest-jupyter ships its fixtures as a module rather than an entry point; importing them
 # here keeps them (and their autouse event loop) to this directory.
 from pytest_jupyter.jupyter_server import *  # noqa: F403
-
-from .agent_process import AgentProcess, running_agent
+from support import AgentProcess
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +26,7 @@ def fresh_provisioner_factory() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     """One agent on a simulated 2x2GiB node for the module."""
-    with running_agent(tmp_path_factory.mktemp("agent"), "2x2GiB") as process:
+    with AgentProcess(tmp_path_factory.mktemp("agent"), "2x2GiB") as process:
         yield process
 
 

@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import AgentProcess
 
-from .agent_process import AgentProcess, start_agent, stop_agent
 from .conftest import gpufrac_config
 
 
 @pytest.fixture
 def own_agent(tmp_path: Path) -> Iterator[AgentProcess]:
     """An agent this test may stop and start again (same socket, same state)."""
-    agent = start_agent(tmp_path / "agent")
-    yield agent
-    stop_agent(agent)
+    with AgentProcess(tmp_path / "agent", "2x2GiB") as agent:
+        yield agent
 
 
 @pytest.fixture
@@ -35,18 +34,17 @@ async def until(check: Any, timeout: float, what: str) -> None:
 
 
 async def test_listener_reconnects_after_agent_restart(
-    jp_serverapp: Any, own_agent: AgentProcess, tmp_path: Path
+    jp_serverapp: Any, own_agent: AgentProcess
 ) -> None:
     await jp_serverapp.extension_manager.start_all_extensions()
     app = jp_serverapp.web_app.settings["gpufrac_app"]
     listener = app.listener
     await until(lambda: listener.connected, 10, "the listener to connect")
-    stop_agent(own_agent)
+    own_agent.stop()
     # The long poll fails at once (connection reset) or at the next attempt.
     await until(lambda: not listener.connected, 40, "the listener to notice the agent is gone")
-    restarted = start_agent(tmp_path / "agent")
+    own_agent.start()
     try:
         await until(lambda: listener.connected, 20, "the listener to reconnect")
     finally:
         await app.stop_extension()
-        stop_agent(restarted)

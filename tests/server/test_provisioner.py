@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
+from support import AgentProcess
 
 from jupyter_gpufrac.launch import EXT_ARGUMENT, build_kernel_env, kernel_arguments
 from jupyter_gpufrac.provisioner import GpuFracProvisioner
-
-from .agent_process import AgentProcess
 
 LEASE = {
     "id": "l-1", "request": 100, "limit": 200, "state": "active",

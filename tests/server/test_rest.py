@@ -7,11 +7,11 @@ import json
 from typing import Any
 
 import pytest
+from support import AgentProcess
 from tornado.httpclient import HTTPClientError
 
 from jupyter_gpufrac.kernel_events import SCHEMA_ID
 
-from .agent_process import AgentProcess
 from .conftest import gpufrac_config
 
 

@@ -1,0 +1,112 @@
+"""Helpers every test package shares: polling with a deadline, and a real node agent process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+from node_agent.client import AgentClient
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+READY = "gpufrac-agent: ready on"
+
+
+def wait_for(
+    check: Callable[[], T | None], timeout: float = 10.0, what: str = "condition", interval: float = 0.02
+) -> T:
+    """Poll ``check`` until it returns something truthy and return that, or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+class AgentProcess:
+    """``python -m node_agent serve --simulate SPEC`` as a child process, restartable on its socket and state.
+
+    Its socket, state directory and log (stdout and stderr) live in ``root``. A context manager:
+    ``with AgentProcess(root, "2x2GiB") as agent:`` starts it and stops it at the end.
+    """
+
+    def __init__(self, root: Path, spec: str, args: Sequence[str] = (), ready_timeout: float = 30.0) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.socket = str(root / "agent.sock")
+        self.state_dir = str(root / "agent-state")
+        self.log = root / "agent.log"
+        self.spec = spec
+        self.args = list(args)
+        self.ready_timeout = ready_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> AgentProcess:
+        """Start it and wait (polling its log) until it says it serves; fails with the log if not."""
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:
+            process = self.process = subprocess.Popen(
+                [sys.executable, "-m", "node_agent", "serve", "--simulate", self.spec,
+                 "--socket", self.socket, "--state-dir", self.state_dir, *self.args],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+
+        def ready() -> bool:
+            if READY in self.log_text(offset):
+                return True
+            if process.poll() is not None:
+                raise AssertionError(f"the agent exited with status {process.returncode}")
+            return False
+
+        try:
+            wait_for(ready, self.ready_timeout, f"the agent to serve on {self.socket}")
+        except AssertionError as err:
+            self.stop()
+            raise AssertionError(f"{err}\n--- agent log ---\n{self.log_text(offset)}") from None
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL if it has not ended within 10 s; then its socket is removed."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(self.socket)
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up at all, as in a crash."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def client(self, timeout: float = 10.0) -> AgentClient:
+        return AgentClient(self.socket, timeout=timeout)
+
+    def log_text(self, offset: int = 0) -> str:
+        """What the agent wrote (from byte ``offset`` on), for failure messages."""
+        if not self.log.exists():
+            return ""
+        with open(self.log, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+
+    def __enter__(self) -> AgentProcess:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
