@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from e2e.jupyter_process import Notebook, Server, running_server, wait_for  # noqa: E402
-from server.agent_process import running_agent  # noqa: E402
+from e2e.jupyter_process import Notebook, Server, running_server  # noqa: E402
+from support import AgentProcess, wait_for  # noqa: E402
 
 STATE = """
 import torch
@@ -107,7 +107,7 @@ def main() -> int:
     sizes = [int(size) for size in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="gpufrac-bench-") as tmp:
         agent_args = ("--poll-interval", "0.1", "--migrate-grace", "300")
-        with running_agent(Path(tmp) / "agent", "2x16GiB", *agent_args) as agent:
+        with AgentProcess(Path(tmp) / "agent", "2x16GiB", agent_args) as agent:
             config = "c.GpuFrac.lease_poll_interval = 60\n"
             with running_server(Path(tmp) / "server", agent.socket, config) as server:
                 print(f"{'state':>8} {'migration':>10} {'cold start':>11} {'raw I/O':>8} "
