@@ -87,23 +87,15 @@ class BaseHandler(web.RequestHandler):
             return
         super()._handle_request_exception(e)
 
-    def query_int(self, name: str, default: int) -> int:
+    def query_number(self, name: str, default: float, kind: type[int] | type[float],
+                     expected: str) -> float:
         raw = self.get_query_argument(name, None)
         if raw is None:
             return default
         try:
-            return int(raw)
+            return kind(raw)
         except ValueError:
-            raise ApiError(400, name, f"expected an integer, got {raw!r}") from None
-
-    def query_float(self, name: str, default: float) -> float:
-        raw = self.get_query_argument(name, None)
-        if raw is None:
-            return default
-        try:
-            return float(raw)
-        except ValueError:
-            raise ApiError(400, name, f"expected a number of seconds, got {raw!r}") from None
+            raise ApiError(400, name, f"expected {expected}, got {raw!r}") from None
 
 
 class NodeHandler(BaseHandler):
@@ -158,7 +150,8 @@ class DirectivesHandler(BaseHandler):
             raise ApiError(400, "client", "give exactly one of client=NAME or lease=ID")
         found, last = await self.agent.wait_directives(
             self.caller, client=client, lease_id=lease_id,
-            after=self.query_int("after", 0), timeout=self.query_float("timeout", 0.0),
+            after=int(self.query_number("after", 0, int, "an integer")),
+            timeout=self.query_number("timeout", 0.0, float, "a number of seconds"),
         )
         self.reply({"directives": [d.to_json() for d in found], "last": last})
 
