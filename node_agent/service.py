@@ -260,12 +260,7 @@ class Agent:
         if request is None:
             raise ApiError(400, "request", "is required: a fraction like 0.25 or a size like 4Gi")
         limit = _quantity(body, "limit") or request
-        # Fractions resolve against the smallest GPU, so a lease fits wherever it lands.
-        total = min(g.memory_total for g in healthy)
-        try:
-            req, lim = check_share(request, limit, total)
-        except QuantityError as exc:
-            raise ApiError(400, exc.field, exc.message) from exc
+        req, lim = self._resolve_share(request, limit)
 
         logical, physical, moves = self._place(kind, req, devices, self.planning_view())
         now = time.time()
@@ -282,6 +277,17 @@ class Agent:
         log.info("lease %s (%s, uid %d): request %s on %s, physical %s, %d move(s)",
                  lease.id, kind, caller.uid, format_bytes(req), logical, physical, len(moves))
         return self.ledger.leases[lease.id]
+
+    def _resolve_share(self, request: Quantity, limit: Quantity) -> tuple[int, int]:
+        """Request and limit in bytes; fractions resolve against the smallest healthy GPU, so a
+        lease fits wherever it lands."""
+        totals = [g.memory_total for g in self.gpus if g.healthy]
+        if not totals:
+            raise ApiError(409, None, "this node has no healthy GPU to place a lease on")
+        try:
+            return check_share(request, limit, min(totals))
+        except QuantityError as exc:
+            raise ApiError(400, exc.field, exc.message) from exc
 
     def _place(self, kind: str, req: int, count: int, others: list[policy.Placement]
                ) -> tuple[tuple[str, ...], tuple[str, ...], list[policy.Move]]:
@@ -337,11 +343,7 @@ class Agent:
         limit = _quantity(body, "limit") or (
             request if "request" in body else parse_quantity(lease.limit_spec, "limit")
         )
-        total = min(g.memory_total for g in self.gpus if g.healthy)
-        try:
-            req, lim = check_share(request, limit, total)
-        except QuantityError as exc:
-            raise ApiError(400, exc.field, exc.message) from exc
+        req, lim = self._resolve_share(request, limit)
         others = self.planning_view(exclude=lease.id)
         changes = {"request": req, "limit": lim, "request_spec": str(request),
                    "limit_spec": str(limit)}

@@ -1,17 +1,21 @@
-"""Helpers every test package shares: polling with a deadline, and a real node agent process."""
+"""Helpers every test package shares: polling with a deadline, a real node agent, servers' REST."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from node_agent.client import AgentClient
 
@@ -32,6 +36,33 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rest_call(url: str, token: str, method: str = "GET", body: object = None,
+              timeout: float = 60) -> tuple[int, Any]:
+    """A Jupyter server REST call with a token: (status, parsed JSON, or the text of an error page)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, method=method,
+        headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            return response.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            return err.code, json.loads(raw)
+        except ValueError:  # an HTML error page
+            return err.code, raw.decode(errors="replace")
 
 
 class AgentProcess:

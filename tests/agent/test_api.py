@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from support import AgentProcess, wait_for
+from support import AgentProcess, free_port, wait_for
 
 from node_agent import procs
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
@@ -269,9 +269,7 @@ def test_tcp_with_token(start_agent: Callable[..., AgentProcess], shared_tmp: An
 
     token_file = shared_tmp / "token"
     token_file.write_text("s3cret-token-of-some-length\n")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     agent = start_agent("--tcp", f"127.0.0.1:{port}", "--token-file", str(token_file))
     agent.client().create_lease(client="t", request="0.25")
 

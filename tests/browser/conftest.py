@@ -15,17 +15,15 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from support import free_port, rest_call
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILT_LABEXTENSION = ROOT / "jupyter_gpufrac" / "labextension"
@@ -47,12 +45,6 @@ def _missing(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Lab:
     url: str
@@ -65,23 +57,7 @@ class Lab:
 
     def api(self, path: str, method: str = "GET", body: object = None) -> tuple[int, object]:
         """Call the server's REST API; returns (status, parsed JSON or None)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            f"{self.url}{path}",
-            data=data,
-            method=method,
-            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                raw = resp.read()
-                return resp.status, (json.loads(raw) if raw else None)
-        except urllib.error.HTTPError as err:
-            raw = err.read()
-            try:
-                return err.code, json.loads(raw)
-            except ValueError:
-                return err.code, None
+        return rest_call(f"{self.url}{path}", self.token, method, body, timeout=30)
 
     def log_tail(self, lines: int = 80) -> str:
         try:
@@ -168,7 +144,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -
         {"theme": "JupyterLab Light"},
     )
 
-    port = _free_port()
+    port = free_port()
     token = "gpufrac-browser-test"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "GPUFRAC_", "IPYTHON"))}
     env.update(

@@ -6,12 +6,9 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,15 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import websocket
-from support import wait_for
+from support import free_port, rest_call, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -39,21 +30,7 @@ class Server:
     process: subprocess.Popen[bytes] = field(repr=False)
 
     def api(self, path: str, method: str = "GET", body: object = None) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            f"{self.url}{path}", data=data, method=method,
-            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                raw = response.read()
-                return response.status, (json.loads(raw) if raw else None)
-        except urllib.error.HTTPError as err:
-            raw = err.read()
-            try:
-                return err.code, json.loads(raw)
-            except ValueError:  # an HTML error page
-                return err.code, raw.decode(errors="replace")
+        return rest_call(f"{self.url}{path}", self.token, method, body)
 
     def get(self, path: str) -> Any:
         status, body = self.api(path)
