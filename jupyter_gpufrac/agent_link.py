@@ -20,12 +20,18 @@ __all__ = [
     "AgentUnavailable",
     "default_socket_path",
     "server_client_name",
+    "server_client_prefix",
 ]
+
+
+def server_client_prefix() -> str:
+    """What every Jupyter server on this host puts before its pid in its client name."""
+    return f"jupyter-server-{socket.gethostname()}-"
 
 
 def server_client_name() -> str:
     """This server's name at the agent: directives for its kernels are addressed to it."""
-    return f"jupyter-server-{socket.gethostname()}-{os.getpid()}"
+    return f"{server_client_prefix()}{os.getpid()}"
 
 
 class AgentLink:

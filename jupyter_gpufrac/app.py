@@ -8,22 +8,32 @@ import re
 import time
 from typing import Any
 
+import psutil
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Float, TraitError, Unicode, default, validate
 
-from jupyter_gpufrac.agent_link import AgentLink, AgentUnavailable, server_client_name
+from jupyter_gpufrac.agent_link import (
+    AgentError,
+    AgentLink,
+    AgentUnavailable,
+    server_client_name,
+    server_client_prefix,
+)
 from jupyter_gpufrac.directives import DirectiveListener
 from jupyter_gpufrac.embedded_agent import EmbeddedAgent
-from jupyter_gpufrac.handlers import handlers
-from jupyter_gpufrac.kernel_checkpoint import read_restore_report
+from jupyter_gpufrac.handlers import handlers, own_leases
+from jupyter_gpufrac.kernel_checkpoint import read_restore_report, restore_summary
 from jupyter_gpufrac.kernel_events import SCHEMA_PATH, KernelEventLog
-from jupyter_gpufrac.kernel_settings import KernelSettings, default_checkpoint_root
+from jupyter_gpufrac.kernel_settings import KernelSettings, agent_command, default_checkpoint_root
 from jupyter_gpufrac.launch import lease_gpus
-from jupyter_gpufrac.provisioner import GpuFracProvisioner
+from jupyter_gpufrac.provisioner import GpuFracProvisioner, gpu_label
 from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
 RESTORE_REPORT_WAIT_S = 60.0
+AGENT_CHECK_TIMEOUT_S = 2.0
+# Restarting an embedded agent that keeps dying: at most once per this many seconds.
+EMBEDDED_RESTART_EVERY_S = 5.0
 
 
 class GpuFrac(ExtensionApp):
@@ -81,7 +91,14 @@ class GpuFrac(ExtensionApp):
 
     lease_poll_interval = Float(
         5.0,
-        help="Seconds between looks at this server's leases (bursting events, %gpu request).",
+        help="Seconds between looks at this server's leases (bursting events, %gpu request, "
+        "a GPU share for kernels that have none).",
+    ).tag(config=True)
+
+    agent_check_interval = Float(
+        1.0,
+        help="Seconds between checks that the agent answers; a lost agent is shown within "
+        "this plus two seconds, and the embedded agent is restarted.",
     ).tag(config=True)
 
     @default("agent_socket")
@@ -106,7 +123,8 @@ class GpuFrac(ExtensionApp):
             raise TraitError(f"{err.field}: {err.message}") from None
         return value
 
-    @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval")
+    @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval",
+              "agent_check_interval")
     def _validate_seconds(self, proposal: Any) -> float:
         value = float(proposal.value)
         smallest = 0.0 if proposal.trait.name == "migrate_grace_period" else 0.1
@@ -170,6 +188,12 @@ class GpuFrac(ExtensionApp):
         self.events = KernelEventLog(event_logger, self.log)
         self.link = AgentLink(self.agent_socket)
         self.client_name = server_client_name()
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        self.agent_state_dir = os.path.join(jupyter_runtime_dir(), "gpufrac-agent")
+        # None while the agent answers; else why not, for the REST models and the events.
+        self.agent_error: str | None = None
+        self.restores: dict[str, dict[str, Any]] = {}
         self.embedded: EmbeddedAgent | None = None
         self.listener: DirectiveListener | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -182,6 +206,7 @@ class GpuFrac(ExtensionApp):
             checkpoint_root=self.checkpoint_dir,
             events=self.events,
             on_launched=self._kernel_launched,
+            agent_command=agent_command(self.agent_socket, self.agent_state_dir),
         )
         self.settings["gpufrac_app"] = self
         self.log.info(
@@ -198,12 +223,14 @@ class GpuFrac(ExtensionApp):
         if getattr(self, "kernel_settings", None) is None:
             return  # not loaded (invalid configuration, already reported)
         await self.ensure_agent()
+        await self.release_stale_leases()
         self.listener = DirectiveListener(
             self.link, self.client_name, serverapp.kernel_manager, self.events,
             self.migrate_grace_period, self.log,
         )
         self._spawn(self.listener.run())
         self._spawn(self._watch_leases())
+        self._spawn(self._watch_agent())
 
     async def ensure_agent(self) -> None:
         """Use the agent at the socket; without one, start the embedded agent if configured."""
@@ -217,10 +244,9 @@ class GpuFrac(ExtensionApp):
                     "gpufrac: %s; kernels start without GPU leases until an agent runs", err
                 )
                 return
-        from jupyter_core.paths import jupyter_runtime_dir
-
-        state_dir = os.path.join(jupyter_runtime_dir(), "gpufrac-agent")
-        agent = EmbeddedAgent(self.agent_socket, state_dir, self.embedded_agent_simulate, self.log)
+        agent = EmbeddedAgent(
+            self.agent_socket, self.agent_state_dir, self.embedded_agent_simulate, self.log
+        )
         try:
             await agent.start(self.embedded_agent_timeout)
         except Exception as err:
@@ -294,44 +320,30 @@ class GpuFrac(ExtensionApp):
                     "gpu_index": provisioner.gpus.get(uuids[0], {}).get("index"),
                 }
         cause = str(reason.get("message") or "Restarted").rstrip(".")
-        if report is None:
-            self.events.emit(
-                kernel_id, "restored",
-                f"{cause}; the kernel did not report a restore within "
-                f"{RESTORE_REPORT_WAIT_S:.0f} s, so its variables may be lost.",
-                reason=str(reason.get("message") or ""), restored=[], lost=[], **where,
-            )
-            return
-        restored = [str(name) for name in report.get("restored") or []]
-        lost_field = report.get("lost") or []
-        lost = [str(name) for name in lost_field]  # a list, or a mapping name -> why
-        # Names defined after the checkpoint did not come back either.
-        lost += [str(name) for name in report.get("newer_names") or [] if str(name) not in lost]
-        if report.get("error"):
-            message = f"{cause}; no variables were restored: {report['error']}"
-        else:
-            message = f"{cause}; {len(restored)} of {len(restored) + len(lost)} variables restored"
-            if lost:
-                message += f"; lost: {', '.join(lost)}"
-            when = report.get("checkpoint_time")
-            if reason.get("checkpoint") == "last" and isinstance(when, int | float):
-                at = time.strftime("%H:%M:%S", time.localtime(when))
-                message += f"; work after the checkpoint of {at} is lost"
+        summary = restore_summary(report, RESTORE_REPORT_WAIT_S)
+        self.restores[kernel_id] = summary
         self.events.emit(
-            kernel_id, "restored", message + ".", reason=str(reason.get("message") or ""),
-            restored=restored, lost=lost, **where,
+            kernel_id, "restored", f"{cause}; {summary['message']}",
+            reason=str(reason.get("message") or ""), restored=summary["restored"],
+            lost=summary["lost"], ok=summary["ok"],
+            interrupted_cell=summary["interrupted_cell"], **where,
         )
 
     async def _watch_leases(self) -> None:
-        """Bursting events, and the user's ``%gpu request`` remembered for their next kernel."""
+        """Bursting events, the user's ``%gpu request`` remembered, a GPU for kernels without one."""
         while True:
             await asyncio.sleep(self.lease_poll_interval)
             provisioners = self._provisioners()
+            await self._refresh_notebooks()
+            if self.agent_error is None:
+                for kernel_id, provisioner in provisioners.items():
+                    if provisioner.lease is None and provisioner.launches:
+                        await self._give_gpu(kernel_id, provisioner)
             if not any(p.lease for p in provisioners.values()):
                 continue
             try:
                 leases = {lease["id"]: lease for lease in await self.link.leases()}
-            except Exception as err:  # the listener reports the agent going away
+            except Exception as err:  # the agent watch reports the agent going away
                 self.log.debug("gpufrac: lease watch: %s", err)
                 continue
             for kernel_id, provisioner in provisioners.items():
@@ -343,6 +355,142 @@ class GpuFrac(ExtensionApp):
                 if bursting and not self._bursting.get(kernel_id):
                     self._emit_bursting(kernel_id, provisioner, lease)
                 self._bursting[kernel_id] = bursting
+
+    async def _give_gpu(self, kernel_id: str, provisioner: GpuFracProvisioner) -> None:
+        """A kernel that started without a GPU share gets one once there is room."""
+        if self.listener is None or self.listener.busy(kernel_id):
+            return
+        lease = await provisioner.acquire_lease()
+        if lease is None:
+            return
+        uuids = lease_gpus(lease)
+        label = gpu_label(provisioner.gpus, uuids[0] if uuids else None)
+        self.log.info("kernel %s: a GPU share became free on %s", kernel_id, label)
+        self._spawn(self.listener.restart_onto_lease(kernel_id, {
+            "cause": "placed",
+            "message": f"A GPU share became free on {label}: restarted there with its variables.",
+            "from_gpu": None, "to_gpu": uuids[0] if uuids else None,
+        }))
+
+    async def _refresh_notebooks(self) -> None:
+        """Which notebook each kernel serves, so messages can name it."""
+        sessions = getattr(self.serverapp, "session_manager", None)
+        if sessions is None:
+            return
+        try:
+            for session in await sessions.list_sessions():
+                kernel = session.get("kernel") or {}
+                if kernel.get("id") and session.get("path"):
+                    self.events.notebooks[str(kernel["id"])] = str(session["path"])
+        except Exception as err:  # a lookup for messages must never stop the watch
+            self.log.debug("gpufrac: sessions: %s", err)
+
+    # -- the agent's health ------------------------------------------------------------
+
+    async def _watch_agent(self) -> None:
+        """Notice a lost agent within seconds, restart the embedded one, reconcile on return."""
+        link = AgentLink(self.agent_socket, timeout=AGENT_CHECK_TIMEOUT_S)
+        last_restart = 0.0
+        while True:
+            await asyncio.sleep(self.agent_check_interval)
+            try:
+                await link.node()
+            except AgentUnavailable as err:
+                if self.agent_error is None:
+                    self._agent_lost(str(err))
+                embedded = self.embedded
+                if (embedded is not None and embedded.exited()
+                        and time.monotonic() - last_restart >= EMBEDDED_RESTART_EVERY_S):
+                    last_restart = time.monotonic()
+                    try:
+                        await embedded.start(self.embedded_agent_timeout)
+                    except Exception as start_err:
+                        self.log.error("gpufrac: restarting the embedded GPU agent failed: %s",
+                                       start_err)
+                continue
+            if self.agent_error is not None:
+                await self._agent_back()
+
+    def agent_loss_text(self) -> str:
+        """What people read while the agent does not answer, with what to do about it."""
+        if self.embedded is not None:
+            todo = "the server is restarting its embedded agent (same socket and state)"
+        else:
+            todo = f"start it with `{self.kernel_settings.agent_command}`"
+        return (f"No GPU agent answers at {self.agent_socket}, so this kernel's GPU share "
+                f"cannot be verified; {todo}.")
+
+    def _agent_lost(self, error: str) -> None:
+        self.agent_error = self.agent_loss_text()
+        self.log.warning("gpufrac: %s (%s)", self.agent_error, error)
+        for kernel_id, provisioner in self._provisioners().items():
+            if provisioner.lease is not None:
+                self.events.emit(kernel_id, "agent_unreachable", self.agent_error,
+                                 reason=error)
+
+    async def _agent_back(self) -> None:
+        """The agent answers again: make sure it knows every kernel's lease (a fresh one may not)."""
+        self.agent_error = None
+        self.log.info("gpufrac: the GPU agent at %s answers again", self.agent_socket)
+        for kernel_id, provisioner in self._provisioners().items():
+            if provisioner.lease is None:
+                continue
+            try:
+                outcome = await provisioner.reregister()
+            except AgentError as err:
+                self.log.warning("kernel %s: lease check after the agent came back: %s",
+                                 kernel_id, err)
+                continue
+            if outcome == "lost":
+                self.events.emit(kernel_id, "no_gpu", provisioner.no_gpu_reason or "",
+                                 reason=provisioner.no_gpu_reason or "")
+                continue
+            lease = provisioner.lease or {}
+            uuids = lease_gpus(lease)
+            label = gpu_label(provisioner.gpus, uuids[0] if uuids else None)
+            text = {
+                "kept": f"The GPU agent answers again and holds this kernel's share on {label}.",
+                "recreated": f"The GPU agent came back without this kernel's share; it was "
+                             f"registered again on {label}, where the kernel runs.",
+                "moved": f"The GPU agent came back without this kernel's share and has room for "
+                         f"it on {label}: the kernel restarts there with its variables.",
+            }[outcome]
+            self.events.emit(kernel_id, "agent_reachable", text, gpu_uuid=uuids[0] if uuids
+                             else None, request=lease.get("request"), limit=lease.get("limit"))
+            if outcome == "moved" and self.listener is not None:
+                self._spawn(self.listener.restart_onto_lease(kernel_id, {
+                    "cause": "placed", "message": text, "from_gpu": None,
+                    "to_gpu": uuids[0] if uuids else None,
+                }))
+
+    async def release_stale_leases(self) -> None:
+        """Give back, at once, leases that this user's earlier servers on this host left behind.
+
+        A lease counts as stale when the server named in its client has exited and none of its
+        processes runs; the agent would release it only after its orphan grace.
+        """
+        try:
+            leases = own_leases(await self.link.leases())
+        except AgentError:
+            return
+        prefix = server_client_prefix()
+        for lease in leases:
+            client = str(lease.get("client") or "")
+            if lease.get("kind") != "notebook" or not client.startswith(prefix):
+                continue
+            server_pid = client[len(prefix):]
+            if client == self.client_name or not server_pid.isdigit():
+                continue
+            if psutil.pid_exists(int(server_pid)) or any(
+                psutil.pid_exists(int(pid)) for pid in lease.get("pids") or []
+            ):
+                continue
+            try:
+                await self.link.release(str(lease["id"]))
+                self.log.info("gpufrac: released lease %s of kernel %s (its server %s is gone)",
+                              lease["id"], lease.get("kernel_id"), server_pid)
+            except AgentError as err:
+                self.log.info("gpufrac: stale lease %s not released: %s", lease["id"], err)
 
     def _note_request(self, provisioner: GpuFracProvisioner, lease: dict[str, Any]) -> None:
         asked = provisioner.asked_share

@@ -18,6 +18,8 @@ LONG_POLL_S = 25.0
 MAX_BACKOFF_S = 10.0
 # Time left before the agent's deadline for the restart itself after the checkpoint.
 RESTART_MARGIN_S = 10.0
+# How long a cut-off cell may take to end after its interrupt before the kernel restarts anyway.
+INTERRUPT_WAIT_S = 5.0
 
 
 def restart_cause(directive: dict[str, Any]) -> str:
@@ -153,39 +155,68 @@ class DirectiveListener:
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
         reason = str(directive.get("reason") or "")
         moves = f"from {gpu_label(gpus, source)} to {gpu_label(gpus, target)}"
-        self.events.emit(
-            kernel_id, "migrating",
-            f"Checkpointing to move {moves}: {reason or 'asked by the GPU agent'}.", reason=reason,
-            from_gpu_index=gpus.get(source or "", {}).get("index"),
-            to_gpu_index=gpus.get(target or "", {}).get("index"),
-            gpu_uuid=source, gpu_index=gpus.get(source or "", {}).get("index"),
-        )
+        where = {
+            "reason": reason,
+            "from_gpu_index": gpus.get(source or "", {}).get("index"),
+            "to_gpu_index": gpus.get(target or "", {}).get("index"),
+            "gpu_uuid": source, "gpu_index": gpus.get(source or "", {}).get("index"),
+        }
         now, clock = time.time(), time.monotonic()
         agent_deadline = float(directive.get("deadline") or now + self.grace_period + 60)
         time_left = max(agent_deadline - now - RESTART_MARGIN_S, 1.0)
-        idle = await wait_until_idle(kernel, clock + min(self.grace_period, time_left))
-        saved, why = False, "a cell was still running when the grace period ended"
-        if idle:
-            saved, why = await checkpoint(kernel, timeout=max(time_left - self.grace_period, 5.0))
+        grace = min(self.grace_period, time_left)
+        idle = await wait_until_idle(kernel, clock)
+        if not idle:
+            # Nothing moves yet: the running cell gets its grace period, and the user a countdown.
+            self.events.emit(
+                kernel_id, "move_pending",
+                f"Will move {moves} in {grace:.0f} s ({reason or 'asked by the GPU agent'}); the "
+                "running cell may finish until then, otherwise it is cut off and the kernel "
+                "restarts from the state after the last completed cell.",
+                deadline=now + grace, **where,
+            )
+            idle = await wait_until_idle(kernel, clock + grace)
+        cut_off = not idle
+        if cut_off:
+            self.events.emit(
+                kernel_id, "migrating",
+                f"Moving {moves} now: the running cell did not finish within {grace:.0f} s and is "
+                "cut off; the variables come back as they were after the last completed cell.",
+                **where,
+            )
+            # An interrupt ends the cell as the user's own would: its reply reaches the notebook
+            # (no cell left at [*]) and the kernel hook records it as cut off, unsaved.
+            await self._interrupt(kernel_id, kernel)
+        else:
+            self.events.emit(kernel_id, "migrating", f"Moving {moves}: checkpointing, then "
+                             f"restarting there ({reason or 'asked by the GPU agent'}).", **where)
+            saved, why = await checkpoint(kernel, timeout=max(time_left - grace, 5.0))
             if not saved:
+                # The checkpoint after the last completed cell is still there to restore.
                 self.log.warning("kernel %s: checkpoint before move failed: %s", kernel_id, why)
         message = sentence(reason) if reason else f"Moved {moves}"
-        if not saved:
-            message += f"; restarted from its last checkpoint because {why}"
         provisioner.request_restore({
             "cause": restart_cause(directive),
             "message": message + ".",
             "from_gpu": source,
             "to_gpu": target,
-            "checkpoint": "fresh" if saved else "last",
         })
-        self.log.info("kernel %s: restarting %s (checkpoint %s)", kernel_id, moves, saved)
+        self.log.info("kernel %s: restarting %s (cell cut off: %s)", kernel_id, moves, cut_off)
         try:
-            await self._restart(kernel_id, now=not idle)
+            await self._restart(kernel_id, now=True)
         except Exception:
             if provisioner.restore_pending:
                 provisioner.cancel_restore()
             raise
+
+    async def _interrupt(self, kernel_id: str, kernel: Any) -> None:
+        try:
+            await kernel.interrupt_kernel()
+        except Exception as err:
+            self.log.warning("kernel %s: interrupt before move failed: %s", kernel_id, err)
+            return
+        if not await wait_until_idle(kernel, time.monotonic() + INTERRUPT_WAIT_S):
+            self.log.info("kernel %s: cell ignored the interrupt; restarting anyway", kernel_id)
 
     async def _restart(self, kernel_id: str, now: bool) -> None:
         future = await self.kernel_manager.restart_kernel(kernel_id, now=now)
@@ -194,6 +225,38 @@ class DirectiveListener:
                 await asyncio.wait_for(future, timeout=120)
             except Exception as err:
                 self.log.warning("kernel %s: restart did not answer: %s", kernel_id, err)
+
+    def busy(self, kernel_id: str) -> bool:
+        """Whether a directive or a restart is in progress for the kernel."""
+        lock = self._locks.get(kernel_id)
+        return lock is not None and lock.locked()
+
+    async def restart_onto_lease(self, kernel_id: str, reason: dict[str, Any]) -> None:
+        """Restart a kernel onto the lease its provisioner now holds, with its variables.
+
+        Used when a kernel gets a GPU it did not have; nothing forces it, so a running cell is
+        never cut off: the restart waits until the kernel is idle.
+        """
+        lock = self._locks.setdefault(kernel_id, asyncio.Lock())
+        async with lock:
+            provisioner = self._provisioner(kernel_id)
+            if provisioner is None:
+                return
+            kernel = self.kernel_manager.get_kernel(kernel_id)
+            while not await wait_until_idle(kernel, time.monotonic() + 1.0):
+                if kernel_id not in self.kernel_manager:
+                    return
+            saved, why = await checkpoint(kernel, timeout=60.0)
+            if not saved:
+                self.log.warning("kernel %s: checkpoint before restart failed: %s", kernel_id, why)
+            provisioner.request_restore(reason)
+            self.log.info("kernel %s: restarting onto its new GPU share", kernel_id)
+            try:
+                await self._restart(kernel_id, now=True)
+            except Exception:
+                if provisioner.restore_pending:
+                    provisioner.cancel_restore()
+                raise
 
     # -- shrink and killed -------------------------------------------------------------
 
@@ -222,10 +285,11 @@ class DirectiveListener:
         gpu = directive.get("gpu") or directive.get("to_gpu")
         moved = directive.get("cause") == "migrate_timeout"
         reason = str(directive.get("reason") or "")
-        if reason:
-            message = f"{sentence(reason)}; restored from its last checkpoint."
-        else:
-            message = "Stopped by the GPU agent; restored from its last checkpoint."
+        what = "Stopped by the GPU agent"
+        if moved:
+            what = "Stopped because its move did not finish in time"
+        message = (f"{what}: {reason.strip().rstrip('.')}" if reason else what) + (
+            "; it restarts and restores the state after its last completed cell.")
         self.events.emit(
             kernel_id, "oom_killed", message, reason=reason, request=directive.get("request"),
             limit=directive.get("limit"), usage=directive.get("usage"),
@@ -239,7 +303,6 @@ class DirectiveListener:
                 "message": message,
                 "from_gpu": (provisioner.lease or {}).get("physical_gpu") if moved else gpu,
                 "to_gpu": gpu,
-                "checkpoint": "last",
             })
         kernel = self.kernel_manager.get_kernel(kernel_id)
         if already_back:

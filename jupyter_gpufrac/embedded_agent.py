@@ -72,6 +72,10 @@ class EmbeddedAgent:
                 )
             await asyncio.sleep(0.1)
 
+    def exited(self) -> bool:
+        """Whether the agent process is gone (killed, crashed, or never started)."""
+        return self.process is None or self.process.poll() is not None
+
     def log_tail(self, lines: int = 8) -> str:
         """The last lines the agent wrote, for error messages."""
         try:

@@ -50,7 +50,7 @@ class NodeHandler(GpuFracHandler):
             node = await app.link.node()
             leases = own_leases(await app.link.leases())
         except AgentUnavailable as err:
-            error = f"No GPU agent answers at {app.link.socket_path}: {err}"
+            error = f"{app.agent_loss_text()} ({err})"
         except AgentError as err:
             error = f"The GPU agent answered with an error: {err}"
         agent = {
@@ -78,14 +78,33 @@ class KernelHandler(GpuFracHandler):
         if not isinstance(provisioner, GpuFracProvisioner):
             provisioner = None
         lease = provisioner.lease if provisioner is not None else None
+        agent_error = app.agent_error
         if lease is not None:
             try:
                 lease = await app.link.lease(str(lease["id"]))
                 provisioner.lease = lease  # type: ignore[union-attr]
-            except (AgentUnavailable, AgentError) as err:
-                # Last known lease: the widget keeps showing where the kernel runs.
+            except AgentUnavailable:
+                # Last known lease: the widget keeps showing where the kernel runs, unverified.
+                agent_error = agent_error or app.agent_loss_text()
+            except AgentError as err:
                 self.log.info("kernel %s: lease not refreshed: %s", kernel_id, err)
-        self.write_json(kernel_model(kernel_id, kernel, provisioner, lease, app.events.events(kernel_id)))
+        self.write_json(kernel_model(
+            kernel_id, kernel, provisioner, lease, app.events.events(kernel_id),
+            agent_error=agent_error, restore=app.restores.get(kernel_id),
+            notebook=await self._notebook(kernel_id),
+        ))
+
+    async def _notebook(self, kernel_id: str) -> str | None:
+        sessions = self.settings.get("session_manager")
+        if sessions is None:
+            return None
+        try:
+            for session in await sessions.list_sessions():
+                if (session.get("kernel") or {}).get("id") == kernel_id:
+                    return str(session.get("path") or "") or None
+        except Exception as err:  # naming the notebook must not fail the status
+            self.log.debug("kernel %s: sessions: %s", kernel_id, err)
+        return None
 
 
 def handlers() -> list[tuple[str, type[APIHandler]]]:

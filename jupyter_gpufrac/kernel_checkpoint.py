@@ -68,3 +68,47 @@ def read_restore_report(checkpoint_dir: str, since: float) -> dict[str, Any] | N
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) else None
+
+
+def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str, Any]:
+    """What the server tells people about a restore: verified names only, never assumed success.
+
+    ``ok`` is true only when the kernel reported every variable back and no cell cut off.
+    """
+    if report is None:
+        return {
+            "ok": False, "restored": [], "lost": [], "lost_reasons": {}, "interrupted_cell": None,
+            "checkpoint_cell": None, "time": time.time(),
+            "error": f"the kernel did not report a restore within {waited_s:.0f} s",
+            "message": f"the kernel did not report a restore within {waited_s:.0f} s, so its "
+                       "variables may be lost; run `%gpu` in the notebook to see what it holds.",
+        }
+    restored = [str(name) for name in report.get("restored") or []]
+    reasons = report.get("lost_reasons") if isinstance(report.get("lost_reasons"), dict) else {}
+    lost = [str(name) for name in report.get("lost") or []]
+    # Names defined after the checkpoint did not come back either.
+    newer = [str(name) for name in report.get("newer_names") or [] if str(name) not in lost]
+    lost_reasons = {str(k): str(v) for k, v in (reasons or {}).items()}
+    lost_reasons.update({name: "defined after the last checkpoint" for name in newer})
+    lost += newer
+    interrupted = report.get("interrupted_cell")
+    error = report.get("error")
+    parts: list[str] = []
+    if error:
+        parts.append(f"no variables were restored: {error}")
+    else:
+        parts.append(f"{len(restored)} of {len(restored) + len(lost)} variables restored")
+        if lost:
+            shown = [f"{name} ({lost_reasons[name]})" if name in lost_reasons else name
+                     for name in lost]
+            parts.append(f"lost: {', '.join(shown)}")
+    if interrupted:
+        parts.append(f"cell {interrupted} was cut off: re-run it")
+    ok = bool(report.get("ok")) and not error and not lost and not interrupted
+    return {
+        "ok": ok, "restored": restored, "lost": lost, "lost_reasons": lost_reasons,
+        "interrupted_cell": str(interrupted) if interrupted else None,
+        "checkpoint_cell": report.get("checkpoint_cell"), "error": str(error) if error else None,
+        "time": float(report.get("time") or time.time()),
+        "message": "; ".join(parts) + ".",
+    }

@@ -15,16 +15,19 @@ EVENT_KINDS = (
     "placed",
     "bursting",
     "shrink_requested",
+    "move_pending",
     "migrating",
     "migrated",
     "oom_killed",
     "restored",
     "no_gpu",
+    "agent_unreachable",
+    "agent_reachable",
 )
 KEEP_PER_KERNEL = 50
 
 _INT_FIELDS = ("gpu_index", "from_gpu_index", "to_gpu_index", "request", "limit", "usage")
-_STR_FIELDS = ("reason", "gpu_uuid")
+_STR_FIELDS = ("reason", "gpu_uuid", "interrupted_cell", "notebook")
 
 
 def make_event(kernel_id: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
@@ -38,6 +41,10 @@ def make_event(kernel_id: str, event: str, message: str, **fields: Any) -> dict[
     for name in _STR_FIELDS:
         if fields.get(name) is not None:
             data[name] = str(fields[name])
+    if fields.get("ok") is not None:
+        data["ok"] = bool(fields["ok"])
+    if fields.get("deadline") is not None:
+        data["deadline"] = float(fields["deadline"])
     for name in ("restored", "lost"):
         if fields.get(name) is not None:
             data[name] = [str(v) for v in fields[name]]
@@ -53,9 +60,12 @@ class KernelEventLog:
         self._event_logger = event_logger
         self._log = log
         self._events: dict[str, collections.deque[dict[str, Any]]] = {}
+        # kernel id -> notebook path, kept by the server, so every message can name the notebook
+        self.notebooks: dict[str, str] = {}
 
     def emit(self, kernel_id: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
         """Record and emit one event; never raises (an event must not break a kernel restart)."""
+        fields.setdefault("notebook", self.notebooks.get(kernel_id))
         data = make_event(kernel_id, event, message, **fields)
         self._events.setdefault(kernel_id, collections.deque(maxlen=KEEP_PER_KERNEL)).append(data)
         self._log.info("gpufrac event %s for kernel %s: %s", event, kernel_id, message)
@@ -81,3 +91,4 @@ class KernelEventLog:
     def forget(self, kernel_id: str) -> None:
         """Drop a kernel's events once it is shut down."""
         self._events.pop(kernel_id, None)
+        self.notebooks.pop(kernel_id, None)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jupyter_gpufrac.kernel_events import KernelEventLog
@@ -26,7 +27,8 @@ class KernelSettings:
     events: KernelEventLog
     # Called after each launch so the server can follow the kernel (restore report, bursting).
     on_launched: Callable[[str, dict[str, Any]], None] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The exact command that starts the agent this server expects, for hints to people.
+    agent_command: str = "gpufrac-agent serve"
 
     def last_request(self) -> dict[str, Any] | None:
         """The user's last ``%gpu request`` (request/limit specs), remembered across kernels."""
@@ -59,11 +61,23 @@ def standalone_settings(log: logging.Logger) -> KernelSettings:
     """Settings for a provisioner used without the server extension (e.g. ``jupyter console``)."""
     from jupyter_gpufrac.agent_link import default_socket_path
 
+    socket_path = os.environ.get("GPUFRAC_AGENT_SOCKET") or default_socket_path()
     return KernelSettings(
-        socket_path=os.environ.get("GPUFRAC_AGENT_SOCKET") or default_socket_path(),
+        socket_path=socket_path,
         client_name=f"jupyter-client-{os.getpid()}",
         default_request="0.25",
         default_limit="1",
         checkpoint_root=default_checkpoint_root(),
         events=KernelEventLog(None, log),
+        agent_command=agent_command(socket_path, None),
     )
+
+
+def agent_command(socket_path: str | None, state_dir: str | None) -> str:
+    """``gpufrac-agent serve --socket S --state-dir D``: what to run, exactly, to bring it back."""
+    words = ["gpufrac-agent", "serve"]
+    if socket_path:
+        words += ["--socket", socket_path]
+    if state_dir:
+        words += ["--state-dir", state_dir]
+    return shlex.join(words)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 from jupyter_gpufrac.launch import lease_gpus
@@ -12,7 +13,7 @@ NOT_OURS = (
     "c.KernelProvisionerFactory.default_provisioner_name = 'gpufrac-provisioner' "
     "or name it in the kernelspec's metadata.kernel_provisioner."
 )
-_LEASE_STATES = {"migrating": "migrating", "shrinking": "shrinking", "killed": "oom-killed"}
+_LEASE_STATES = {"shrinking": "shrinking", "killed": "oom-killed"}
 
 
 def _activity_after(kernel: Any, when: float) -> bool:
@@ -23,25 +24,45 @@ def _activity_after(kernel: Any, when: float) -> bool:
 
 
 def kernel_state(
-    kernel: Any, provisioner: Any, lease: dict[str, Any] | None, events: list[dict[str, Any]]
-) -> tuple[str, str | None]:
-    """``(state, reason)``; the reason is a sentence for people unless plainly guaranteed/bursting."""
+    kernel: Any,
+    provisioner: Any,
+    lease: dict[str, Any] | None,
+    events: list[dict[str, Any]],
+    *,
+    agent_error: str | None = None,
+    now: float | None = None,
+) -> tuple[str, str | None, float | None]:
+    """``(state, reason, deadline)`` as docs/server-api.md defines them.
+
+    Nothing is called guaranteed or restored that was not verified: without the agent the
+    share is unverified, and a restore that lost anything is ``restore-incomplete``.
+    """
+    now = time.time() if now is None else now
     if provisioner is None:
-        return "no-gpu", NOT_OURS
+        return "no-gpu", NOT_OURS, None
     if lease is None:
-        return "no-gpu", provisioner.no_gpu_reason or "This kernel has no GPU lease."
+        return "no-gpu", provisioner.no_gpu_reason or "This kernel has no GPU lease.", None
+    if agent_error is not None:
+        return "agent-unreachable", agent_error, None
     state = str(lease.get("state") or "active")
+    if state == "migrating":
+        step = next((e for e in reversed(events) if e["event"] in ("move_pending", "migrating")),
+                    None)
+        if step is not None and step["event"] == "move_pending" and step.get("deadline", 0) > now:
+            return "move-pending", step["message"], float(step["deadline"])
+        return "migrating", step["message"] if step else (lease.get("reason") or None), None
     if state in _LEASE_STATES:
-        wanted = {"migrating": "migrating", "shrinking": "shrink_requested", "killed": "oom_killed"}
+        wanted = {"shrinking": "shrink_requested", "killed": "oom_killed"}
         event = next((e for e in reversed(events) if e["event"] == wanted[state]), None)
         reason = event["message"] if event else (lease.get("reason") or None)
-        return _LEASE_STATES[state], reason
+        return _LEASE_STATES[state], reason, None
     if events and events[-1]["event"] == "restored" and not _activity_after(kernel, events[-1]["time"]):
         # Shown until the user does something in the kernel, so a returning user reads it.
-        return "restored", str(events[-1]["message"])
+        restored = "restored" if events[-1].get("ok") else "restore-incomplete"
+        return restored, str(events[-1]["message"]), None
     if lease.get("bursting"):
-        return "bursting", None
-    return "guaranteed", None
+        return "bursting", None, None
+    return "guaranteed", None, None
 
 
 def gpu_model(gpu: dict[str, Any] | None, simulated: bool) -> dict[str, Any] | None:
@@ -63,18 +84,27 @@ def kernel_model(
     provisioner: Any,
     lease: dict[str, Any] | None,
     events: list[dict[str, Any]],
+    *,
+    agent_error: str | None = None,
+    restore: dict[str, Any] | None = None,
+    notebook: str | None = None,
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/kernels/<kernel_id>``."""
-    state, reason = kernel_state(kernel, provisioner, lease, events)
+    state, reason, deadline = kernel_state(kernel, provisioner, lease, events,
+                                           agent_error=agent_error)
     gpu = None
     if lease is not None and provisioner is not None:
-        uuids = lease_gpus(lease)
+        # Where the kernel runs now: a move shows its target only once the kernel is there.
+        uuids = lease_gpus({**lease, "state": "active"})
         if uuids:
             gpu = gpu_model(provisioner.gpus.get(uuids[0], {"uuid": uuids[0]}), provisioner.simulated)
     return {
         "kernel_id": kernel_id,
         "state": state,
         "reason": reason,
+        "deadline": deadline,
+        "notebook": notebook,
+        "restore": restore,
         "gpu": gpu,
         "request": lease.get("request") if lease else None,
         "limit": lease.get("limit") if lease else None,

@@ -63,6 +63,7 @@ class GpuFracProvisioner(LocalProvisioner):
         self.last_launch_started = 0.0
         self._restart_reason: dict[str, Any] | None = None
         self._moving = False
+        self._watching_restarts = False
         self._settings_cache: KernelSettings | None = None
         # (request_spec, limit_spec) of the lease as created: a change means `%gpu request`.
         self.asked_share: tuple[str, str | None] | None = None
@@ -98,6 +99,21 @@ class GpuFracProvisioner(LocalProvisioner):
         """The restart asked for did not happen: the user's next restart must not restore."""
         self._restart_reason = None
 
+    def _on_restarter_restart(self) -> None:
+        """jupyter_client's restarter found the kernel dead: come back with its variables.
+
+        A kill the agent announces brings a better reason first; this one covers the rest
+        (a SIGKILL from outside, the kernel's own crash, the system's OOM killer).
+        """
+        if self._restart_reason is not None:
+            return
+        gpu = (self.lease or {}).get("physical_gpu")
+        self._restart_reason = {
+            "cause": "died",
+            "message": "its process was killed or crashed (not by jupyter-gpufrac)",
+            "from_gpu": gpu, "to_gpu": gpu,
+        }
+
     @property
     def restore_pending(self) -> bool:
         """A restore was asked for and the kernel was not launched since."""
@@ -132,7 +148,7 @@ class GpuFracProvisioner(LocalProvisioner):
             if lease is None:
                 lease = await self._create_lease(link, settings, kwargs.get("env") or {})
                 self.asked_share = (str(lease.get("request_spec")), lease.get("limit_spec"))
-            if reason is None and lease.get("state") == "killed":
+            if (reason is None or reason.get("cause") == "died") and lease.get("state") == "killed":
                 # The restarter got here before the server heard of the kill: restore anyway.
                 reason = {
                     "cause": "oom_killed",
@@ -148,7 +164,8 @@ class GpuFracProvisioner(LocalProvisioner):
             elif isinstance(err, AgentUnavailable):
                 self.no_gpu_reason = (
                     f"No GPU agent answers at {settings.socket_path}, so this kernel started "
-                    f"without a GPU lease ({err})."
+                    f"without a GPU lease ({err}). Start one with `{settings.agent_command}`; "
+                    "the kernel gets a GPU share as soon as it answers."
                 )
             elif err.status in (400, 422) and err.field in ("request", "limit", "devices"):
                 raise GpuFracConfigError(
@@ -156,7 +173,8 @@ class GpuFracProvisioner(LocalProvisioner):
                 ) from err
             else:
                 hide_gpus = True
-                self.no_gpu_reason = f"The GPU agent gave this kernel no GPU: {err.message}"
+                self.no_gpu_reason = (f"The GPU agent gave this kernel no GPU: {err.message}. "
+                                      "It gets one as soon as there is room.")
 
         self._moving = lease is not None and lease.get("state") == "migrating"
         self.lease = lease
@@ -222,11 +240,64 @@ class GpuFracProvisioner(LocalProvisioner):
             name=env.get("JPY_SESSION_NAME", ""),
         )
 
+    async def acquire_lease(self) -> dict[str, Any] | None:
+        """A lease for a kernel running without one, once the agent has room; None if not yet.
+
+        The kernel keeps running where it is: the caller restarts it onto the lease (with its
+        variables), since a process cannot change GPUs.
+        """
+        settings = self.settings()
+        link = AgentLink(settings.socket_path)
+        try:
+            node = await link.node()
+            self.gpus = {gpu["uuid"]: gpu for gpu in node.get("gpus", [])}
+            self.simulated = bool(node.get("simulated"))
+            lease = await self._create_lease(link, settings, {})
+        except AgentError:
+            return None
+        self.asked_share = (str(lease.get("request_spec")), lease.get("limit_spec"))
+        self.lease, self.no_gpu_reason = lease, None
+        return lease
+
+    async def reregister(self) -> str:
+        """Make sure the agent knows this kernel's lease (a fresh agent may not); say what was done.
+
+        Returns ``kept`` (the agent has it), ``recreated`` (same GPU, pid registered again),
+        ``moved`` (the new lease is on another GPU: the kernel must restart onto it) or
+        ``lost`` (the agent gives no lease now).
+        """
+        if self.lease is None:
+            return "lost"
+        settings = self.settings()
+        link = AgentLink(settings.socket_path)
+        try:
+            self.lease = await link.lease(str(self.lease["id"]))
+            return "kept"
+        except AgentError as err:
+            if err.status != 404:
+                raise
+        running_on = lease_gpus(self.lease)
+        self.lease = None
+        lease = await self.acquire_lease()
+        if lease is None:
+            self.no_gpu_reason = ("The GPU agent restarted without this kernel's lease and has no "
+                                  "room for it now; it gets one as soon as there is room.")
+            return "lost"
+        if lease_gpus(lease) != running_on:
+            return "moved"
+        if self.pid is not None:
+            self.lease = await link.register_pid(str(lease["id"]), int(self.pid))
+        return "recreated"
+
     async def post_launch(self, **kwargs: Any) -> None:
         """Register the kernel's pid with its lease; finish a move; tell the user where it runs."""
         await super().post_launch(**kwargs)
         settings = self.settings()
         kernel_id = str(self.kernel_id)
+        if not self._watching_restarts and self.parent is not None:
+            # The restarter keeps its callbacks across restarts: register once per kernel.
+            self.parent.add_restart_callback(self._on_restarter_restart, "restart")
+            self._watching_restarts = True
         self.launches += 1
         self.last_launch_time = time.time()
         if self.lease is not None and self.pid is not None:

@@ -35,6 +35,9 @@ class KernelEnv:
     gpu_total: int | None = None
     simulated: bool = False
     checkpoint_dir: Path = Path(".")
+    # Whether checkpoints here can be found again by a restarted kernel (a provisioner said where,
+    # or the kernel id names the directory); a pid-named fallback cannot.
+    checkpoint_dir_stable: bool = False
     restore: bool = False
     restart_reason: RestartReason | None = None
     problems: tuple[str, ...] = field(default_factory=tuple)
@@ -134,6 +137,7 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         gpu_total=_int(env, "GPUFRAC_GPU_TOTAL", problems),
         simulated=env.get("GPUFRAC_SIMULATED", "") == "1",
         checkpoint_dir=checkpoint_dir,
+        checkpoint_dir_stable=bool(raw_dir or kernel_id),
         restore=restore,
         restart_reason=parse_restart_reason(raw_reason) if raw_reason else None,
         problems=tuple(problems),

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from jupyter_gpufrac.kernel import env as kenv
-from jupyter_gpufrac.kernel import ladder, messages, namespace, offload, store, torch_adapter
+from jupyter_gpufrac.kernel import ladder, messages, namespace, offload, rng, store, torch_adapter
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from jupyter_gpufrac.kernel.import_hook import ImportWatcher
@@ -23,6 +23,15 @@ from jupyter_gpufrac.kernel.import_hook import ImportWatcher
 log = logging.getLogger(__name__)
 
 AGENT_CALL_TIMEOUT = 5.0
+FIRST_LINE_CHARS = 80
+
+
+def cell_label(execution_count: int | None, source: str) -> str:
+    """``[7] for epoch in range(100):``: how people find a cell again."""
+    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
+    if len(first) > FIRST_LINE_CHARS:
+        first = first[: FIRST_LINE_CHARS - 1] + "…"
+    return f"[{execution_count if execution_count is not None else ' '}] {first}".rstrip()
 
 
 def make_client(socket_path: str | None, timeout: float = AGENT_CALL_TIMEOUT) -> Any:
@@ -47,7 +56,12 @@ class GpuFracHook:
         self.offloaded: list[offload.Offloaded] = []
         self.restore_report: dict[str, Any] | None = None
         self.pending_message: str | None = None
-        self.auto_checkpoint_error: str | None = None
+        # Restored at extension load: IPython hides every name present then (user_ns_hidden);
+        # these are the user's, so they are unhidden before anything else runs.
+        self._restored_names: list[str] = []
+        self._rng_after_restore: dict[str, Any] | None = None
+        self._running: dict[str, Any] | None = None  # the cell running now, as cells.json says
+        self.checkpoint_error: str | None = None
         self.watcher: DirectiveWatcher | None = None
         self.poll_timeout = poll_timeout
         self.started = time.time()
@@ -60,6 +74,7 @@ class GpuFracHook:
 
     def start(self) -> None:
         """Register callbacks, cap torch, restore if asked, start following the agent."""
+        self.ip.events.register("pre_execute", self.pre_execute)
         self.ip.events.register("pre_run_cell", self.pre_run_cell)
         self.ip.events.register("post_run_cell", self.post_run_cell)
         torch = torch_adapter.torch_module()
@@ -69,6 +84,11 @@ class GpuFracHook:
             self._import_watcher.install()
         if self.env.restore:
             self.restore_at_start()
+        elif self.env.checkpoint_dir_stable:
+            # A kernel started afresh (or restarted by its user) holds nothing: that empty
+            # namespace is now the last good state, not whatever an earlier process saved.
+            self._checkpoint_quietly()
+            self._write_cells(running=None)
         if self.env.has_lease and self.env.lease_id:
             try:
                 client = make_client(self.env.agent_socket)
@@ -84,7 +104,8 @@ class GpuFracHook:
 
     def stop(self) -> None:
         """Undo :meth:`start` (``%unload_ext``)."""
-        for event, callback in (("pre_run_cell", self.pre_run_cell),
+        for event, callback in (("pre_execute", self.pre_execute),
+                                ("pre_run_cell", self.pre_run_cell),
                                 ("post_run_cell", self.post_run_cell)):
             with contextlib.suppress(ValueError):
                 self.ip.events.unregister(event, callback)
@@ -130,8 +151,26 @@ class GpuFracHook:
 
     # -- cells -------------------------------------------------------------------------------
 
+    def pre_execute(self) -> None:
+        """Before any code runs (silent requests too): finish what the restore began."""
+        if self._restored_names:
+            hidden = getattr(self.ip, "user_ns_hidden", None)
+            ns = self.ip.user_ns
+            for name in self._restored_names:
+                if hidden is not None and name in hidden and hidden[name] is ns.get(name):
+                    del hidden[name]
+            self._restored_names = []
+        if self._rng_after_restore is not None:
+            # Kernel start-up may have drawn from the generators since the load: the notebook
+            # continues from the state the checkpoint holds, as an unmoved kernel would.
+            state, self._rng_after_restore = self._rng_after_restore, None
+            try:
+                rng.restore(state)
+            except Exception:
+                log.warning("gpufrac: restoring the random generators failed", exc_info=True)
+
     def pre_run_cell(self, info: Any = None) -> None:
-        """Show what happened since the last cell (restore message, shrink notices)."""
+        """Show what happened since the last cell; note which cell runs, in case it is cut off."""
         with self._lock:
             lines = []
             if self.pending_message:
@@ -141,34 +180,57 @@ class GpuFracHook:
             self.state.notices.clear()
         if lines:
             print("\n".join(lines), flush=True)
+        if info is not None and getattr(info, "store_history", False):
+            count = getattr(self.ip, "execution_count", None)
+            # IPython counts the cell before pre_run_cell: the running one is one less.
+            number = count - 1 if isinstance(count, int) and count > 0 else None
+            self._running = {"execution_count": number, "time": time.time(),
+                             "cell": cell_label(number, str(getattr(info, "raw_cell", "") or ""))}
+            self._write_cells(running=self._running)
 
     def post_run_cell(self, result: Any = None) -> None:
-        """Between cells: offload if still over the request, checkpoint while bursting."""
+        """Between cells: offload while over the request, then the last good checkpoint."""
         try:
-            self._post_run_cell()
+            self._post_run_cell(result)
         except Exception:  # a bookkeeping failure must never turn a cell into an error
             log.exception("gpufrac: post_run_cell failed")
 
-    def _post_run_cell(self) -> None:
+    def _post_run_cell(self, result: Any) -> None:
         if not self.torch_seen and torch_adapter.torch_module() is not None:
             self.on_torch_imported(torch_adapter.torch_module())  # type: ignore[arg-type]
-        if not self.env.has_lease:
-            return
-        if self.state.shrinking:
+        running, self._running = self._running, None
+        cut_off = self._cut_off_by_move(result)
+        if cut_off and running is not None:
+            print(f"gpufrac: cell {running['cell']} was cut off because this kernel is moving to "
+                  "another GPU. After the move the variables are as they were before this cell; "
+                  "re-run it then.", file=sys.stderr, flush=True)
+        if self.env.has_lease and self.state.shrinking:
             self._maybe_end_shrink()
-        usage = torch_adapter.reserved_bytes()
-        bursting = ladder.is_bursting(usage, self.request, self._agent_says_bursting(usage))
+        usage = torch_adapter.reserved_bytes() if self.env.has_lease else None
         with self._lock:
             actions = ladder.after_cell(self.state, usage=usage, request=self.request,
-                                        bursting=bursting)
+                                        cut_off=cut_off)
         for action in actions:
             if action is ladder.Action.OFFLOAD:
                 self.release(cache_only=False)
             elif action is ladder.Action.EMPTY_CACHE:
                 torch_adapter.empty_cache()
             elif action is ladder.Action.CHECKPOINT:
-                self._auto_checkpoint(bursting)
-        self._write_cells()
+                self._checkpoint_quietly()
+        if not cut_off:
+            self._write_cells(running=None)
+        # else cells.json keeps saying what pre_run_cell wrote: the names before the cell, and
+        # the cell as running, so the restored kernel names it and loses none of its names.
+
+    def _cut_off_by_move(self, result: Any) -> bool:
+        """Whether the cell ended in the interrupt the server sends a busy kernel that must move."""
+        error = getattr(result, "error_in_exec", None)
+        if not isinstance(error, KeyboardInterrupt) or not self.env.has_lease:
+            return False
+        if self.state.moving:
+            return True
+        lease = self.lease_info(timeout=1.0)
+        return lease is not None and lease.get("state") == "migrating"
 
     def _maybe_end_shrink(self) -> None:
         # The agent sends no directive when a reclaim ends; its lease goes back to "active".
@@ -186,44 +248,38 @@ class GpuFracHook:
             )
         self.apply_cap()
 
-    def _agent_says_bursting(self, usage: int | None) -> bool | None:
-        if usage is not None or self.watcher is None or self.watcher.available is False:
-            return None
-        try:
-            lease = make_client(self.env.agent_socket, timeout=1.0).lease(self.env.lease_id)
-        except Exception:
-            return None
-        return bool(lease.get("bursting"))
-
-    def _auto_checkpoint(self, bursting: bool) -> None:
-        last = self.checkpointer.last
-        with self._lock:
-            forced = self.state.pending_checkpoint
-            self.state.pending_checkpoint = None
-        due = forced or ladder.checkpoint_due(
-            bursting=bursting, last_time=last.time if last else None,
-            last_seconds=last.seconds if last else None, now=time.time(),
-        )
-        if not due:
+    def _checkpoint_quietly(self) -> None:
+        """The automatic checkpoint: a failure is said once per distinct error, never raised."""
+        if not self.env.checkpoint_dir_stable:
             return
         try:
             self.checkpoint()
-            self.auto_checkpoint_error = None
+            self.checkpoint_error = None
         except CheckpointError as exc:
-            if self.auto_checkpoint_error != str(exc):
+            if self.checkpoint_error != str(exc):
                 print(f"gpufrac: automatic checkpoint failed: {exc}", file=sys.stderr)
-            self.auto_checkpoint_error = str(exc)
+            self.checkpoint_error = str(exc)
 
     def _execution_count(self) -> int | None:
         count = getattr(self.ip, "execution_count", None)
         # IPython increments the counter after a stored cell; the one that just ran is one less.
         return count - 1 if isinstance(count, int) and count > 0 else None
 
-    def _write_cells(self) -> None:
-        # Names alone, without values: after a kill we can still say what the checkpoint missed.
-        selection = namespace.select(self.ip.user_ns, getattr(self.ip, "user_ns_hidden", None))
+    def _hidden(self) -> Mapping[str, object] | None:
+        """IPython's hidden names, less the ones this kernel restored (those are the user's)."""
+        hidden = getattr(self.ip, "user_ns_hidden", None)
+        if hidden is None or not self._restored_names:
+            return hidden
+        ns = self.ip.user_ns
+        return {k: v for k, v in hidden.items()
+                if not (k in self._restored_names and v is ns.get(k))}
+
+    def _write_cells(self, *, running: dict[str, Any] | None) -> None:
+        # Names alone, without values: after a kill we can still say what the checkpoint missed,
+        # and which cell was running when the process went away.
+        selection = namespace.select(self.ip.user_ns, self._hidden())
         data = {"execution_count": self._execution_count(), "time": time.time(),
-                "names": sorted([*selection.values, *selection.modules])}
+                "names": sorted([*selection.values, *selection.modules]), "running": running}
         try:
             if self._dir_ready():
                 store.write_bytes_atomic(self._cells_path, json.dumps(data).encode(),
@@ -254,20 +310,29 @@ class GpuFracHook:
         extra = {"kernel_id": self.env.kernel_id,
                  "offloaded": [asdict(r) for r in self.offloaded]}
         return self.checkpointer.take(
-            self.ip.user_ns, hidden=getattr(self.ip, "user_ns_hidden", None), full=full,
+            self.ip.user_ns, hidden=self._hidden(), full=full,
             execution_count=self._execution_count(), extra=extra,
         )
 
     def restore(self, reason: kenv.RestartReason | None, *, at_start: bool) -> dict[str, Any]:
-        """Restore the latest checkpoint into the namespace; returns and writes the report."""
+        """Restore the last good checkpoint into the namespace; returns and writes the report.
+
+        ``ok`` in the report is true only when every variable came back and no cell was cut
+        off: the server and the widget claim success on nothing less.
+        """
+        previous = self._previous_cells if at_start else {}
+        running = previous.get("running")
+        interrupted = str(running.get("cell")) if isinstance(running, dict) else None
         report: dict[str, Any] = {
             "time": time.time(), "kernel_id": self.env.kernel_id,
             "cause": reason.cause if reason else "manual",
             "reason": asdict(reason) if reason else None,
             "restored": [], "lost": [], "lost_reasons": {}, "newer_names": [],
+            "interrupted_cell": interrupted,
             "checkpoint_time": None, "checkpoint_cell": None, "moved_to_cpu_bytes": 0,
             "ok": False, "error": None,
         }
+        self._import_torch_for(self.checkpointer.read_header())
         cpu_fallback = False
         try:
             try:
@@ -284,24 +349,27 @@ class GpuFracHook:
         except CheckpointError as exc:
             report["error"] = str(exc)
             text = messages.restore_message(reason, restored=[], lost={}, checkpoint_time=None,
-                                            error=str(exc))
+                                            interrupted_cell=interrupted, error=str(exc))
         else:
-            previous = self._previous_cells if at_start else {}
             known = set(loaded.restored) | set(loaded.lost) | set(loaded.modules)
             newer = sorted(set(previous.get("names", [])) - known)
             last_cell = previous.get("execution_count")
             self._readopt_offloaded(loaded.header.get("offloaded", []))
+            self._restored_names = [*loaded.restored, *loaded.modules]
+            self._rng_after_restore = getattr(loaded, "rng_state", None) or None
             report.update(
-                ok=True, restored=loaded.restored + loaded.modules, lost=sorted(loaded.lost),
+                restored=loaded.restored + loaded.modules, lost=sorted(loaded.lost),
                 lost_reasons=loaded.lost, newer_names=newer,
                 checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
                 moved_to_cpu_bytes=loaded.moved_to_cpu_bytes, rng=loaded.rng,
+                ok=not loaded.lost and not newer and interrupted is None,
             )
             text = messages.restore_message(
                 reason, restored=report["restored"], lost=loaded.lost,
                 checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
                 last_cell=last_cell if isinstance(last_cell, int) else None,
                 newer_names=newer, moved_to_cpu_bytes=loaded.moved_to_cpu_bytes,
+                interrupted_cell=interrupted,
                 cpu_reason=("they did not fit in this kernel's GPU memory limit"
                             if cpu_fallback else "this kernel has no CUDA device"),
             )
@@ -315,12 +383,26 @@ class GpuFracHook:
             log.warning("gpufrac: could not write the restore report", exc_info=True)
         return report
 
+    def _import_torch_for(self, header: Mapping[str, Any] | None) -> None:
+        """Import torch before a restore that holds tensors, so they land on this kernel's GPU.
+
+        The target device is chosen by asking torch; asked before the unpickler imports it,
+        the answer would be "cpu" and every CUDA tensor would come back on the host.
+        """
+        if header and header.get("tensors_bytes") and torch_adapter.torch_module() is None:
+            with contextlib.suppress(ImportError):
+                import torch
+
+                self.on_torch_imported(torch)
+
     def restore_at_start(self) -> None:
         """GPUFRAC_RESTORE: bring the variables back and keep the message for the first cell."""
         report = self.restore(self.env.restart_reason, at_start=True)
         # Output at load time reaches the kernel's log, not a cell: show it with the first cell.
         print(report["message"], flush=True)
         self.pending_message = report["message"]
+        # The restored state is the last good one from now on; the cut-off cell is reported once.
+        self._write_cells(running=None)
 
     def _readopt_offloaded(self, records: list[Any]) -> None:
         ns = self.ip.user_ns

@@ -1,4 +1,4 @@
-"""Pure decisions of the reclaim ladder, the agent poll backoff and automatic checkpoints."""
+"""Pure decisions of the reclaim ladder, the agent poll backoff and the checkpoint after each cell."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ class Action(enum.Enum):
 
     EMPTY_CACHE = "empty_cache"
     CAP_REQUEST = "cap_request"
-    CAP_LIMIT = "cap_limit"
     OFFLOAD = "offload"
     CHECKPOINT = "checkpoint"
 
@@ -29,7 +28,7 @@ class LadderState:
     shrinking: bool = False
     reason: str = ""
     deadline: float | None = None
-    pending_checkpoint: str | None = None  # why a checkpoint is due after the running cell
+    moving: bool = False  # a migrate directive is out: a cell interrupted now was cut off by it
     notices: list[str] = field(default_factory=list)  # shown with the next cell's output
 
 
@@ -76,12 +75,12 @@ def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Actio
         )
         return [Action.EMPTY_CACHE, Action.CAP_REQUEST]
     if kind == "migrate":
-        # The server checkpoints an idle kernel itself; a busy one checkpoints after its cell.
-        state.pending_checkpoint = "migrate"
+        # Every completed cell is checkpointed already; the server restarts the kernel.
+        state.moving = True
         state.notices.append(
             "gpufrac: this kernel is being moved to another GPU"
             + (f" ({reason})" if reason else "")
-            + "; its variables are checkpointed and come back after the restart."
+            + "; its variables as of the last completed cell come back after the restart."
         )
         return []
     if kind == "killed":
@@ -92,31 +91,13 @@ def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Actio
 
 
 def after_cell(
-    state: LadderState, *, usage: int | None, request: int | None, bursting: bool
+    state: LadderState, *, usage: int | None, request: int | None, cut_off: bool
 ) -> list[Action]:
-    """Actions between cells: offload while shrinking and still over the request; checkpoints."""
+    """Actions between cells: offload while shrinking and still over the request; then the
+    last good checkpoint, unless a move cut the cell off (its half-done state is not good)."""
     actions: list[Action] = []
     if state.shrinking and usage is not None and request is not None and usage > request:
         actions += [Action.OFFLOAD, Action.EMPTY_CACHE]
-    if state.pending_checkpoint or bursting:
+    if not cut_off:
         actions.append(Action.CHECKPOINT)
     return actions
-
-
-def checkpoint_due(
-    *, bursting: bool, last_time: float | None, last_seconds: float | None, now: float,
-    overhead: float = 0.1,
-) -> bool:
-    """Automatic checkpoints while bursting, but spending at most ``overhead`` of wall time."""
-    if not bursting:
-        return False
-    if last_time is None or last_seconds is None:
-        return True
-    return now - last_time >= last_seconds / overhead
-
-
-def is_bursting(usage: int | None, request: int | None, reported: bool | None = None) -> bool:
-    """Usage above request; the agent's own verdict counts when we cannot measure."""
-    if usage is not None and request is not None:
-        return usage > request
-    return bool(reported)

@@ -141,12 +141,16 @@ class GpuMagic:
         hook = self.hook
         agent_state = (lease or {}).get("state")
         reason = (lease or {}).get("reason") or ""
+        if lease is None:
+            # Never "guaranteed" on faith: without the agent's word the share is unverified.
+            return (f"agent unreachable at {hook.env.agent_socket}: this kernel's share cannot be "
+                    "verified; it keeps running on its GPU, and cells still run")
         if hook.state.shrinking or agent_state == "shrinking":
             text = "shrinking: memory lent to this kernel is being reclaimed"
         elif agent_state == "migrating":
             text = "migrating: the agent is moving this kernel to another GPU"
         elif usage is not None and hook.request is not None and usage > hook.request:
-            text = "bursting: using more than the request (checkpointed after cells)"
+            text = "bursting: using more than the request (the loan may be asked back)"
         else:
             text = "guaranteed"
         return f"{text} ({reason})" if reason and text != "guaranteed" else text

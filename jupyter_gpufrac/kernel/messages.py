@@ -63,6 +63,10 @@ def restart_cause(reason: RestartReason | None) -> str:
                 "beyond its guaranteed request that another notebook needed back")
     elif reason.cause == "request_changed":
         head = f"This kernel was restarted{gpus} because its GPU request or limit changed"
+    elif reason.cause == "died":
+        head = "This kernel's process ended unexpectedly and was restarted"
+    elif reason.cause == "placed":
+        head = f"This kernel was restarted{gpus} because a GPU share became free for it"
     else:
         head = "This kernel was restarted by jupyter-gpufrac"
     return f"{head}: {detail}." if detail else f"{head}."
@@ -87,12 +91,16 @@ def restore_message(
     newer_names: Sequence[str] = (),
     moved_to_cpu_bytes: int = 0,
     cpu_reason: str = "this kernel has no CUDA device",
+    interrupted_cell: str | None = None,
     error: str | None = None,
     now: float | None = None,
 ) -> str:
     """The notebook message after a restart: why, what came back, what did not and what to do."""
     now = time.time() if now is None else now
     lines = [restart_cause(reason)]
+    if interrupted_cell:
+        lines.append(f"Cell {interrupted_cell} was cut off before it finished: the variables are "
+                     "as they were before it ran; re-run it to redo its work.")
     if error:
         lines.append(f"No variables were restored: {error}")
     else:

@@ -60,12 +60,15 @@ def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, S
     shrink = status["events"][kinds.index("shrink_requested")]
     assert shrink["request"] == 2**30 // 4 and shrink["usage"] > shrink["request"]
     killed = status["events"][kinds.index("oom_killed")]
-    assert "loaned memory" in killed["message"] and "restored from its last checkpoint" in killed["message"]
+    assert "loaned memory" in killed["message"] and "restores the state after its last completed cell" in killed["message"]
     report = status["events"][-1]
     assert "keep" in report["restored"]
-    # The generator could not be saved; the running cell's work came after the checkpoint.
-    assert report["lost"] == ["g"], report
-    assert "lost: g" in report["message"] and "work after the checkpoint" in report["message"]
+    # The generator could not be saved; the running cell is named as cut off, and nothing
+    # claims a full restore.
+    assert report["lost"] == ["g"] and report["ok"] is False, report
+    assert "lost: g (TypeError: cannot pickle 'generator' object)" in report["message"]
+    assert "cell [2] big = torch.ones(1000 * 2**20 // 4) was cut off: re-run it" in report["message"]
+    assert status["state"] == "restore-incomplete"
 
     # The same page goes on: the first cell says what happened, the checkpointed state is back.
     output = borrower.ok("print(keep['numbers'], 'big' in globals())")

@@ -57,8 +57,9 @@ def test_no_lease_mode_magics_errors_and_oom_help(tmp_path: Path) -> None:
 
         assert "no GPU memory to release" in k.run("%gpu release").stdout
         assert "nothing is offloaded" in k.run("%gpu reload").stdout
-        k.run("keep = {'n': 1}\n%gpu checkpoint --quiet\ndel keep")
-        restored = k.run("%gpu restore")
+        # Every completed cell is checkpointed: a restore goes back to the last one.
+        k.run("keep = {'n': 1}")
+        restored = k.run("keep['n'] = 99\nlater = 1\n%gpu restore")
         assert restored.status == "ok" and "Restored" in restored.stdout
         assert k.value("keep") == {"n": 1}
 
@@ -121,7 +122,7 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
         names = k.value("__import__('jupyter_gpufrac.kernel', fromlist=['x'])"
                         ".summary()['last_checkpoint']['names']")
         assert {"model", "opt", "double", "Net", "items", "late"} <= set(names)
-        assert k.run("later = 2").status == "ok"  # after the checkpoint: lost, and said so
+        assert k.run("later = 2").status == "ok"  # a completed cell: in the last good checkpoint
 
     reason = {"cause": "migrated", "message": "free GPU 1 for a job",
               "from_gpu": "GPU 1", "to_gpu": "GPU 0"}
@@ -131,14 +132,13 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
         assert first.status == "ok"
         assert "This kernel was moved from GPU 1 to GPU 0: free GPU 1 for a job." in first.stdout
         assert "Restored" in first.stdout and "gen (TypeError" in first.stdout
-        assert "Defined after the checkpoint, so lost: later" in first.stdout
         assert first.stdout.rstrip().endswith("hello")
         assert "Restored" not in k.run("print('again')").stdout  # shown once
 
         assert k.value("double(21)") == 42
         assert k.value("items is same_items") is True
         assert k.value("isinstance(model, Net)") is True
-        assert k.value("'gen' in globals() or 'later' in globals()") is False
+        assert k.value("'gen' in globals()") is False and k.value("later") == 2
         assert k.value("torch.equal(model.fc.weight, weights_before)") is True
         stepped = k.run("model(torch.ones(3, 4)).sum().backward(); opt.step()\n"
                         "print(torch.equal(model.fc.weight, weights_before))")
@@ -146,9 +146,10 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
         assert "last restore:" in k.run("%gpu").stdout
 
     report = json.loads((ckdir / store.RESTORE_FILE).read_text())
-    assert report["ok"] and report["cause"] == "migrated"
-    assert {"model", "opt", "torch", "late"} <= set(report["restored"])
-    assert report["lost"] == ["gen"] and report["newer_names"] == ["later"]
+    # One variable could not be saved: the report does not call the restore a success.
+    assert report["ok"] is False and report["error"] is None and report["cause"] == "migrated"
+    assert {"model", "opt", "torch", "late", "later"} <= set(report["restored"])
+    assert report["lost"] == ["gen"] and report["newer_names"] == []
     assert report["checkpoint_time"] > 0 and "Restored" in report["message"]
 
 

@@ -85,26 +85,19 @@ def test_shrink_then_offload_between_cells() -> None:
                                           "deadline": 5.0})
     assert actions == [ladder.Action.EMPTY_CACHE, ladder.Action.CAP_REQUEST]
     assert state.shrinking and state.deadline == 5.0 and "owner needs it" in state.notices[0]
-    after = ladder.after_cell(state, usage=10, request=5, bursting=True)
+    after = ladder.after_cell(state, usage=10, request=5, cut_off=False)
     assert after == [ladder.Action.OFFLOAD, ladder.Action.EMPTY_CACHE, ladder.Action.CHECKPOINT]
-    assert ladder.after_cell(state, usage=4, request=5, bursting=False) == []
+    assert ladder.after_cell(state, usage=4, request=5, cut_off=False) == [ladder.Action.CHECKPOINT]
 
 
-def test_migrate_directive_asks_for_a_checkpoint_after_the_cell() -> None:
+def test_every_completed_cell_is_checkpointed_but_not_one_a_move_cut_off() -> None:
     state = ladder.LadderState()
-    assert ladder.on_directive(state, {"kind": "migrate"}) == []
-    assert ladder.after_cell(state, usage=None, request=None, bursting=False) == [
+    assert ladder.after_cell(state, usage=None, request=None, cut_off=False) == [
         ladder.Action.CHECKPOINT]
-
-
-def test_automatic_checkpoints_bounded_overhead() -> None:
-    assert not ladder.checkpoint_due(bursting=False, last_time=None, last_seconds=None, now=0)
-    assert ladder.checkpoint_due(bursting=True, last_time=None, last_seconds=None, now=0)
-    # A 2 s checkpoint is repeated at most every 20 s (10 % overhead).
-    assert not ladder.checkpoint_due(bursting=True, last_time=100, last_seconds=2, now=110)
-    assert ladder.checkpoint_due(bursting=True, last_time=100, last_seconds=2, now=120)
-    assert ladder.is_bursting(10, 5) and not ladder.is_bursting(5, 5)
-    assert ladder.is_bursting(None, 5, reported=True)
+    assert ladder.on_directive(state, {"kind": "migrate", "reason": "free GPU 1"}) == []
+    assert state.moving and "free GPU 1" in state.notices[0]
+    # Half a cell's effects are not a good state to come back to.
+    assert ladder.after_cell(state, usage=None, request=None, cut_off=True) == []
 
 
 def test_restart_messages_say_why_and_what() -> None:
@@ -124,6 +117,10 @@ def test_restart_messages_say_why_and_what() -> None:
                                                                        "GPU-5eed-0"))
     assert "Restored 2 of 3 variables" in text and "model, opt" in text
     assert "gen (TypeError: generator)" in text and "late" in text
+    cut = messages.restore_message(reason, restored=["a"], lost={}, checkpoint_time=None,
+                                   interrupted_cell="[7] for epoch in range(100):")
+    assert "Cell [7] for epoch in range(100): was cut off" in cut and "re-run it" in cut
+    assert "ended unexpectedly" in messages.restart_cause(kenv.RestartReason("died", ""))
     assert "Cells [5] to [6]" in text
     oom = messages.restart_cause(kenv.RestartReason("oom_killed", "give 4.0 GiB back"))
     assert "reclaimer" in oom and "give 4.0 GiB back" in oom
