@@ -59,6 +59,8 @@ class LoadResult:
     rng: list[str]
     moved_to_cpu_bytes: int = 0
     header: dict[str, Any] = field(default_factory=dict)
+    # The generators as saved, to apply again right before the next cell (start-up draws).
+    rng_state: dict[str, Any] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -259,6 +261,7 @@ class Checkpointer:
             rng=rng_done,
             moved_to_cpu_bytes=unpickler.moved_to_cpu_bytes,
             header=header,
+            rng_state=dict(payload.get("rng", {})),
         )
 
     def read_header(self) -> dict[str, Any] | None:

@@ -356,7 +356,7 @@ class GpuFracHook:
             last_cell = previous.get("execution_count")
             self._readopt_offloaded(loaded.header.get("offloaded", []))
             self._restored_names = [*loaded.restored, *loaded.modules]
-            self._rng_after_restore = getattr(loaded, "rng_state", None) or None
+            self._rng_after_restore = loaded.rng_state or None
             report.update(
                 restored=loaded.restored + loaded.modules, lost=sorted(loaded.lost),
                 lost_reasons=loaded.lost, newer_names=newer,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from support import AgentProcess, wait_for
 
 from .jupyter_process import Server, running_server
@@ -40,6 +42,7 @@ assert opt.param_groups[0]["params"][0] is model.weight, "optimizer shares the p
 assert "momentum_buffer" in opt.state[model.weight], "optimizer state"
 assert abs(float(model.weight.sum()) - weight_sum) < 1e-6, "weights"
 print("WHERE", os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
+print("DRAWS", random.random(), float(torch.rand(1)))
 """
 
 
@@ -103,6 +106,13 @@ def test_job_moves_a_notebook_and_its_state_survives(
     # Same kernel id, same websocket: the page never reconnected.
     output = mover.ok(CHECK)
     pid, gpu = where(output)
+    # The generators continue exactly: the draws of a notebook that never moved.
+    python_rng = random.Random(1)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        torch.nn.Linear(4, 2)  # the cell drew the model's initial weights from torch's generator
+        expected = f"DRAWS {python_rng.random()} {float(torch.rand(1))}"
+    assert expected in output, output
     assert pid != before[mover.kernel_id][0] and gpu == status["gpu"]["uuid"]
     # The first cell after the move tells the user what happened.
     assert "free GPU" in output
