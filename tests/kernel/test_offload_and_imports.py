@@ -40,6 +40,56 @@ def test_offload_moves_modules_in_place_and_reload_restores_them() -> None:
     assert [r.name for r in back] == ["opt"] and left == []
 
 
+class StandInDevice:
+    """Without a GPU, a set of CPU tensors stands in for "on the device": copies are not in it."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.ids = {id(t) for t in tensors}
+
+    def __call__(self, tensor: Any) -> bool:
+        return id(tensor) in self.ids
+
+    def bytes_reachable(self, ns: dict[str, Any]) -> int:
+        """Bytes of device tensors the namespace still reaches: names, containers, Out."""
+        seen: dict[int, int] = {}
+
+        def visit(value: Any) -> None:
+            if isinstance(value, torch.Tensor) and self(value):
+                seen[id(value)] = value.numel() * value.element_size()
+            elif isinstance(value, list | tuple):
+                for item in value:
+                    visit(item)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    visit(item)
+
+        visit(ns)
+        return sum(seen.values())
+
+
+def test_offload_frees_what_output_caches_and_containers_hold() -> None:
+    shown, kept, other = torch.ones(256), torch.ones(128), torch.ones(64)
+    device = StandInDevice(shown, kept, other)
+    ns: dict[str, Any] = {
+        "kept": kept, "batch": [kept, other, 3], "named": {"w": kept}, "pair": (kept, "label"),
+        "Out": {4: shown}, "_": shown, "_4": shown,
+    }
+    assert device.bytes_reachable(ns) == (256 + 128 + 64) * 4
+    moved = offload.offload(ns, host="cpu", on_gpu=device)
+    assert {r.name: r.kind for r in moved} == {
+        "kept": "tensor", "batch": "container", "named": "container", "pair": "container",
+        "Out": "output cache"}
+    # Nothing the notebook reaches holds device memory now, and usage can fall to the request.
+    assert device.bytes_reachable(ns) == 0
+    # Aliases of one tensor are one tensor on the host too.
+    assert ns["batch"][0] is ns["kept"] is ns["named"]["w"] is ns["pair"][0]
+    assert ns["_"] is ns["_4"] is ns["Out"][4] and ns["pair"][1] == "label"
+    assert next(r for r in moved if r.kind == "output cache").nbytes == 256 * 4
+    back, left = offload.reload(ns, moved, budget=None)
+    # Shown outputs are history and stay on the host; the user's variables come back.
+    assert {r.name for r in back} == {"kept", "batch", "named", "pair"} and left == []
+
+
 def test_import_watcher_runs_after_the_module_is_complete(tmp_path: Path) -> None:
     (tmp_path / "gpufrac_probe_pkg").mkdir()
     (tmp_path / "gpufrac_probe_pkg" / "__init__.py").write_text("VALUE = 41\nVALUE += 1\n")
