@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import logging
 import os
+import pickle
 import struct
 import threading
 import time
@@ -19,6 +21,8 @@ from jupyter_gpufrac.kernel import namespace, pickling, rng, store, tensor_io, t
 log = logging.getLogger(__name__)
 
 MAGIC = b"GPUFRAC-CKPT-1\n"
+# 2: variables saved per group of shared references, each group a content-addressed blob.
+FORMAT = 2
 _TRAILER = struct.Struct(">Q")  # header length, after the JSON header, before the end magic
 MAX_ATTEMPTS = 3
 
@@ -38,9 +42,11 @@ class CheckpointResult:
     modules: dict[str, str]
     lost: dict[str, str]
     tensors_bytes: int
-    bytes_written: int
+    bytes_written: int  # tensor (storage) bytes written: unchanged tensors cost nothing
     blobs_written: int
     execution_count: int | None = None
+    group_bytes_written: int = 0  # pickled variables written: unchanged groups cost nothing
+    groups_written: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -109,56 +115,37 @@ class Checkpointer:
         if full:
             self.cache.clear()
         selection = namespace.select(ns, hidden)
-        values = dict(selection.values)
         lost: dict[str, str] = {name: "a module object that is not importable"
                                 for name in selection.skipped}
         blobs = pickling.BlobWriter(self.root, self.cache)
-        rng_state = rng.capture()
-        header: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
         try:
+            for names in group_names(selection.values, blobs, ns):
+                saved = self._save_group(names, selection.values, blobs, ns, lost)
+                if saved is not None:
+                    groups.append(saved)
+            rng_blob = blobs.group_blob(pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL))
+            # Blobs durable first, then the state file that names them: a kill or crash
+            # in between leaves the previous state whole, and its blobs untouched.
+            tensor_io.sync_files(blobs.new_paths)
+            store.fsync_dir(self.root / store.BLOB_DIR)
+            names = sorted(name for group in groups for name in group["names"])
+            header: dict[str, Any] = {
+                "format": FORMAT,
+                "time": time.time(),
+                "execution_count": execution_count,
+                "names": names,
+                "modules": selection.modules,
+                "lost": lost,
+                "groups": groups,
+                "rng": rng_blob,
+                "blobs": blobs.referenced,
+                "tensors_bytes": blobs.tensor_bytes,
+                "pid": os.getpid(),
+                **dict(extra),
+            }
             with store.atomic_writer(self.state_path) as fh:
-                attempts = 0
-                while True:
-                    fh.seek(0)
-                    fh.truncate()
-                    fh.write(MAGIC)
-                    blobs.start_pass()
-                    try:
-                        pickling.NamespacePickler(fh, blobs, ns).dump(
-                            {"values": values, "rng": rng_state}
-                        )
-                        break
-                    except Exception as exc:
-                        attempts += 1
-                        if not values:
-                            raise CheckpointError(
-                                f"pickling failed with no variables left: {exc}"
-                            ) from exc
-                        bad = self._find_unpicklable(values, blobs, ns)
-                        if not bad or attempts >= MAX_ATTEMPTS:
-                            # Nothing alone fails, yet the whole does: say so for every name.
-                            why = f"{type(exc).__name__}: {exc}"[:300]
-                            bad = bad or {name: why for name in values}
-                        for name, reason in bad.items():
-                            values.pop(name, None)
-                            lost[name] = reason
-                # Blobs durable first, then the state file that names them: a kill or crash
-                # in between leaves the previous state whole, and its blobs untouched.
-                tensor_io.sync_files(blobs.new_paths)
-                store.fsync_dir(self.root / store.BLOB_DIR)
-                now = time.time()
-                header = {
-                    "format": 1,
-                    "time": now,
-                    "execution_count": execution_count,
-                    "names": sorted(values),
-                    "modules": selection.modules,
-                    "lost": lost,
-                    "blobs": blobs.referenced,
-                    "tensors_bytes": blobs.tensor_bytes,
-                    "pid": os.getpid(),
-                    **dict(extra),
-                }
+                fh.write(MAGIC)
                 _write_trailer(fh, header)
         except OSError as exc:
             raise CheckpointError(f"writing the checkpoint to {self.root} failed: {exc}") from exc
@@ -167,16 +154,46 @@ class Checkpointer:
             path=str(self.state_path),
             time=header["time"],
             seconds=time.monotonic() - started,
-            names=header["names"],
+            names=names,
             modules=selection.modules,
             lost=lost,
             tensors_bytes=blobs.tensor_bytes,
             bytes_written=blobs.bytes_written,
             blobs_written=blobs.blobs_written,
             execution_count=execution_count,
+            group_bytes_written=blobs.group_bytes_written,
+            groups_written=blobs.groups_written,
         )
         self.last = result
         return result
+
+    def _save_group(
+        self, names: list[str], values: Mapping[str, Any], blobs: pickling.BlobWriter,
+        ns: dict[str, Any], lost: dict[str, str],
+    ) -> dict[str, Any] | None:
+        """Pickle variables that share references as one unit; members that fail are dropped."""
+        members = {name: values[name] for name in names}
+        for _attempt in range(MAX_ATTEMPTS):
+            buffer = io.BytesIO()
+            mark = blobs.mark()
+            try:
+                pickling.NamespacePickler(buffer, blobs, ns).dump(members)
+            except Exception as exc:
+                blobs.rollback(mark)
+                bad = {name: reason for name, value in members.items()
+                       if (reason := pickling.unpicklable_reason(name, value, blobs, ns))}
+                # Nothing alone fails, yet the whole does: say so for every member.
+                why = f"{type(exc).__name__}: {exc}"[:300]
+                for name, reason in (bad or dict.fromkeys(members, why)).items():
+                    members.pop(name, None)
+                    lost[name] = reason
+                if not members:
+                    return None
+                continue
+            return {"names": sorted(members), "blob": blobs.group_blob(buffer.getvalue())}
+        for name in members:
+            lost[name] = "pickling kept failing for the variables it shares objects with"
+        return None
 
     def _collect_garbage(self, keep: set[str]) -> None:
         # Replaced blobs are deleted off the critical path: unlinking gigabytes takes a while.
@@ -194,16 +211,6 @@ class Checkpointer:
         if self._gc is not None:
             self._gc.join()
             self._gc = None
-
-    def _find_unpicklable(
-        self, values: dict[str, Any], blobs: pickling.BlobWriter, ns: dict[str, Any]
-    ) -> dict[str, str]:
-        bad: dict[str, str] = {}
-        for name, value in values.items():
-            reason = pickling.unpicklable_reason(name, value, blobs, ns)
-            if reason is not None:
-                bad[name] = reason
-        return bad
 
     def load(self, ns: dict[str, Any], *, device: str | None = None) -> LoadResult:
         """Restore the committed checkpoint into ``ns``; tensors from a GPU land on ``device``."""
@@ -223,24 +230,45 @@ class Checkpointer:
         except FileNotFoundError as exc:
             raise CheckpointError(f"there is no checkpoint in {self.root}") from exc
         with open(path, "rb") as fh:
-            header, payload_end = _read_trailer(fh, path)
-            fh.seek(len(MAGIC))
-            limited = _Limited(fh, payload_end)
-            restored_tensors: list[tuple[Any, str]] = []
-            target: dict[str, Any] = {}
-            unpickler = pickling.NamespaceUnpickler(
-                limited, self.root, ns, device, lambda t, b: restored_tensors.append((t, b))
-            )
+            header, _ = _read_trailer(fh, path)
+        if header.get("format") != FORMAT:
+            raise CheckpointError(f"the checkpoint in {self.root} has format "
+                                  f"{header.get('format')!r}; this version reads {FORMAT}")
+        restored_tensors: list[tuple[Any, str]] = []
+        storages: dict[tuple[str, str], Any] = {}
+        target: dict[str, Any] = {}
+        lost = dict(header.get("lost", {}))
+        moved_to_cpu = 0
+        for group in header.get("groups", []):
+            names = [str(name) for name in group.get("names", [])]
             try:
-                payload = unpickler.load()
+                data = self._read_blob(str(group["blob"]))
+                unpickler = pickling.NamespaceUnpickler(
+                    io.BytesIO(data), self.root, ns, device,
+                    lambda t, b: restored_tensors.append((t, b)), storages,
+                )
+                values = unpickler.load()
+                moved_to_cpu += unpickler.moved_to_cpu_bytes
+            except store.UnsafeCheckpointError as exc:
+                raise CheckpointError(str(exc)) from exc
+            except oom_types() as exc:
+                # Out of GPU memory is about where tensors go, not about this group: the
+                # caller retries on the host rather than losing the variables.
+                raise CheckpointError(f"out of GPU memory while restoring {names}") from exc
+            except Exception as exc:
+                # One group that cannot be rebuilt costs only its own variables.
+                why = f"could not be loaded: {type(exc).__name__}: {exc}"[:300]
+                lost.update(dict.fromkeys(names, why))
+                continue
+            target.update(values)
+        rng_state: dict[str, Any] = {}
+        if header.get("rng"):
+            try:
+                rng_state = pickle.loads(self._read_blob(str(header["rng"])))
             except store.UnsafeCheckpointError as exc:
                 raise CheckpointError(str(exc)) from exc
             except Exception as exc:
-                raise CheckpointError(
-                    f"the checkpoint in {self.root} could not be read: {type(exc).__name__}: {exc}"
-                ) from exc
-        target.update(payload["values"])
-        lost = dict(header.get("lost", {}))
+                log.warning("gpufrac: the random generators' state could not be read: %s", exc)
         modules: list[str] = []
         for name, module_name in header.get("modules", {}).items():
             try:
@@ -249,20 +277,26 @@ class Checkpointer:
             except Exception as exc:
                 lost[name] = f"import {module_name} failed: {type(exc).__name__}: {exc}"
         ns.update(target)
-        rng_done = rng.restore(payload.get("rng", {}))
+        rng_done = rng.restore(rng_state)
         for tensor, blob in restored_tensors:
             self.cache.remember(tensor, blob)
         return LoadResult(
             checkpoint_time=float(header.get("time", 0.0)),
             execution_count=header.get("execution_count"),
-            restored=sorted(payload["values"]),
+            restored=sorted(name for name in target if name not in modules),
             lost=lost,
             modules=sorted(modules),
             rng=rng_done,
-            moved_to_cpu_bytes=unpickler.moved_to_cpu_bytes,
+            moved_to_cpu_bytes=moved_to_cpu,
             header=header,
-            rng_state=dict(payload.get("rng", {})),
+            rng_state=rng_state,
         )
+
+    def _read_blob(self, name: str) -> bytes:
+        path = store.blob_path(self.root, name)
+        store.check_private(path, directory=False)
+        with open(path, "rb") as fh:
+            return fh.read()
 
     def read_header(self) -> dict[str, Any] | None:
         """The committed checkpoint's JSON header (no unpickling), or None when there is none."""
@@ -271,6 +305,51 @@ class Checkpointer:
                 return _read_trailer(fh, self.state_path)[0]
         except (OSError, CheckpointError):
             return None
+
+
+def group_names(
+    values: Mapping[str, Any], blobs: pickling.BlobWriter, ns: dict[str, Any]
+) -> list[list[str]]:
+    """Names whose values share objects (aliases, a model and its optimizer, an instance and its
+    cell class), grouped: each group is pickled as one unit so they stay shared after a restore.
+
+    Each value is pickled alone, without writing anything, to learn what it reaches; a value
+    that cannot be pickled alone is its own group (its failure is reported when it is saved).
+    """
+    parent = {name: name for name in values}
+
+    def find(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    owner: dict[int, str] = {}
+    dry = pickling.BlobWriter(blobs.root, blobs.cache, dry=True)
+    # Everything each pickling met stays alive until the grouping is done: a temporary freed
+    # after one variable's pickling could lend its id to an object of the next one.
+    alive: list[Any] = []
+    for name, value in values.items():
+        pickler = pickling.NamespacePickler(pickling.NullSink(), dry, ns)
+        wrapper = {name: value}
+        try:
+            pickler.dump(wrapper)
+        except Exception:
+            continue
+        alive.append(pickler.memo.copy())
+        for key in pickler.shared_ids() - {id(wrapper)}:
+            other = owner.setdefault(key, name)
+            if other != name:
+                parent[find(name)] = find(other)
+    groups: dict[str, list[str]] = {}
+    for name in values:
+        groups.setdefault(find(name), []).append(name)
+    return [sorted(names) for names in groups.values()]
+
+
+def oom_types() -> tuple[type[BaseException], ...]:
+    """PyTorch's out-of-memory errors, once torch is loaded."""
+    return torch_adapter.oom_exception_types()
 
 
 def _write_trailer(fh: IO[bytes], header: dict[str, Any]) -> None:
@@ -296,27 +375,3 @@ def _read_trailer(fh: IO[bytes], path: Path) -> tuple[dict[str, Any], int]:
     fh.seek(size - tail - length)
     header = json.loads(fh.read(length))
     return header, size - tail - length
-
-
-class _Limited:
-    """A read-only view of a file up to ``end``, so the unpickler cannot run into the header."""
-
-    def __init__(self, fh: IO[bytes], end: int) -> None:
-        self._fh = fh
-        self._end = end
-
-    def read(self, n: int = -1) -> bytes:
-        left = self._end - self._fh.tell()
-        if n < 0 or n > left:
-            n = max(left, 0)
-        return self._fh.read(n)
-
-    def readline(self) -> bytes:
-        left = self._end - self._fh.tell()
-        return self._fh.readline(max(left, 0))
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.read(len(view))
-        view[: len(data)] = data
-        return len(data)

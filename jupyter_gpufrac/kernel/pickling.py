@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import enum
+import hashlib
 import io
 import pickle
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +21,7 @@ import cloudpickle
 from jupyter_gpufrac.kernel import store, tensor_io
 
 TENSOR_TAG = "gpufrac.tensor"
+STORAGE_TAG = "gpufrac.storage"
 USER_NS_TAG = "gpufrac.user_ns"
 
 
@@ -47,6 +51,8 @@ class IncrementalCache:
 
     def lookup(self, tensor: Any) -> str | None:
         """The blob holding ``tensor``'s unchanged storage, or None."""
+        if _no_version(tensor):
+            return None
         entry = self._entries.get(id(tensor))
         if entry is None:
             return None
@@ -64,6 +70,8 @@ class IncrementalCache:
 
     def remember(self, tensor: Any, blob: str) -> None:
         """Record that ``blob`` holds ``tensor``'s storage as it is now."""
+        if _no_version(tensor):
+            return  # without a version counter a change cannot be seen: always written
         storage = tensor.untyped_storage()
         key = id(tensor)
         # The callback drops the entry when the tensor dies, so ids are never confused.
@@ -90,6 +98,12 @@ class IncrementalCache:
         self._entries.clear()
 
 
+def _no_version(tensor: Any) -> bool:
+    # Tensors made under torch.inference_mode() raise on ``_version``.
+    is_inference = getattr(tensor, "is_inference", None)
+    return bool(is_inference is not None and is_inference())
+
+
 @dataclass
 class BlobWriter:
     """Writes each storage once per checkpoint and reuses blobs of unchanged tensors."""
@@ -101,14 +115,58 @@ class BlobWriter:
     bytes_written: int = 0
     blobs_written: int = 0
     tensor_bytes: int = 0
+    group_bytes_written: int = 0
+    groups_written: int = 0
     new_paths: list[Path] = field(default_factory=list)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
     _keepalive: list[Any] = field(default_factory=list)
 
-    def start_pass(self) -> None:
-        """Forget what a failed pickling pass referenced; blobs it wrote are reused, not redone."""
-        self.referenced.clear()
-        self.tensor_bytes = 0
+    def mark(self) -> tuple[dict[str, int], int]:
+        """What is referenced so far, to go back to if the pickling that follows fails."""
+        return dict(self.referenced), self.tensor_bytes
+
+    def rollback(self, mark: tuple[dict[str, int], int]) -> None:
+        """Forget what a failed pickling referenced; blobs it wrote are reused, not redone.
+
+        Tensors only a failed variable reached are then unreferenced: garbage, not kept.
+        """
+        self.referenced, self.tensor_bytes = dict(mark[0]), mark[1]
+
+    def storage_record(self, storage: Any) -> tuple[str, int, str]:
+        """(blob, nbytes, device type) of a bare storage: written once per checkpoint."""
+        device = storage.device.type
+        if self.dry:
+            return ("dry.bin", int(storage.nbytes()), device)
+        key = int(storage._cdata)
+        known = self._by_storage.get(key)
+        if known is None:
+            blob, nbytes, path = tensor_io.write_storage(self.root, storage)
+            known = (blob, nbytes)
+            self.new_paths.append(path)
+            self.bytes_written += nbytes
+            self.blobs_written += 1
+            self._by_storage[key] = known
+            self._keepalive.append(storage)
+        self._reference(*known)
+        return (known[0], known[1], device)
+
+    def group_blob(self, data: bytes) -> str:
+        """The content-addressed blob holding one group's pickle; written only if new."""
+        name = "g-" + hashlib.sha256(data).hexdigest() + ".bin"
+        if not self.dry:
+            path = store.blob_path(self.root, name)
+            if not path.exists():
+                store.write_bytes_atomic(path, data, durable=False)
+                self.new_paths.append(path)
+                self.group_bytes_written += len(data)
+                self.groups_written += 1
+        self.referenced[name] = len(data)
+        return name
+
+    def _reference(self, blob: str, nbytes: int) -> None:
+        if blob not in self.referenced:
+            self.referenced[blob] = nbytes
+            self.tensor_bytes += nbytes
 
     def record_for(self, tensor: Any) -> tuple[str, int, str]:
         """(blob, nbytes, device type) of ``tensor``'s storage, writing it if needed."""
@@ -132,9 +190,7 @@ class BlobWriter:
             # Keep the storage alive so its _cdata cannot be reused within this checkpoint.
             self._keepalive.append(storage)
         self.cache.remember(tensor, known[0])
-        if known[0] not in self.referenced:
-            self.referenced[known[0]] = known[1]
-            self.tensor_bytes += known[1]
+        self._reference(*known)
         return (known[0], known[1], device)
 
 
@@ -145,10 +201,17 @@ def _tensor_classes() -> tuple[type, ...]:
     return (torch.Tensor, torch.nn.Parameter)
 
 
+def _storage_classes() -> tuple[type, ...]:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()
+    return (torch.UntypedStorage, torch.TypedStorage)
+
+
 def _storable(obj: Any) -> bool:
     import torch
 
-    return (
+    return bool(
         obj.layout == torch.strided
         and obj.device.type in ("cpu", "cuda")
         and not obj.is_quantized
@@ -159,14 +222,20 @@ def _storable(obj: Any) -> bool:
 
 
 class NamespacePickler(cloudpickle.Pickler):
-    """cloudpickle with tensors as persistent ids and ``user_ns`` functions bound to the live ns."""
+    """cloudpickle with tensors and storages as persistent ids, cell functions bound to ``user_ns``.
+
+    ``tensor_ids`` collects the ids of the tensors and storages it met: with the memo, they say
+    which objects two variables share, so that they are saved together.
+    """
 
     def __init__(self, file: Any, blobs: BlobWriter, user_ns: dict[str, Any]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._blobs = blobs
         self._user_ns = user_ns
         self._tensor_types = _tensor_classes()
+        self._storage_types = _storage_classes()
         self._tensor_ids: dict[int, int] = {}
+        self.tensor_ids: set[int] = set()
         # cloudpickle rebuilds functions sharing one __globals__ with one new dict, found in
         # globals_ref; pre-seeding it with a marker lets us pickle that dict as "the notebook's
         # namespace", so restored cell functions see later assignments, as they did before.
@@ -174,19 +243,41 @@ class NamespacePickler(cloudpickle.Pickler):
         self.globals_ref[id(user_ns)] = self._ns_marker
 
     def persistent_id(self, obj: Any) -> Any:
-        """Tensors and the namespace marker are stored out of band."""
+        """Tensors, bare storages and the namespace marker are stored out of band."""
         if obj is self._ns_marker:
             return (USER_NS_TAG,)
         cls = type(obj)
         if self._tensor_types and cls in self._tensor_types and _storable(obj):
-            index = self._tensor_ids.setdefault(id(obj), len(self._tensor_ids))
-            blob, nbytes, device = self._blobs.record_for(obj)
-            return (
-                TENSOR_TAG, index, blob, nbytes, device, int(obj.storage_offset()),
-                tuple(obj.size()), tuple(obj.stride()), str(obj.dtype).removeprefix("torch."),
-                bool(obj.requires_grad), cls is not self._tensor_types[0],
-            )
+            return self._tensor_pid(obj)
+        if self._storage_types and cls in self._storage_types:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TypedStorage is deprecated, not our user's doing
+                storage = obj if cls is self._storage_types[0] else obj.untyped()
+                dtype = None if cls is self._storage_types[0] else str(obj.dtype)
+            if storage.device.type in ("cpu", "cuda"):
+                self.tensor_ids.add(id(obj))
+                blob, nbytes, device = self._blobs.storage_record(storage)
+                return (STORAGE_TAG, blob, nbytes, device, dtype)
         return None
+
+    def _tensor_pid(self, obj: Any) -> tuple[Any, ...]:
+        self.tensor_ids.add(id(obj))
+        index = self._tensor_ids.setdefault(id(obj), len(self._tensor_ids))
+        blob, nbytes, device = self._blobs.record_for(obj)
+        keeps_grad = obj.requires_grad and (obj.is_leaf or obj.retains_grad)
+        grad = obj.grad if keeps_grad else None
+        grad_pid = (self._tensor_pid(grad) if grad is not None and type(grad) in self._tensor_types
+                    and _storable(grad) else None)
+        return (
+            TENSOR_TAG, index, blob, nbytes, device, int(obj.storage_offset()),
+            tuple(obj.size()), tuple(obj.stride()), str(obj.dtype).removeprefix("torch."),
+            bool(obj.requires_grad), type(obj) is not self._tensor_types[0], grad_pid,
+        )
+
+    def shared_ids(self) -> set[int]:
+        """Ids of the objects this pickler met that another variable could share by reference."""
+        found = {id(obj) for _, obj in self.memo.copy().values() if _shareable(obj)}
+        return found | self.tensor_ids
 
     def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
         reduced = super()._dynamic_function_reduce(func)
@@ -202,12 +293,33 @@ class NamespacePickler(cloudpickle.Pickler):
         return reduced
 
 
+def _shareable(obj: Any) -> bool:
+    """Whether two variables holding ``obj`` must keep holding one object after a restore.
+
+    Mutable containers, objects with state of their own and what cells define (pickled by
+    value) count; what is pickled by reference or immutable (strings, numbers, importable
+    classes and functions, modules, dtypes) is the same everywhere anyway.
+    """
+    if isinstance(obj, type | types.FunctionType):
+        return getattr(obj, "__module__", None) == "__main__"
+    if isinstance(obj, types.ModuleType | enum.Enum):
+        return False
+    if isinstance(obj, list | dict | set | bytearray):
+        return True
+    return hasattr(obj, "__dict__")
+
+
 class NamespaceUnpickler(pickle.Unpickler):
-    """Rebuilds tensors from blobs on the kernel's device and binds functions to ``user_ns``."""
+    """Rebuilds tensors from blobs on the kernel's device and binds functions to ``user_ns``.
+
+    ``storages`` may be shared by the unpicklers of one restore, so tensors of different
+    groups that viewed one storage still share it.
+    """
 
     def __init__(
         self, file: Any, root: Path, user_ns: dict[str, Any], device: str,
         on_tensor: Callable[[Any, str], None] | None = None,
+        storages: dict[tuple[str, str], Any] | None = None,
     ) -> None:
         super().__init__(file)
         self._root = root
@@ -215,7 +327,7 @@ class NamespaceUnpickler(pickle.Unpickler):
         self._device = device
         self._on_tensor = on_tensor
         self._tensors: dict[int, Any] = {}
-        self._storages: dict[tuple[str, str], Any] = {}
+        self._storages: dict[tuple[str, str], Any] = {} if storages is None else storages
         self.moved_to_cpu_bytes = 0
 
     def persistent_load(self, pid: Any) -> Any:
@@ -224,25 +336,43 @@ class NamespaceUnpickler(pickle.Unpickler):
             return self._user_ns
         if isinstance(pid, tuple) and pid and pid[0] == TENSOR_TAG:
             return self._load_tensor(pid)
+        if isinstance(pid, tuple) and pid and pid[0] == STORAGE_TAG:
+            return self._load_bare_storage(pid)
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+    def _storage(self, blob: str, nbytes: int, device: str) -> Any:
+        target = "cpu" if device == "cpu" else self._device
+        storage = self._storages.get((blob, target))
+        if storage is None:
+            if device != "cpu" and target == "cpu":
+                self.moved_to_cpu_bytes += nbytes
+            path = store.blob_path(self._root, blob)
+            store.check_private(path, directory=False)
+            storage = tensor_io.read_storage(path, nbytes, target)
+            self._storages[(blob, target)] = storage
+        return storage
+
+    def _load_bare_storage(self, pid: tuple[Any, ...]) -> Any:
+        _tag, blob, nbytes, device, dtype_name = pid
+        storage = self._storage(blob, nbytes, device)
+        if dtype_name is None:
+            return storage
+        import torch
+
+        dtype = getattr(torch, str(dtype_name).removeprefix("torch."))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TypedStorage is deprecated, and still in notebooks
+            return torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
     def _load_tensor(self, pid: tuple[Any, ...]) -> Any:
         (_tag, index, blob, nbytes, device, offset, size, stride, dtype_name, requires_grad,
-         is_param) = pid
+         is_param, grad_pid) = pid
         known = self._tensors.get(index)
         if known is not None:
             return known
         import torch
 
-        target = "cpu" if device == "cpu" else self._device
-        if device != "cpu" and target == "cpu":
-            self.moved_to_cpu_bytes += nbytes
-        storage = self._storages.get((blob, target))
-        if storage is None:
-            path = store.blob_path(self._root, blob)
-            store.check_private(path, directory=False)
-            storage = tensor_io.read_storage(path, nbytes, target)
-            self._storages[(blob, target)] = storage
+        storage = self._storage(blob, nbytes, device)
         dtype = getattr(torch, dtype_name)
         with torch.no_grad():
             tensor = torch.empty(0, dtype=dtype, device=storage.device)
@@ -251,13 +381,17 @@ class NamespaceUnpickler(pickle.Unpickler):
             tensor.requires_grad_(True)
         if is_param:
             tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        if grad_pid is not None:
+            tensor.grad = self._load_tensor(grad_pid)
         self._tensors[index] = tensor
         if self._on_tensor is not None:
             self._on_tensor(tensor, blob)
         return tensor
 
 
-class _NullSink(io.RawIOBase):
+class NullSink(io.RawIOBase):
+    """A file that forgets what is written: for pickling only to learn about a value."""
+
     def writable(self) -> bool:
         return True
 
@@ -271,7 +405,7 @@ def unpicklable_reason(
     """Why ``value`` alone cannot be pickled, or None if it can (tensors are not written)."""
     dry = BlobWriter(blobs.root, blobs.cache, dry=True)
     try:
-        NamespacePickler(_NullSink(), dry, user_ns).dump({name: value})
+        NamespacePickler(NullSink(), dry, user_ns).dump({name: value})
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"[:300]
     return None

@@ -149,7 +149,8 @@ def test_lost_agent_is_said_and_a_fresh_agent_gets_the_lease_back(tmp_path: Path
             assert time.monotonic() - lost_at <= 5
             assert f"gpufrac-agent serve --socket {agent.socket}" in status["reason"], status
             assert "agent unreachable" in nb.ok("%gpu")
-            assert "agent_unreachable" in server.events(nb.kernel_id)
+            wait_for(lambda: "agent_unreachable" in server.events(nb.kernel_id), 5,
+                     "the agent_unreachable event", interval=0.1)
             # A fresh agent with another state directory knows no leases: the server registers
             # the kernel's again, on the GPU where it runs.
             fresh = AgentProcess(tmp_path / "fresh", "2x2GiB", ["--poll-interval", "0.2"])

@@ -17,14 +17,20 @@ from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
 
 from .kernels import REPO
+from .test_checkpoint import tensor_blobs
 
 WRITER = """
 import sys, threading, torch
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
 
 class Stall:
-    # Pickled after the tensors: by then new blobs and a partial state file are on disk.
+    # Pickled once to find what it shares, then saved after the other variables: by then
+    # their new blobs are on disk, the state file that would name them is not.
+    calls = 0
     def __reduce__(self):
+        Stall.calls += 1
+        if Stall.calls == 1:
+            return (Stall, ())
         print("stalled", flush=True)
         threading.Event().wait()
 
@@ -46,9 +52,7 @@ def test_kill_mid_write_leaves_the_previous_checkpoint_loadable(ckdir: Path) -> 
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "first"
         assert proc.stdout.readline().strip() == "stalled"
-        tmp = [p for p in ckdir.iterdir() if p.name.endswith(store.TMP_SUFFIX)]
-        assert tmp, "the second checkpoint should be mid-write"
-        assert len(list((ckdir / store.BLOB_DIR).iterdir())) == 3  # 2 old blobs + 1 new
+        assert len(tensor_blobs(ckdir)) == 3, "mid-write: 2 old tensor blobs and a's new one"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -63,7 +67,7 @@ def test_kill_mid_write_leaves_the_previous_checkpoint_loadable(ckdir: Path) -> 
     writer.take(ns)
     writer.wait_for_cleanup()
     assert not [p for p in ckdir.rglob(f"*{store.TMP_SUFFIX}")]
-    assert len(list((ckdir / store.BLOB_DIR).iterdir())) == 2
+    assert len(tensor_blobs(ckdir)) == 2
 
 
 def test_directory_is_created_owner_only(ckdir: Path) -> None:
@@ -99,7 +103,7 @@ def test_refuses_a_blob_owned_by_another_user(ckdir: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to give a file away")
     Checkpointer(ckdir).take({"t": torch.ones(4)})
-    (blob,) = (ckdir / store.BLOB_DIR).iterdir()
+    (blob,) = tensor_blobs(ckdir)
     os.chown(blob, 65534, 65534)
     with pytest.raises(CheckpointError, match="belongs to uid 65534"):
         Checkpointer(ckdir).load({})
