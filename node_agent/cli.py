@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = AgentConfig(
         poll_interval=args.poll_interval, reclaim_grace=args.reclaim_grace,
         migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace, headroom=args.headroom,
+        restore_grace=args.restore_grace, kill_window=args.kill_window,
     )
     agent = Agent(backend, ledger, config)
 
@@ -185,22 +186,78 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 # --- run --------------------------------------------------------------------------------
-def _wait_active(client: AgentClient, lease_id: str, timeout: float) -> dict[str, Any]:
-    """Poll the lease until it is active, printing each change of reason; deadline ``timeout``."""
+def _say(started: float, text: str) -> None:
+    print(f"gpufrac-agent run: [{time.monotonic() - started:4.1f}s] {text}", file=sys.stderr,
+          flush=True)
+
+
+def _ask(client: AgentClient, args: argparse.Namespace, request: str, name: str) -> str:
+    """A job lease with this process registered to it (if we die, the agent frees it)."""
+    lease = client.create_lease(client=f"gpufrac-run-{os.getpid()}", kind="job", request=request,
+                                limit=args.limit, devices=args.gpus, name=name)
+    client.register_pid(lease["id"], os.getpid())
+    return str(lease["id"])
+
+
+def _wait_active(
+    client: AgentClient, lease_id: str, timeout: float, again: Callable[[], str]
+) -> dict[str, Any]:
+    """Poll the lease until it is active, printing each change of reason; deadline ``timeout``.
+
+    An agent that restarts meanwhile is waited for (the lease is in its ledger); a lease it no
+    longer has (released while it was away) is asked for again with ``again``.
+    """
     deadline = time.monotonic() + timeout
-    shown = ""
     started = time.monotonic()
+    shown = ""
+    delay = 0.1
     while True:
-        lease = client.lease(lease_id)
-        if lease["state"] == "active":
-            return lease
-        if lease["reason"] != shown:
-            shown = lease["reason"]
-            print(f"gpufrac-agent run: [{time.monotonic() - started:4.1f}s] {shown}",
-                  file=sys.stderr, flush=True)
+        lease: dict[str, Any] | None = None
+        try:
+            lease = client.lease(lease_id)
+        except AgentUnavailable as exc:
+            if shown != "unavailable":
+                shown = "unavailable"
+                _say(started, f"the agent does not answer ({exc.reason}); waiting for it to come "
+                     f"back: lease {lease_id} is kept in its ledger")
+        except AgentError as exc:
+            if exc.status != 404:
+                raise
+            lease_id = again()
+            _say(started, f"the agent no longer had the lease; asked again: {lease_id}")
+        if lease is not None:
+            if lease["state"] == "active":
+                return lease
+            if lease["reason"] != shown:
+                shown = lease["reason"]
+                _say(started, shown)
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"lease {lease_id} still {lease['state']} after {timeout:.0f}s: {shown}")
-        time.sleep(0.1)
+            raise TimeoutError(f"lease {lease_id} not granted within {timeout:.0f}s: {shown}")
+        time.sleep(delay)
+        delay = 0.1 if lease is not None else min(delay * 2, 2.0)
+
+
+def _release(client: AgentClient, lease_id: str, deadline_s: float = 30.0) -> None:
+    """Give the lease back, waiting out an agent restart; say exactly what is left if not."""
+    deadline = time.monotonic() + deadline_s
+    delay = 0.2
+    while True:
+        try:
+            client.release(lease_id)
+            return
+        except AgentUnavailable as exc:
+            if time.monotonic() >= deadline:
+                print(f"gpufrac-agent run: could not release lease {lease_id}: {exc.reason}. The "
+                      "agent frees it by itself once it sees this command gone (--orphan-grace); "
+                      f"or run `gpufrac-agent --socket {client.socket_path} release {lease_id}` "
+                      "when it answers.", file=sys.stderr)
+                return
+        except AgentError as exc:
+            if exc.status != 404:  # already gone is what we wanted
+                print(f"gpufrac-agent run: could not release {lease_id}: {exc}", file=sys.stderr)
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 _GATE = (
@@ -232,9 +289,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             except QuantityError as exc:
                 print(f"gpufrac-agent run: {exc}", file=sys.stderr)
                 return 2
-    lease = client.create_lease(client=f"gpufrac-run-{os.getpid()}", kind="job", request=request,
-                                limit=args.limit, devices=args.gpus, name=" ".join(command)[:200])
-    lease_id = lease["id"]
+    name = " ".join(command)[:200]
+    lease_id = _ask(client, args, request, name)
+
+    def again() -> str:
+        nonlocal lease_id
+        lease_id = _ask(client, args, request, name)
+        return lease_id
     child: subprocess.Popen[bytes] | None = None
 
     def forward(signum: int, _frame: Any) -> None:
@@ -246,9 +307,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
     try:
-        # Our own pid first: if we die while waiting, the agent frees the lease.
-        client.register_pid(lease_id, os.getpid())
-        lease = _wait_active(client, lease_id, args.timeout)
+        lease = _wait_active(client, lease_id, args.timeout, again)
         gpus = ",".join(lease["physical_gpus"])
         print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
@@ -272,10 +331,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"gpufrac-agent run: {exc}", file=sys.stderr)
         return 1
     finally:
-        try:
-            client.release(lease_id)
-        except AgentError as exc:
-            print(f"gpufrac-agent run: could not release {lease_id}: {exc}", file=sys.stderr)
+        _release(client, lease_id)
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    AgentClient(args.socket).release(args.lease)
+    print(f"gpufrac-agent: released {args.lease}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -306,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a client has to move a kernel before it is killed")
     serve.add_argument("--orphan-grace", type=float, default=60.0,
                        help="seconds a lease may have no live process before it is released")
+    serve.add_argument("--restore-grace", type=float, default=60.0,
+                       help="seconds after a kernel comes back (restart, move) during which it is "
+                       "not shrunk or killed, and afterwards reclaimed from last")
+    serve.add_argument("--kill-window", type=float, default=600.0,
+                       help="a lease stopped 3 or more times within this many seconds is told "
+                       "so, with what to do (default %(default)s)")
     serve.add_argument("--headroom", type=float, default=0.05,
                        help="reclaim when free memory on a GPU falls below this share of it while "
                        "a lease is under its request (default %(default)s)")
@@ -327,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for the GPUs (default %(default)s)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=cmd_run)
+
+    release = sub.add_parser("release", help="give a lease back (yours; root: anyone's)")
+    release.add_argument("lease", help="the lease id, e.g. l-3f9a0c1b2d4e")
+    release.set_defaults(func=cmd_release)
 
     demo = sub.add_parser("demo", help="watch placing, spreading and compacting on a simulated node")
     demo.add_argument("--simulate", default="2x16GiB", help="the simulated node (default %(default)s)")

@@ -43,9 +43,10 @@ class AgentUnavailable(AgentError):
         super().__init__(
             0, None,
             f"no gpufrac agent answers at {path} ({reason}); start one with "
-            "`gpufrac-agent serve` (or `gpufrac-agent serve --simulate 2x16GiB` without a GPU)",
+            f"`gpufrac-agent serve --socket {path}` (add `--simulate 2x16GiB` without a GPU)",
         )
         self.path = path
+        self.reason = reason
 
 
 class _UnixConnection(http.client.HTTPConnection):

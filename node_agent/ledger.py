@@ -200,6 +200,12 @@ class Ledger:
             for s, c, lid, uid, kind, body, created in self._db.execute(query + " ORDER BY seq", args)
         ]
 
+    def kill_times(self, lease_id: str) -> list[float]:
+        """When the agent killed the lease's processes (from its ``killed`` directives)."""
+        return [float(created) for (created,) in self._db.execute(
+            "SELECT created FROM directives WHERE lease_id = ? AND kind = 'killed'", (lease_id,)
+        )]
+
     def last_seq(self) -> int:
         row = self._db.execute("SELECT MAX(seq) FROM directives").fetchone()
         return int(row[0] or 0)

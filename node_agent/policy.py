@@ -214,17 +214,25 @@ def plan_compaction(
     ]
 
 
-def reclaim_order(borrowers: Iterable[Placement]) -> list[Placement]:
-    """Who gives memory back first: the largest loan, then the newest lease, then by id.
+def reclaim_order(
+    borrowers: Iterable[Placement], restoring: frozenset[str] = frozenset()
+) -> list[Placement]:
+    """Who gives memory back first: kernels still restoring last, then the largest loan, then
+    the newest lease, then by id.
 
-    The largest loan first means the fewest notebooks are disturbed; among equals the
-    newest lease yields, since the older one has had its memory longer.
+    A kernel that has just come back holds what it is restoring: taking it back first would
+    kill it again for the same memory (a loop). The largest loan first means the fewest
+    notebooks are disturbed; among equals the newest lease yields, since the older one has had
+    its memory longer.
     """
-    return sorted(borrowers, key=lambda p: (-(p.usage - p.request), -p.created, p.id))
+    return sorted(
+        borrowers, key=lambda p: (p.id in restoring, -(p.usage - p.request), -p.created, p.id)
+    )
 
 
 def plan_reclaim(
-    device: Device, leases: Sequence[Placement], used: int, headroom: int
+    device: Device, leases: Sequence[Placement], used: int, headroom: int,
+    restoring: frozenset[str] = frozenset(),
 ) -> list[Reclaim]:
     """Borrowers on ``device`` to take back, when an owner's guarantee is threatened.
 
@@ -241,10 +249,15 @@ def plan_reclaim(
         return []
     chosen: list[Reclaim] = []
     covered = 0
-    for p in reclaim_order(q for q in on_device if q.usage > q.request):
+    for p in reclaim_order((q for q in on_device if q.usage > q.request), restoring):
         loan = p.usage - p.request
         chosen.append(Reclaim(p.id, device.uuid, loan, deficit))
         covered += loan
         if covered >= deficit:
             break
     return chosen
+
+
+def kills_in_window(kill_times: Iterable[float], now: float, window: float) -> int:
+    """How many times a lease was killed in the last ``window`` seconds."""
+    return sum(1 for t in kill_times if now - window <= t <= now)

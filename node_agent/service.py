@@ -55,6 +55,10 @@ class AgentConfig:
     migrate_grace: float = 120.0
     # How long a lease may have no live process (a kernel restarting) before it is released.
     orphan_grace: float = 60.0
+    # How long a kernel that came back (new pid, or a move done) is reclaimed from last only.
+    restore_grace: float = 60.0
+    # Kills of one lease within this window are counted, and the count is told to its user.
+    kill_window: float = 600.0
     # Reclaim starts when free memory falls below this share of the GPU while an owner is owed.
     headroom: float = 0.05
 
@@ -106,6 +110,8 @@ class Agent:
         self.gpus: list[GpuInfo] = []
         self._reported: dict[str, int] = {}
         self._orphan_since: dict[str, float] = {}
+        # lease id -> until when it is restoring (memory only: a short grace, not state)
+        self._restoring: dict[str, float] = {}
         self._directive_added = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0}
@@ -375,6 +381,7 @@ class Agent:
         self.ledger.delete(lease.id)
         self._reported.pop(lease.id, None)
         self._orphan_since.pop(lease.id, None)
+        self._restoring.pop(lease.id, None)
         self._activate_pending()
 
     def register_pid(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> Lease:
@@ -392,12 +399,16 @@ class Agent:
                 # One process, one lease: otherwise its memory counts twice.
                 raise ApiError(409, "pid", f"process {pid} is already registered to lease {other.id}")
         pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
+        # A kernel back from a kill or a move is restoring what it held: it gets a grace.
+        came_back = lease.state in ("killed", "migrating")
         with self.ledger.transaction():
             lease = self.ledger.set_pids(lease.id, (*pids, (pid, ident.start_time)))
             if lease.state == "killed":
                 lease = self.ledger.update(lease.id, state="active",
                                            reason="restarted after it was killed")
         self._orphan_since.pop(lease.id, None)
+        if came_back:
+            self._restoring[lease.id] = time.time() + self.config.restore_grace
         self._track(lease, pid)
         return lease
 
@@ -427,11 +438,25 @@ class Agent:
             )
             for pid, _ in lease.pids:
                 self._track(lease, pid)
+        self._restoring[lease.id] = time.time() + self.config.restore_grace
         self._activate_pending()
         return lease
 
     # --- reclaim and deadlines ---------------------------------------------------------
+    def _repeat_note(self, lease: Lease, now: float, coming: int) -> str:
+        """What people must hear when a lease is stopped again and again within the window."""
+        count = policy.kills_in_window(self.ledger.kill_times(lease.id), now,
+                                       self.config.kill_window) + coming
+        if count < 3:
+            return ""
+        minutes = self.config.kill_window / 60
+        return (f" This is stop number {count} of this kernel within {minutes:.0f} minutes: what "
+                f"it holds after a restore needs more than its {format_bytes(lease.request)} "
+                "request. Ask for more (`%gpu request` with a larger share) or keep less on the "
+                "GPU (`del` large tensors, `%gpu release`).")
+
     def _kill(self, lease: Lease, reason: str, cause: str) -> None:
+        reason += self._repeat_note(lease, time.time(), coming=1)
         killed = [pid for pid, start in lease.pids if procs.kill(pid, start)]
         self.counters["kills"] += 1
         where = lease.target if lease.state == "migrating" and lease.target else lease.physical
@@ -463,13 +488,18 @@ class Agent:
             ]
             device = policy.Device(gpu.uuid, gpu.index, gpu.memory_total)
             headroom = int(self.config.headroom * gpu.memory_total)
-            for r in policy.plan_reclaim(device, on_gpu, gpu.memory_used, headroom):
+            restoring = frozenset(k for k, until in self._restoring.items() if until > now)
+            for r in policy.plan_reclaim(device, on_gpu, gpu.memory_used, headroom, restoring):
                 chosen.add(r.lease_id)
                 lease = leases[r.lease_id]
+                if r.lease_id in restoring:
+                    # Not shrunk, let alone killed, while it restores; its grace ends soon.
+                    continue
                 owed = f"{format_bytes(r.deficit)} owed to other notebooks on {self.gpu_label(gpu.uuid)}"
                 if lease.state == "active":
                     reason = (f"using {format_bytes(lease.usage)}, {format_bytes(r.loan)} above its "
-                              f"request of {format_bytes(lease.request)}, while {owed}")
+                              f"request of {format_bytes(lease.request)}, while {owed}"
+                              + self._repeat_note(lease, now, coming=1))
                     deadline = now + self.config.reclaim_grace
                     with self.ledger.transaction():
                         lease = self.ledger.update(lease.id, state="shrinking", deadline=deadline,

@@ -225,3 +225,31 @@ def test_reclaim_order_largest_loan_then_newest() -> None:
     b = Placement("b", NOTEBOOK, GB, ("g",), ("g",), usage=3 * GB, created=2.0)
     c = Placement("c", NOTEBOOK, GB, ("g",), ("g",), usage=5 * GB, created=0.0)
     assert [p.id for p in policy.reclaim_order([a, b, c])] == ["c", "b", "a"]
+
+
+@given(one_gpu(), st.data())
+def test_restoring_kernels_are_reclaimed_from_only_when_nothing_else_covers(
+    case: tuple[Device, list[Placement], int], data: st.DataObject
+) -> None:
+    d, leases, other = case
+    ids = [p.id for p in leases]
+    restoring = frozenset(data.draw(st.sets(st.sampled_from(ids)) if ids else st.just(set())))
+    used = min(d.total, sum(p.usage for p in leases) + other)
+    headroom = d.total // 20
+    chosen = policy.plan_reclaim(d, leases, used, headroom, restoring)
+    # The same borrowers' loans are asked for; only who goes first changes.
+    plain = policy.plan_reclaim(d, leases, used, headroom)
+    assert bool(chosen) == bool(plain)
+    deficit = chosen[0].deficit if chosen else 0
+    settled = [p for p in leases if p.usage > p.request and p.id not in restoring]
+    picked = [r.lease_id for r in chosen]
+    if sum(p.usage - p.request for p in settled) >= deficit:
+        assert not set(picked) & restoring, "a restoring kernel taken while others could give"
+    # Restoring kernels come after every settled borrower.
+    flags = [lease_id in restoring for lease_id in picked]
+    assert flags == sorted(flags)
+
+
+def test_kills_are_counted_within_the_window() -> None:
+    assert policy.kills_in_window([100.0, 500.0, 650.0], now=701.0, window=600.0) == 2
+    assert policy.kills_in_window([], now=700.0, window=600.0) == 0

@@ -157,3 +157,89 @@ def test_a_borrower_that_shrinks_is_spared(
                                                  "the owner no longer needs the memory")
     assert c.directives(lease=borrower["id"], after=cursor, timeout=1.5)[0] == []
     assert borrower_proc.alive()
+
+
+def test_run_waits_out_an_agent_restart_and_leaves_no_lease(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], tmp_path: Path
+) -> None:
+    # A spread notebook whose client never moves it: the job waits for the migrate deadline.
+    agent = start_agent("--migrate-grace", "6")
+    c = agent.client()
+    _notebook(agent, holders, "0.25", "1", 10)
+    spread, spread_proc = _notebook(agent, holders, "0.25", "1", 10)
+    out = tmp_path / "job.txt"
+    job = _run_job(agent, out)
+    wait_for(lambda: any(x["kind"] == "job" for x in c.leases()), what="the job lease")
+    agent.kill()  # SIGKILL while `run` waits
+    agent.start()  # same socket, same ledger
+    assert job.wait(timeout=60) == 0, job.stderr.read() if job.stderr else ""
+    assert out.read_text() == spread["physical_gpu"]
+    assert job.stderr is not None and "waiting for it to come back" in job.stderr.read()
+    assert [x["kind"] for x in agent.client().leases()] == ["notebook", "notebook"]
+    assert not spread_proc.alive()
+
+
+def test_run_stopped_while_waiting_gives_its_lease_back(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], tmp_path: Path
+) -> None:
+    agent = start_agent("--migrate-grace", "120")
+    c = agent.client()
+    _notebook(agent, holders, "0.25", "1", 10)
+    _notebook(agent, holders, "0.25", "1", 10)
+    job = _run_job(agent, tmp_path / "never.txt")
+    wait_for(lambda: any(x["kind"] == "job" for x in c.leases()), what="the job lease")
+    job.terminate()
+    assert job.wait(timeout=30) == 130
+    assert [x["kind"] for x in c.leases()] == ["notebook", "notebook"]
+
+
+def test_a_restoring_kernel_is_not_reclaimed_within_its_grace(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    # The agent's default --restore-grace (60 s) outlasts this test.
+    agent, owner, owner_proc, borrower, borrower_proc, _quiet, _ = _reclaim_setup(
+        start_agent, holders)
+    c = agent.client()
+    _, cursor = c.directives(lease=borrower["id"], after=-1, timeout=0)
+    owner_proc.hold(300)
+    found, cursor = c.directives(lease=borrower["id"], after=cursor, timeout=10)
+    assert [d["kind"] for d in found] == ["shrink"]
+    found, cursor = c.directives(lease=borrower["id"], after=cursor, timeout=10)
+    assert [d["kind"] for d in found] == ["killed"]
+    wait_for(lambda: not borrower_proc.alive(), what="the borrower killed")
+    # Back again, restoring as much as it held: not shrunk, not killed, during its grace.
+    back = holders()
+    assert c.register_pid(borrower["id"], back.pid)["state"] == "active"
+    back.hold(450)
+    assert c.directives(lease=borrower["id"], after=cursor, timeout=3)[0] == []
+    assert back.alive() and c.lease(borrower["id"])["state"] == "active"
+    assert c.lease(owner["id"])["state"] == "active"
+
+
+def test_the_third_stop_in_the_window_says_why_and_what_to_do(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    agent = start_agent("--reclaim-grace", "0.5", "--headroom", "0.25", "--restore-grace", "0",
+                        spec="1x1GiB")
+    c = agent.client()
+    _owner, owner_proc = _notebook(agent, holders, "512Mi", "512Mi", 100)
+    borrower, proc = _notebook(agent, holders, "128Mi", "1", 1)
+    _notebook(agent, holders, "128Mi", "1", 1)
+    owner_proc.hold(300)
+    _, cursor = c.directives(lease=borrower["id"], after=-1, timeout=0)
+    reasons = []
+    for _ in range(3):
+        proc.hold(450)  # the kernel comes back and restores what it held: too much again
+        while True:
+            found, cursor = c.directives(lease=borrower["id"], after=cursor, timeout=10)
+            assert found, "a reclaim directive"
+            killed = [d for d in found if d["kind"] == "killed"]
+            if killed:
+                reasons.append(killed[0]["reason"])
+                break
+        wait_for(lambda p=proc: not p.alive(), what="the borrower killed")
+        proc = holders()
+        c.register_pid(borrower["id"], proc.pid)
+    assert "stop number" not in reasons[0] and "stop number" not in reasons[1]
+    assert "This is stop number 3 of this kernel within 10 minutes" in reasons[2]
+    assert "%gpu request" in reasons[2]
