@@ -15,10 +15,13 @@ export const EVENT_SCHEMA_ID =
 export type KernelState =
   | 'guaranteed'
   | 'bursting'
-  | 'shrinking'
+  | 'move-pending'
   | 'migrating'
-  | 'restored'
+  | 'shrinking'
   | 'oom-killed'
+  | 'restored'
+  | 'restore-incomplete'
+  | 'agent-unreachable'
   | 'no-gpu';
 
 /** Event names of the kernel event schema. */
@@ -26,11 +29,14 @@ export type EventName =
   | 'placed'
   | 'bursting'
   | 'shrink_requested'
+  | 'move_pending'
   | 'migrating'
   | 'migrated'
   | 'oom_killed'
   | 'restored'
-  | 'no_gpu';
+  | 'no_gpu'
+  | 'agent_unreachable'
+  | 'agent_reachable';
 
 export interface IGpuRef {
   uuid: string;
@@ -77,6 +83,27 @@ export interface IGpuFracEvent {
   usage?: number;
   restored?: string[];
   lost?: string[];
+  /** For `restored`: true only when nothing was lost and no cell was cut off. */
+  ok?: boolean;
+  /** For `restored`: the cell the move or kill cut off, "[7] first line". */
+  interrupted_cell?: string;
+  /** For `move_pending`: unix seconds at which the running cell is cut off. */
+  deadline?: number;
+  /** The notebook's path, when the server knows it. */
+  notebook?: string;
+  time?: number;
+}
+
+/** The kernel's last restore, as the kernel reported it (docs/server-api.md). */
+export interface IRestore {
+  ok: boolean;
+  restored: string[];
+  lost: string[];
+  lost_reasons?: Record<string, string>;
+  interrupted_cell?: string | null;
+  checkpoint_cell?: number | null;
+  error?: string | null;
+  message: string;
   time?: number;
 }
 
@@ -91,6 +118,10 @@ export interface IKernelStatus {
   usage?: number | null;
   lease?: ILease | null;
   events?: IGpuFracEvent[];
+  /** move-pending: unix seconds at which the running cell is cut off. */
+  deadline?: number | null;
+  notebook?: string | null;
+  restore?: IRestore | null;
 }
 
 export interface INodeGpu extends IGpuRef {

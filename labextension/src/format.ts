@@ -33,17 +33,29 @@ export const STATE_LABELS: Record<string, { label: string; help: string }> = {
     label: 'shrinking',
     help: 'Asked to give loaned memory back to its owner.'
   },
+  'move-pending': {
+    label: 'moving soon',
+    help: 'The GPU agent asked for a move while a cell runs; the cell may finish until the countdown ends, then it is cut off and the kernel restarts from the state after the last completed cell.'
+  },
   migrating: {
     label: 'migrating',
-    help: 'Being moved to another GPU; its variables will be restored.'
+    help: 'Being moved to another GPU now; its variables come back after the restart.'
   },
   restored: {
     label: 'restored',
-    help: 'Restarted by the GPU agent and restored from its checkpoint.'
+    help: 'Restarted by jupyter-gpufrac; every variable came back.'
+  },
+  'restore-incomplete': {
+    label: 'restored with losses',
+    help: 'Restarted by jupyter-gpufrac, but not everything came back: see what was lost and re-run the cells that make it.'
   },
   'oom-killed': {
     label: 'OOM-killed',
-    help: 'Killed to give GPU memory back; it restarts from its last checkpoint.'
+    help: 'Stopped to give GPU memory back; it restarts from the state after its last completed cell.'
+  },
+  'agent-unreachable': {
+    label: 'agent unreachable',
+    help: "The GPU agent does not answer, so this kernel's GPU share cannot be verified. Cells still run."
   },
   'no-gpu': { label: 'no GPU', help: 'This kernel holds no GPU lease.' },
   unknown: {
@@ -56,8 +68,27 @@ export const STATE_LABELS: Record<string, { label: string; help: string }> = {
   }
 };
 
-export function stateLabel(state: KernelState | string): string {
+export function stateLabel(
+  state: KernelState | string,
+  deadline?: number | null,
+  nowSeconds: number = Date.now() / 1000
+): string {
+  if (state === 'move-pending' && deadline) {
+    return `moving in ${Math.max(0, Math.ceil(deadline - nowSeconds))} s`;
+  }
   return STATE_LABELS[state]?.label ?? state;
+}
+
+/** Whether a state is on its way somewhere: worth asking the server often. */
+export function isTransitional(state: string): boolean {
+  return ['move-pending', 'migrating', 'oom-killed', 'shrinking'].includes(
+    state
+  );
+}
+
+/** Whether the view may mark the state as a success: only what the server verified. */
+export function isVerifiedSuccess(event: IGpuFracEvent): boolean {
+  return event.event === 'restored' && event.ok === true;
 }
 
 export function stateHelp(state: KernelState | string): string {
@@ -108,7 +139,7 @@ export function formatTime(unixSeconds: number | undefined): string {
     : `${when.toLocaleDateString()} ${time}`;
 }
 
-/** "12 of 12 variables restored; lost: gen, fh" */
+/** "12 of 12 variables restored; lost: gen, fh; cell [7] … was cut off" */
 export function restoredSummary(event: IGpuFracEvent): string {
   const restored = event.restored ?? [];
   const lost = event.lost ?? [];
@@ -117,6 +148,9 @@ export function restoredSummary(event: IGpuFracEvent): string {
   if (lost.length) {
     const names = lost.slice(0, 5).join(', ');
     text += `; lost: ${names}${lost.length > 5 ? ', …' : ''}`;
+  }
+  if (event.interrupted_cell) {
+    text += `; cell ${event.interrupted_cell} was cut off: re-run it`;
   }
   return text;
 }
@@ -147,6 +181,12 @@ export function describeEvent(event: IGpuFracEvent): string {
       return `Restored: ${restoredSummary(event)}.`;
     case 'no_gpu':
       return `Running without a GPU${why}.`;
+    case 'move_pending':
+      return `Moving to another GPU once the running cell ends, at most at ${formatTime(event.deadline)}${why}.`;
+    case 'agent_unreachable':
+      return "The GPU agent does not answer; this kernel's GPU share cannot be verified.";
+    case 'agent_reachable':
+      return 'The GPU agent answers again.';
     default:
       return event.event;
   }

@@ -19,22 +19,46 @@ import {
   IGpuFracEvent,
   IKernelStatus
 } from './api';
-import { eventKey } from './format';
+import { eventKey, isTransitional } from './format';
 
 /** Where a kernel stands when the server gave no status (yet). */
 export type LocalState = 'unknown' | 'unavailable';
 
-/** The state an event implies, shown until the next fetch confirms it. */
-const STATE_AFTER_EVENT: Record<string, string> = {
-  placed: 'guaranteed',
-  bursting: 'bursting',
-  shrink_requested: 'shrinking',
-  migrating: 'migrating',
-  migrated: 'restored',
-  oom_killed: 'oom-killed',
-  restored: 'restored',
-  no_gpu: 'no-gpu'
-};
+/**
+ * The state an event implies, shown until the next fetch confirms it. A move
+ * is not "restored" until the kernel says what came back: `migrated` still
+ * means migrating, and `restored` is a success only when `ok` says so.
+ */
+function stateAfterEvent(event: IGpuFracEvent): string | undefined {
+  switch (event.event) {
+    case 'placed':
+    case 'agent_reachable':
+      return 'guaranteed';
+    case 'bursting':
+      return 'bursting';
+    case 'shrink_requested':
+      return 'shrinking';
+    case 'move_pending':
+      return 'move-pending';
+    case 'migrating':
+    case 'migrated':
+      return 'migrating';
+    case 'oom_killed':
+      return 'oom-killed';
+    case 'restored':
+      return event.ok === true ? 'restored' : 'restore-incomplete';
+    case 'no_gpu':
+      return 'no-gpu';
+    case 'agent_unreachable':
+      return 'agent-unreachable';
+    default:
+      return undefined;
+  }
+}
+
+/** Poll intervals (ms): settled, and while a move or a kill is under way. */
+const SETTLED_MS = 2500;
+const TRANSITION_MS = 1000;
 
 /** How many event keys to remember; far more than the server keeps (50). */
 const SEEN_LIMIT = 1000;
@@ -43,19 +67,20 @@ export interface IModelOptions {
   serverSettings: ServerConnection.ISettings;
   /** The server's event bus; without it the model only polls. */
   events?: Event.IManager | null;
-  /** Poll interval in ms (default 5000). */
+  /** Poll interval in ms while nothing is under way (default 2500). */
   interval?: number;
 }
 
 export class GpuFracModel implements IDisposable {
   constructor(options: IModelOptions) {
     this._settings = options.serverSettings;
+    this._interval = options.interval ?? SETTLED_MS;
     this._events = options.events ?? null;
     this._events?.stream.connect(this._onEmission, this);
     this._poll = new Poll<void, ApiError, 'fetch'>({
       factory: () => this._fetch(),
       frequency: {
-        interval: options.interval ?? 5000,
+        interval: options.interval ?? SETTLED_MS,
         backoff: true,
         max: 60 * 1000
       },
@@ -149,6 +174,9 @@ export class GpuFracModel implements IDisposable {
       return;
     }
     this._isDisposed = true;
+    if (this._countdown !== null) {
+      window.clearInterval(this._countdown);
+    }
     document.removeEventListener('visibilitychange', this._onVisibility);
     this._events?.stream.disconnect(this._onEmission, this);
     this._poll.dispose();
@@ -191,7 +219,27 @@ export class GpuFracModel implements IDisposable {
     this._error = null;
     this._takeHistory(kernelId, status.events ?? []);
     this._status = status;
+    this._followPace();
     this._changed.emit();
+  }
+
+  /**
+   * Ask often while a move or a kill is under way, so the view converges
+   * fast; and re-render each second while a countdown runs.
+   */
+  private _followPace(): void {
+    const state = this.state;
+    const interval = isTransitional(state) ? TRANSITION_MS : this._interval;
+    if (this._poll.frequency.interval !== interval) {
+      this._poll.frequency = { ...this._poll.frequency, interval };
+    }
+    const counting = state === 'move-pending';
+    if (counting && this._countdown === null) {
+      this._countdown = window.setInterval(() => this._changed.emit(), 1000);
+    } else if (!counting && this._countdown !== null) {
+      window.clearInterval(this._countdown);
+      this._countdown = null;
+    }
   }
 
   /**
@@ -241,14 +289,16 @@ export class GpuFracModel implements IDisposable {
       return;
     }
     // Show the change at once; the fetch that follows brings the figures.
-    const state = STATE_AFTER_EVENT[event.event];
+    const state = stateAfterEvent(event);
     if (state && this._status) {
       this._status = {
         ...this._status,
         state,
-        reason: event.reason ?? this._status.reason,
+        reason: event.message ?? event.reason ?? this._status.reason,
+        deadline: event.deadline ?? this._status.deadline,
         events: [...(this._status.events ?? []), event]
       };
+      this._followPace();
       this._changed.emit();
     }
     void this.refresh();
@@ -262,6 +312,8 @@ export class GpuFracModel implements IDisposable {
   };
 
   private _settings: ServerConnection.ISettings;
+  private _interval: number;
+  private _countdown: number | null = null;
   private _events: Event.IManager | null;
   private _poll: Poll<void, ApiError, 'fetch'>;
   private _kernelId: string | null = null;

@@ -9,7 +9,7 @@
 import { Notification } from '@jupyterlab/apputils';
 
 import { IGpuFracEvent } from './api';
-import { describeEvent, restoredSummary } from './format';
+import { describeEvent, isVerifiedSuccess, restoredSummary } from './format';
 import { KernelNamer } from './panel';
 
 /** JupyterLab truncates notification messages longer than this. */
@@ -34,8 +34,17 @@ export class InterventionNotifier {
   /** Handle one new event of any kernel. */
   handle(event: IGpuFracEvent): void {
     switch (event.event) {
+      case 'move_pending':
+        this._start(event, 'in-progress', false);
+        break;
       case 'migrating':
         this._start(event, 'in-progress', false);
+        break;
+      case 'agent_unreachable':
+        this._agent(event, 'warning', false);
+        break;
+      case 'agent_reachable':
+        this._agent(event, 'info', 8000);
         break;
       case 'migrated':
         this._start(event, 'info', false);
@@ -55,9 +64,27 @@ export class InterventionNotifier {
     }
   }
 
-  private _prefix(kernelId: string): string {
-    const path = this._kernelName(kernelId);
+  private _prefix(kernelId: string, notebook?: string): string {
+    const path = notebook || this._kernelName(kernelId);
     return path ? `${path.split('/').pop()}: ` : '';
+  }
+
+  /** One notification for the agent, not one per kernel: it is one agent. */
+  private _agent(
+    event: IGpuFracEvent,
+    type: Notification.TypeOptions,
+    autoClose: number | false
+  ): void {
+    const message = fit('', describeEvent(event));
+    const options = { autoClose, actions: this._actions(event.kernel_id) };
+    if (this._agentNotice !== null) {
+      Notification.update({ id: this._agentNotice, message, type, ...options });
+    } else {
+      this._agentNotice = Notification.emit(message, type, options);
+    }
+    if (event.event === 'agent_reachable') {
+      this._agentNotice = null;
+    }
   }
 
   private _actions(kernelId: string): Notification.IAction[] {
@@ -75,13 +102,16 @@ export class InterventionNotifier {
     type: Notification.TypeOptions,
     autoClose: number | false
   ): void {
-    const message = fit(this._prefix(event.kernel_id), describeEvent(event));
+    const message = fit(
+      this._prefix(event.kernel_id, event.notebook),
+      describeEvent(event)
+    );
     const open = this._open.get(event.kernel_id);
     const options = { autoClose, actions: this._actions(event.kernel_id) };
-    // A `migrated` continues the `migrating` story: update, do not stack.
+    // A move continues one story (pending, migrating, migrated): update, do not stack.
     if (
       open &&
-      open.event === 'migrating' &&
+      ['move_pending', 'migrating'].includes(open.event) &&
       Date.now() - open.since < JOIN_WINDOW_MS
     ) {
       Notification.update({ id: open.id, message, type, ...options });
@@ -101,21 +131,21 @@ export class InterventionNotifier {
     const open = this._open.get(event.kernel_id);
     const joined =
       open !== undefined && Date.now() - open.since < JOIN_WINDOW_MS;
-    const lost = (event.lost ?? []).length > 0;
-    const prefix = this._prefix(event.kernel_id);
-    // The server's `restored` message tells the whole story (why and what was
-    // kept); without one, add what was kept to what we already said.
-    const message = event.message
-      ? fit(prefix, event.message)
-      : joined
-        ? `${open.message.replace(/\.?$/, '.')} ${capitalise(restoredSummary(event))}.`
-        : fit(prefix, describeEvent(event));
+    // Success is shown only when the kernel reported everything back; else the
+    // facts first (what was lost, which cell was cut off), the cause in Details.
+    const verified = isVerifiedSuccess(event);
+    const prefix = this._prefix(event.kernel_id, event.notebook);
+    const summary = restoredSummary(event);
+    const facts = verified
+      ? `${summary.charAt(0).toUpperCase()}${summary.slice(1)}.`
+      : `Restored with losses: ${summary}.`;
+    // The facts first, then why: a cut message still says what was kept.
+    const why = event.reason ? ` ${event.reason.trim()}` : '';
+    const message = fit(prefix, facts + why);
     const options = {
       message,
-      type: (lost || open?.event === 'oom_killed'
-        ? 'warning'
-        : 'success') as Notification.TypeOptions,
-      autoClose: lost ? (false as const) : 15000,
+      type: (verified ? 'success' : 'warning') as Notification.TypeOptions,
+      autoClose: verified ? 15000 : (false as const),
       actions: this._actions(event.kernel_id)
     };
     if (joined) {
@@ -128,14 +158,11 @@ export class InterventionNotifier {
   }
 
   private _open = new Map<string, IOpen>();
+  private _agentNotice: string | null = null;
 }
 
 /** The notebook's name first, unless that pushes facts past the cut. */
 function fit(prefix: string, text: string): string {
   // JupyterLab cuts messages at 140 characters: keep the facts, not the name.
   return (prefix + text).length > MAX_MESSAGE ? text : prefix + text;
-}
-
-function capitalise(text: string): string {
-  return text.charAt(0).toUpperCase() + text.slice(1);
 }

@@ -144,7 +144,7 @@ export class GpuFracPanel extends Widget {
       h(
         'span',
         { class: 'jp-gpufrac-State', 'data-state': state },
-        stateLabel(state)
+        stateLabel(state, status?.deadline)
       ),
       ` ${stateHelp(state)}`,
       status?.reason ? ` ${status.reason}` : '',
@@ -180,6 +180,26 @@ export class GpuFracPanel extends Widget {
       if (placement) {
         rows.push(['Placement', placement]);
       }
+    }
+    const restore = status.restore;
+    if (restore) {
+      // Names, with the reason each could not come back: what the user must redo.
+      const lost = restore.lost.map(name => {
+        const why = restore.lost_reasons?.[name];
+        return why ? `${name} (${why})` : name;
+      });
+      const parts = [
+        restore.error
+          ? `nothing restored: ${restore.error}`
+          : `${restore.restored.length} of ${restore.restored.length + restore.lost.length} variables back`
+      ];
+      if (lost.length) {
+        parts.push(`lost: ${lost.join(', ')}`);
+      }
+      if (restore.interrupted_cell) {
+        parts.push(`cell ${restore.interrupted_cell} was cut off: re-run it`);
+      }
+      rows.push(['Last restore', `${parts.join('; ')}.`]);
     }
     rows.push(['Kernel', status.kernel_id]);
     const dl = h('dl', { class: 'jp-gpufrac-Panel-facts' });

@@ -63,13 +63,14 @@ export class GpuStatusItem extends Widget {
       request: status?.request,
       limit: status?.limit
     };
+    // Without the agent the figures are the last known ones, not a guarantee.
+    const verified = state !== 'agent-unreachable';
     const numbers = gpu
-      ? `${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} guaranteed, ${formatBytes(figures.limit)} limit`
+      ? `${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} ${verified ? 'guaranteed' : 'requested (unverified)'}, ${formatBytes(figures.limit)} limit`
       : '';
     const reason = status?.reason ? ` ${status.reason}` : '';
-    const summary = [label, numbers, stateLabel(state)]
-      .filter(Boolean)
-      .join(', ');
+    const word = stateLabel(state, status?.deadline);
+    const summary = [label, numbers, word].filter(Boolean).join(', ');
     node.title = `${summary}. ${stateHelp(state)}${reason}\nClick for details.`;
     node.setAttribute(
       'aria-label',
@@ -83,7 +84,7 @@ export class GpuStatusItem extends Widget {
       h(
         'span',
         { class: 'jp-gpufrac-StatusItem-state', 'data-state': state },
-        stateLabel(state)
+        word
       )
     );
   }

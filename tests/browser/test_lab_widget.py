@@ -257,6 +257,37 @@ def test_widget_follows_kernel_through_migration(
                 lost=["batches"],
             )
             expect(killed).to_contain_text("lost: batches", timeout=20_000)
+            # Something was lost: no success mark, and it stays until read.
+            expect(killed).not_to_have_class(re.compile("Toastify__toast--success"))
+
+            # A move while a cell runs: a countdown first, then what was cut off, by cell.
+            _emit(
+                lab,
+                kernel_id,
+                "move_pending",
+                "Will move from GPU 0 to GPU 1 in 30 s; the running cell may finish until then.",
+                deadline=time.time() + 30,
+                notebook="demo.ipynb",
+            )
+            pending = page.locator(".Toastify__toast").filter(has_text="Will move from GPU 0")
+            expect(pending).to_be_visible(timeout=20_000)
+            expect(pending).to_contain_text("demo.ipynb")
+            pending = page.locator(f"[id='{pending.get_attribute('id')}']")
+            _emit(
+                lab,
+                kernel_id,
+                "restored",
+                "Moved from GPU 0 to GPU 1; 2 of 2 variables restored; cell [4] train() was cut "
+                "off: re-run it.",
+                restored=["weights", "lr"],
+                lost=[],
+                ok=False,
+                interrupted_cell="[4] train()",
+                notebook="demo.ipynb",
+            )
+            expect(pending).to_contain_text("Restored with losses", timeout=20_000)
+            expect(pending).to_contain_text("cell [4] train() was cut off")
+            expect(pending).not_to_have_class(re.compile("Toastify__toast--success"))
             page.wait_for_timeout(1000)  # toasts slide in
             page.screenshot(path=str(shots / "notifications-dark.png"))
         except Exception as err:
