@@ -1,9 +1,9 @@
-# Entry points that work on a fresh clone: `make lab`, `make test`, `make demo`, `make bench`.
+# Entry points that work on a fresh clone: `make lab`, `make test`, `make demo`, `make bench`, `make soak`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: lab demo test bench clean
+.PHONY: lab demo test bench soak clean
 
 $(BIN)/gpufrac-agent: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ test: $(BIN)/gpufrac-agent
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# A long randomized sequence of moves, kills and restarts against an undisturbed reference kernel.
+SOAK_STEPS ?= 2000
+soak: $(BIN)/gpufrac-agent
+	GPUFRAC_SOAK_STEPS=$(SOAK_STEPS) GPUFRAC_SOAK_FIGURES=soak-figures.txt \
+		$(BIN)/python -m pytest -q -s tests/e2e/test_sequences.py -k soak -p no:cacheprovider \
+		-o timeout=0
 
 bench: $(BIN)/gpufrac-agent
 	$(BIN)/python bench/agent_bench.py

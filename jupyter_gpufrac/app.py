@@ -299,14 +299,16 @@ class GpuFrac(ExtensionApp):
         reason = info.get("reason")
         self._bursting.pop(kernel_id, None)
         if reason is not None:
-            self._spawn(self._follow_restore(kernel_id, reason, time.time()))
+            self._spawn(self._follow_restore(kernel_id, reason, info.get("pid")))
 
-    async def _follow_restore(self, kernel_id: str, reason: dict[str, Any], since: float) -> None:
+    async def _follow_restore(
+        self, kernel_id: str, reason: dict[str, Any], pid: int | None
+    ) -> None:
         directory = os.path.join(self.checkpoint_dir, kernel_id)
         deadline = time.monotonic() + RESTORE_REPORT_WAIT_S
         report = None
         while time.monotonic() < deadline:
-            report = await asyncio.to_thread(read_restore_report, directory, since)
+            report = await asyncio.to_thread(read_restore_report, directory, pid)
             if report is not None:
                 break
             await asyncio.sleep(0.2)

@@ -57,17 +57,17 @@ async def checkpoint(kernel: Any, timeout: float) -> tuple[bool, str]:
     return False, f"{content.get('ename', 'error')}: {content.get('evalue', '')}".strip()
 
 
-def read_restore_report(checkpoint_dir: str, since: float) -> dict[str, Any] | None:
-    """The kernel hook's report of its last restore, if written after ``since`` (unix seconds)."""
+def read_restore_report(checkpoint_dir: str, pid: int | None) -> dict[str, Any] | None:
+    """The restore report of the kernel process ``pid``; an earlier process's is not its."""
     path = os.path.join(checkpoint_dir, RESTORE_REPORT_FILE)
     try:
-        if os.stat(path).st_mtime < since - 1.0:
-            return None
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
     except (OSError, ValueError):
         return None
-    return report if isinstance(report, dict) else None
+    if not isinstance(report, dict) or (pid is not None and report.get("pid") != pid):
+        return None
+    return report
 
 
 def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str, Any]:

@@ -312,7 +312,7 @@ class GpuFracProvisioner(LocalProvisioner):
             self._moving = False
         self._announce_launch(settings)
         if settings.on_launched is not None:
-            settings.on_launched(kernel_id, {"reason": self.last_launch_reason})
+            settings.on_launched(kernel_id, {"reason": self.last_launch_reason, "pid": self.pid})
 
     def _announce_launch(self, settings: KernelSettings) -> None:
         kernel_id = str(self.kernel_id)

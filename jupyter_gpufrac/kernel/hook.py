@@ -324,7 +324,7 @@ class GpuFracHook:
         running = previous.get("running")
         interrupted = str(running.get("cell")) if isinstance(running, dict) else None
         report: dict[str, Any] = {
-            "time": time.time(), "kernel_id": self.env.kernel_id,
+            "time": time.time(), "kernel_id": self.env.kernel_id, "pid": os.getpid(),
             "cause": reason.cause if reason else "manual",
             "reason": asdict(reason) if reason else None,
             "restored": [], "lost": [], "lost_reasons": {}, "newer_names": [],
