@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import struct
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -139,6 +140,7 @@ class Checkpointer:
                 "lost": lost,
                 "groups": groups,
                 "rng": rng_blob,
+                "matplotlib_backend": _matplotlib_backend(),
                 "blobs": blobs.referenced,
                 "tensors_bytes": blobs.tensor_bytes,
                 "pid": os.getpid(),
@@ -269,6 +271,7 @@ class Checkpointer:
                 raise CheckpointError(str(exc)) from exc
             except Exception as exc:
                 log.warning("gpufrac: the random generators' state could not be read: %s", exc)
+        _use_matplotlib_backend(header.get("matplotlib_backend"))
         modules: list[str] = []
         for name, module_name in header.get("modules", {}).items():
             try:
@@ -345,6 +348,27 @@ def group_names(
     for name in values:
         groups.setdefault(find(name), []).append(name)
     return [sorted(names) for names in groups.values()]
+
+
+def _matplotlib_backend() -> str | None:
+    """The plotting backend the notebook chose (``matplotlib.use``, ``%matplotlib``), if loaded."""
+    matplotlib = sys.modules.get("matplotlib")
+    try:
+        return None if matplotlib is None else str(matplotlib.get_backend())
+    except Exception:  # a broken backend must not cost the checkpoint
+        return None
+
+
+def _use_matplotlib_backend(backend: object) -> None:
+    # Before pyplot is imported again: a fresh kernel would otherwise pick its default backend,
+    # and a notebook that plotted off-screen would start showing every figure.
+    if not isinstance(backend, str) or not backend:
+        return
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+        matplotlib.use(backend)
+    except Exception as exc:
+        log.warning("gpufrac: matplotlib backend %s not restored: %s", backend, exc)
 
 
 def oom_types() -> tuple[type[BaseException], ...]:

@@ -148,6 +148,8 @@ class Reply:
     status: str
     stdout: str
     error: str
+    # text/plain of execute_result and display_data, in order
+    results: list[str] = field(default_factory=list)
 
 
 class Notebook:
@@ -179,6 +181,7 @@ class Notebook:
         """Collect a cell's output until its reply and the kernel's return to idle."""
         deadline = time.monotonic() + timeout
         stdout, error, status, idle = [], "", "", False
+        results: list[str] = []
         while not (status and idle):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -192,6 +195,8 @@ class Notebook:
                 stdout.append(content["text"])
             elif kind == "stream":
                 error += content["text"]  # IPython prints UsageError on stderr
+            elif kind in ("execute_result", "display_data"):
+                results.append(str(content.get("data", {}).get("text/plain", "")))
             elif kind == "error":
                 error = f"{content['ename']}: {content['evalue']}"
             elif kind == "execute_reply":
@@ -200,7 +205,7 @@ class Notebook:
                     error = f"{content.get('ename')}: {content.get('evalue')}"
             elif kind == "status" and content["execution_state"] == "idle":
                 idle = True
-        return Reply(status, "".join(stdout), error)
+        return Reply(status, "".join(stdout), error, results)
 
     def run(self, code: str, timeout: float = 120) -> Reply:
         return self.wait(self.send(code), timeout)

@@ -88,8 +88,13 @@ class Sequence:
     def wait_restored(self, what: str) -> dict[str, Any]:
         """The next restore of the subject, once its kernel answers and its state settled."""
         wanted = self.restores + 1
-        wait_for(lambda: len(self.restored_events()) >= wanted, 120, f"the restore after {what}",
-                 interval=0.2)
+        try:
+            wait_for(lambda: len(self.restored_events()) >= wanted, 120,
+                     f"the restore after {what}", interval=0.2)
+        except AssertionError as err:
+            events = [(e["event"], e["message"][:120]) for e in self.status()["events"][-6:]]
+            raise AssertionError(f"{err}; last events {events}; server log:\n"
+                                 f"{self.server.log_text()[-4000:]}") from None
         self.restores = len(self.restored_events())
         wait_for(lambda: self.status()["state"] in SETTLED, 60, f"{what} to settle", interval=0.2)
         return self.restored_events()[-1]
@@ -236,7 +241,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProces
 
 
 def run_sequence(node: tuple[AgentProcess, Server], seed: int, steps: int,
-                 report: Callable[[str], None] | None = None) -> Sequence:
+                 report: Callable[[Sequence], None] | None = None) -> Sequence:
     agent, server = node
     seq = Sequence(agent, server, random.Random(seed))
     seq.seed_both()
@@ -249,7 +254,7 @@ def run_sequence(node: tuple[AgentProcess, Server], seed: int, steps: int,
                 raise AssertionError(f"seed {seed}, step {number} ({event}) of "
                                      f"{events[:number]}: {err}") from err
             if report is not None and number % 50 == 0:
-                report(f"seed {seed}: {number} of {len(events)} steps")
+                report(seq)
     finally:
         for nb in (seq.subject, seq.reference):
             nb.close()
@@ -265,20 +270,28 @@ def test_random_sequences_keep_the_notebook_whole(
     assert set(seq.counts) == set(EVENTS), seq.counts
 
 
+def soak_figures(seq: Sequence, seed: int, seconds: float) -> str:
+    """The lines `make soak` prints (and writes), from what the run measured so far."""
+    total = sum(seq.counts.values())
+    p90 = statistics.quantiles(seq.seconds, n=10)[-1] if len(seq.seconds) > 1 else 0.0
+    return "\n".join([
+        f"soak: seed {seed}, {total} steps, 0 failures, {seconds:.0f} s",
+        f"soak: median step {statistics.median(seq.seconds):.2f} s, p90 {p90:.2f} s",
+        "soak: " + ", ".join(f"{event} {seq.counts[event]}" for event in EVENTS),
+    ]) + "\n"
+
+
 @pytest.mark.skipif(not os.environ.get("GPUFRAC_SOAK_STEPS"), reason="make soak runs it")
 def test_soak(node: tuple[AgentProcess, Server]) -> None:
     steps = int(os.environ["GPUFRAC_SOAK_STEPS"])
     seed = int(os.environ.get("GPUFRAC_SOAK_SEED", "1000"))
-    started = time.monotonic()
-    seq = run_sequence(node, seed, steps, report=lambda line: print(line, file=sys.stderr))
-    total = sum(seq.counts.values())
-    lines = [
-        f"soak: seed {seed}, {total} steps, 0 failures, {time.monotonic() - started:.0f} s",
-        f"soak: median step {statistics.median(seq.seconds):.2f} s, "
-        f"p90 {statistics.quantiles(seq.seconds, n=10)[-1]:.2f} s",
-        "soak: " + ", ".join(f"{event} {seq.counts[event]}" for event in EVENTS),
-    ]
-    print("\n".join(lines), file=sys.stderr)
     figures = os.environ.get("GPUFRAC_SOAK_FIGURES")
-    if figures:
-        Path(figures).write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+
+    def progress(seq: Sequence) -> None:
+        text = soak_figures(seq, seed, time.monotonic() - started)
+        print(text, file=sys.stderr, end="")
+        if figures:
+            Path(figures).write_text(text)  # a long run that is stopped still says how far it got
+
+    progress(run_sequence(node, seed, steps, report=progress))
