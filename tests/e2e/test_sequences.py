@@ -69,6 +69,7 @@ class Sequence:
         self.subject = server.open_notebook("subject.ipynb", kernel="subject")
         self.reference = server.open_notebook("reference.ipynb", kernel="reference")
         self.restores = 0
+        self.last_restore = 0.0
         self.counts: collections.Counter[str] = collections.Counter()
         self.seconds: list[float] = []
 
@@ -87,17 +88,21 @@ class Sequence:
 
     def wait_restored(self, what: str) -> dict[str, Any]:
         """The next restore of the subject, once its kernel answers and its state settled."""
-        wanted = self.restores + 1
+        # The server keeps a kernel's last 50 events: follow them by time, not by count.
+        def newer() -> dict[str, Any] | None:
+            found = [e for e in self.restored_events() if e["time"] > self.last_restore]
+            return found[-1] if found else None
+
         try:
-            wait_for(lambda: len(self.restored_events()) >= wanted, 120,
-                     f"the restore after {what}", interval=0.2)
+            event = wait_for(newer, 120, f"the restore after {what}", interval=0.2)
         except AssertionError as err:
             events = [(e["event"], e["message"][:120]) for e in self.status()["events"][-6:]]
             raise AssertionError(f"{err}; last events {events}; server log:\n"
                                  f"{self.server.log_text()[-4000:]}") from None
-        self.restores = len(self.restored_events())
+        self.last_restore = event["time"]
+        self.restores += 1
         wait_for(lambda: self.status()["state"] in SETTLED, 60, f"{what} to settle", interval=0.2)
-        return self.restored_events()[-1]
+        return event
 
     def check(self, step: str) -> None:
         """Both kernels' fingerprints are equal: the subject lost nothing the reference has."""
