@@ -195,13 +195,19 @@ class DirectiveListener:
                 # The checkpoint after the last completed cell is still there to restore.
                 self.log.warning("kernel %s: checkpoint before move failed: %s", kernel_id, why)
         message = sentence(reason) if reason else f"Moved {moves}"
-        provisioner.request_restore({
+        self.log.info("kernel %s: restarting %s (cell cut off: %s)", kernel_id, moves, cut_off)
+        await self._restart_restoring(kernel_id, provisioner, {
             "cause": restart_cause(directive),
             "message": message + ".",
             "from_gpu": source,
             "to_gpu": target,
         })
-        self.log.info("kernel %s: restarting %s (cell cut off: %s)", kernel_id, moves, cut_off)
+
+    async def _restart_restoring(
+        self, kernel_id: str, provisioner: GpuFracProvisioner, reason: dict[str, Any]
+    ) -> None:
+        """Restart the kernel now; the new process restores the last good checkpoint."""
+        provisioner.request_restore(reason)
         try:
             await self._restart(kernel_id, now=True)
         except Exception:
@@ -249,14 +255,8 @@ class DirectiveListener:
             saved, why = await checkpoint(kernel, timeout=60.0)
             if not saved:
                 self.log.warning("kernel %s: checkpoint before restart failed: %s", kernel_id, why)
-            provisioner.request_restore(reason)
             self.log.info("kernel %s: restarting onto its new GPU share", kernel_id)
-            try:
-                await self._restart(kernel_id, now=True)
-            except Exception:
-                if provisioner.restore_pending:
-                    provisioner.cancel_restore()
-                raise
+            await self._restart_restoring(kernel_id, provisioner, reason)
 
     # -- shrink and killed -------------------------------------------------------------
 

@@ -140,15 +140,17 @@ class BlobWriter:
         key = int(storage._cdata)
         known = self._by_storage.get(key)
         if known is None:
-            blob, nbytes, path = tensor_io.write_storage(self.root, storage)
-            known = (blob, nbytes)
-            self.new_paths.append(path)
-            self.bytes_written += nbytes
-            self.blobs_written += 1
-            self._by_storage[key] = known
+            known = self._by_storage[key] = self._write(storage)
             self._keepalive.append(storage)
         self._reference(*known)
         return (known[0], known[1], device)
+
+    def _write(self, storage: Any) -> tuple[str, int]:
+        blob, nbytes, path = tensor_io.write_storage(self.root, storage)
+        self.new_paths.append(path)
+        self.bytes_written += nbytes
+        self.blobs_written += 1
+        return blob, nbytes
 
     def group_blob(self, data: bytes) -> str:
         """The content-addressed blob holding one group's pickle; written only if new."""
@@ -181,11 +183,7 @@ class BlobWriter:
             if blob is not None and store.blob_path(self.root, blob).exists():
                 known = (blob, int(storage.nbytes()))
             else:
-                blob, nbytes, path = tensor_io.write_storage(self.root, storage)
-                known = (blob, nbytes)
-                self.new_paths.append(path)
-                self.bytes_written += nbytes
-                self.blobs_written += 1
+                known = self._write(storage)
             self._by_storage[key] = known
             # Keep the storage alive so its _cdata cannot be reused within this checkpoint.
             self._keepalive.append(storage)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from support import AgentProcess
 
-from .jupyter_process import Reply, Server, running_server
-from .test_sequences import CONFIG, KERNELSPECS, Sequence
+from .jupyter_process import Reply, Server
+from .test_sequences import Sequence, disturbable_node
 
 pytestmark = pytest.mark.e2e
 
@@ -51,12 +51,8 @@ def observed(reply: Reply) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
-    tmp = tmp_path_factory.mktemp("notebooks")
-    args = ["--poll-interval", "0.2", "--reclaim-grace", "1", "--headroom", "0.9",
-            "--orphan-grace", "3600"]
-    with AgentProcess(tmp / "agent", "2x2GiB", args) as agent, \
-            running_server(tmp / "server", agent.socket, CONFIG, KERNELSPECS) as server:
-        yield agent, server
+    with disturbable_node(tmp_path_factory.mktemp("notebooks")) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))

@@ -14,6 +14,7 @@ and prints its figures.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import signal
@@ -235,14 +236,21 @@ def plan(rng: random.Random, steps: int) -> list[str]:
     return [e for event in first + more for e in ("mutate", event)]
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
-    tmp = tmp_path_factory.mktemp("sequences")
+@contextlib.contextmanager
+def disturbable_node(tmp: Path) -> Iterator[tuple[AgentProcess, Server]]:
+    """An agent that reclaims fast (a job without processes is owed, so it triggers a reclaim)
+    and keeps such jobs, and a server with the subject and reference kernelspecs."""
     args = ["--poll-interval", "0.2", "--reclaim-grace", "1", "--headroom", "0.9",
             "--orphan-grace", "3600"]
     with AgentProcess(tmp / "agent", "2x2GiB", args) as agent, \
             running_server(tmp / "server", agent.socket, CONFIG, KERNELSPECS) as server:
         yield agent, server
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
+    with disturbable_node(tmp_path_factory.mktemp("sequences")) as pair:
+        yield pair
 
 
 def run_sequence(node: tuple[AgentProcess, Server], seed: int, steps: int,
