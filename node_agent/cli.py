@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from node_agent.client import AgentClient, AgentError, AgentUnavailable, default_socket_path
 from node_agent.quantities import QuantityError, format_bytes, parse_quantity
@@ -191,11 +191,37 @@ def _say(started: float, text: str) -> None:
           flush=True)
 
 
+T = TypeVar("T")
+
+
+def _through_restarts(call: Callable[[], T], what: str, timeout: float = 60.0) -> T:
+    """``call()``, waiting out an agent that restarts meanwhile (its ledger keeps the leases)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while True:
+        try:
+            return call()
+        except AgentUnavailable as exc:
+            if time.monotonic() >= deadline:
+                raise
+            if delay == 0.1:
+                print(f"gpufrac-agent run: the agent does not answer ({exc.reason}) while "
+                      f"{what}; waiting for it", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
 def _ask(client: AgentClient, args: argparse.Namespace, request: str, name: str) -> str:
-    """A job lease with this process registered to it (if we die, the agent frees it)."""
-    lease = client.create_lease(client=f"gpufrac-run-{os.getpid()}", kind="job", request=request,
-                                limit=args.limit, devices=args.gpus, name=name)
-    client.register_pid(lease["id"], os.getpid())
+    """A job lease with this process registered to it (if we die, the agent frees it).
+
+    A lease created just before the agent died, whose answer was lost, has no process and is
+    released by the agent after its orphan grace.
+    """
+    lease = _through_restarts(lambda: client.create_lease(
+        client=f"gpufrac-run-{os.getpid()}", kind="job", request=request, limit=args.limit,
+        devices=args.gpus, name=name), "asking for the lease")
+    _through_restarts(lambda: client.register_pid(lease["id"], os.getpid()),
+                      "registering this process")
     return str(lease["id"])
 
 
@@ -319,7 +345,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  pass_fds=(gate_r,))
         os.close(gate_r)
         try:
-            client.register_pid(lease_id, child.pid)
+            _through_restarts(lambda: client.register_pid(lease_id, child.pid),
+                              "registering the command")
         finally:
             os.write(gate_w, b"x")
             os.close(gate_w)
