@@ -41,8 +41,10 @@ MUTATIONS = [
 CUT_OFF = "xs = globals().setdefault('xs', [])\nxs.append('partial')\nimport time\ntime.sleep(600)"
 CUT_OFF_DONE = "xs = globals().setdefault('xs', [])\nxs.append('partial')"
 
-# Memory above the request, for a reclaim (the simulated node counts what a process holds).
-BURST = "import torch\nbig = torch.ones(700 * 2**20 // 4)"
+# Memory above the request, for a reclaim. The simulated node counts what a process holds
+# above its size when the agent (re)adopted it: enough to burst even right after an agent
+# restart, when the kernel's earlier imports no longer count.
+BURST = "import torch\nbig = torch.ones(900 * 2**20 // 4)"
 UNBURST = "globals().pop('big', None)\nimport gc\ngc.collect()"
 
 # Prints one line: a canonical description of the user's state. It consumes no random draws

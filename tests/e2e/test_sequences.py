@@ -48,7 +48,7 @@ EVENTS = ("mutate", "idle_move", "busy_move", "oom_kill", "kernel_sigkill", "res
 WEIGHTS = (8, 2, 1, 1, 2, 1, 1, 1)
 SETTLED = ("guaranteed", "bursting", "restored", "restore-incomplete")
 KERNELSPECS = {
-    # The subject: a lease of 0.3 of a 2 GiB GPU, so 700 MiB held is a burst.
+    # The subject: a lease of 0.3 of a 2 GiB GPU, so 900 MiB held is a burst.
     "subject": {"gpufrac": {"request": "0.3", "limit": "1"}},
     # The reference: jupyter_client's own provisioner, no lease, no kernel hook.
     "reference": {"kernel_provisioner": {"provisioner_name": "local-provisioner"}},
