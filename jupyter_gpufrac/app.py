@@ -281,7 +281,12 @@ class GpuFrac(ExtensionApp):
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("gpufrac: background task failed", exc_info=task.exception())
 
     def _provisioners(self) -> dict[str, GpuFracProvisioner]:
         if self.serverapp is None:
@@ -327,7 +332,7 @@ class GpuFrac(ExtensionApp):
         self.events.emit(
             kernel_id, "restored", f"{cause}; {summary['message']}",
             reason=str(reason.get("message") or ""), restored=summary["restored"],
-            lost=summary["lost"], ok=summary["ok"],
+            lost=summary["lost"], deferred=summary["deferred"], ok=summary["ok"],
             interrupted_cell=summary["interrupted_cell"], **where,
         )
 
@@ -339,7 +344,7 @@ class GpuFrac(ExtensionApp):
             await self._refresh_notebooks()
             if self.agent_error is None:
                 for kernel_id, provisioner in provisioners.items():
-                    if provisioner.lease is None and provisioner.launches:
+                    if provisioner.lease is None and provisioner.launches and not provisioner.closed:
                         await self._give_gpu(kernel_id, provisioner)
             if not any(p.lease for p in provisioners.values()):
                 continue

@@ -253,6 +253,8 @@ class DirectiveListener:
                 if kernel_id not in self.kernel_manager:
                     return
             saved, why = await checkpoint(kernel, timeout=60.0)
+            if kernel_id not in self.kernel_manager:
+                return  # shut down meanwhile: its cleanup gave the lease back
             if not saved:
                 self.log.warning("kernel %s: checkpoint before restart failed: %s", kernel_id, why)
             self.log.info("kernel %s: restarting onto its new GPU share", kernel_id)

@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any
 
+from node_agent.quantities import format_bytes
+
 CHECKPOINT_CODE = "%gpu checkpoint --quiet"
 RESTORE_REPORT_FILE = "restore-report.json"
 
@@ -78,7 +80,7 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
     if report is None:
         return {
             "ok": False, "restored": [], "lost": [], "lost_reasons": {}, "interrupted_cell": None,
-            "checkpoint_cell": None, "time": time.time(),
+            "checkpoint_cell": None, "time": time.time(), "deferred": {},
             "error": f"the kernel did not report a restore within {waited_s:.0f} s",
             "message": f"the kernel did not report a restore within {waited_s:.0f} s, so its "
                        "variables may be lost; run `%gpu` in the notebook to see what it holds.",
@@ -91,22 +93,31 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
     lost_reasons = {str(k): str(v) for k, v in (reasons or {}).items()}
     lost_reasons.update({name: "defined after the last checkpoint" for name in newer})
     lost += newer
+    raw_deferred = report.get("deferred") if isinstance(report.get("deferred"), dict) else {}
+    deferred = {str(k): int(v) for k, v in (raw_deferred or {}).items()}
     interrupted = report.get("interrupted_cell")
     error = report.get("error")
     parts: list[str] = []
     if error:
         parts.append(f"no variables were restored: {error}")
     else:
-        parts.append(f"{len(restored)} of {len(restored) + len(lost)} variables restored")
+        total = len(restored) + len(lost) + len(deferred)
+        parts.append(f"{len(restored)} of {total} variables restored")
+        if deferred:
+            shown = [f"{name} ({format_bytes(size)})" for name, size in sorted(deferred.items())]
+            parts.append(f"kept on disk until there is room on the GPU: {', '.join(shown)} "
+                         "(`%gpu restore` loads them)")
         if lost:
             shown = [f"{name} ({lost_reasons[name]})" if name in lost_reasons else name
                      for name in lost]
             parts.append(f"lost: {', '.join(shown)}")
     if interrupted:
         parts.append(f"cell {interrupted} was cut off: re-run it")
-    ok = bool(report.get("ok")) and not error and not lost and not interrupted
+    ok = (bool(report.get("ok")) and not error and not lost and not interrupted
+          and not deferred)
     return {
         "ok": ok, "restored": restored, "lost": lost, "lost_reasons": lost_reasons,
+        "deferred": deferred,
         "interrupted_cell": str(interrupted) if interrupted else None,
         "checkpoint_cell": report.get("checkpoint_cell"), "error": str(error) if error else None,
         "time": float(report.get("time") or time.time()),

@@ -48,6 +48,8 @@ def make_event(kernel_id: str, event: str, message: str, **fields: Any) -> dict[
     for name in ("restored", "lost"):
         if fields.get(name) is not None:
             data[name] = [str(v) for v in fields[name]]
+    if fields.get("deferred") is not None:
+        data["deferred"] = {str(k): int(v) for k, v in fields["deferred"].items()}
     data["time"] = float(fields.get("time") or time.time())
     return data
 

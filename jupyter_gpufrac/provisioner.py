@@ -57,6 +57,8 @@ class GpuFracProvisioner(LocalProvisioner):
         self.gpus: dict[str, dict[str, Any]] = {}
         self.simulated = False
         self.launches = 0
+        # Set once the kernel shuts down for good: from then on it must never take a lease.
+        self.closed = False
         self.no_gpu_reason: str | None = None
         self.last_launch_reason: dict[str, Any] | None = None
         self.last_launch_time = 0.0
@@ -246,6 +248,8 @@ class GpuFracProvisioner(LocalProvisioner):
         The kernel keeps running where it is: the caller restarts it onto the lease (with its
         variables), since a process cannot change GPUs.
         """
+        if self.closed:
+            return None
         settings = self.settings()
         link = AgentLink(settings.socket_path)
         try:
@@ -254,6 +258,10 @@ class GpuFracProvisioner(LocalProvisioner):
             self.simulated = bool(node.get("simulated"))
             lease = await self._create_lease(link, settings, {})
         except AgentError:
+            return None
+        if self.closed:
+            # The kernel shut down while the lease was being made: nobody would release it.
+            await self._give_back(settings, str(lease["id"]))
             return None
         self.asked_share = (str(lease.get("request_spec")), lease.get("limit_spec"))
         self.lease, self.no_gpu_reason = lease, None
@@ -359,12 +367,18 @@ class GpuFracProvisioner(LocalProvisioner):
 
     async def cleanup(self, restart: bool = False) -> None:
         """At shutdown (not restart) give the lease back."""
+        if not restart:
+            self.closed = True
         await super().cleanup(restart=restart)
         if restart or self.lease is None:
             return
         settings = self.settings()
         lease_id = str(self.lease["id"])
         self.lease = None
+        await self._give_back(settings, lease_id)
+        settings.events.forget(str(self.kernel_id))
+
+    async def _give_back(self, settings: KernelSettings, lease_id: str) -> None:
         try:
             await AgentLink(settings.socket_path).release(lease_id)
         except AgentUnavailable:
@@ -372,7 +386,6 @@ class GpuFracProvisioner(LocalProvisioner):
         except AgentError as err:
             if err.status != 404:
                 self.log.warning("kernel %s: releasing lease %s: %s", self.kernel_id, lease_id, err)
-        settings.events.forget(str(self.kernel_id))
 
 
 def _text(message: object) -> str:

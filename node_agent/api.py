@@ -114,7 +114,8 @@ class LeasesHandler(BaseHandler):
 
 class LeaseHandler(BaseHandler):
     def get(self, lease_id: str) -> None:
-        self.reply(self.agent.lease(self.caller, lease_id).to_json())
+        lease = self.agent.lease(self.caller, lease_id)
+        self.reply({**lease.to_json(), "room": self.agent.room(lease)})
 
     def patch(self, lease_id: str) -> None:
         self.reply(self.agent.resize(self.caller, lease_id, self.body()).to_json())

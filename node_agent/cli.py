@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import functools
 import grp
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,7 +20,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from node_agent.client import AgentClient, AgentError, AgentUnavailable, default_socket_path
+from node_agent.client import (
+    AgentClient,
+    AgentError,
+    AgentUnavailable,
+    default_socket_path,
+    serve_command,
+)
 from node_agent.quantities import QuantityError, format_bytes, parse_quantity
 
 log = logging.getLogger("gpufrac.agent")
@@ -55,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state_dir = args.state_dir or default_state_dir()
     if AgentClient(args.socket, timeout=2).ping():
         print(f"gpufrac-agent: an agent already answers at {args.socket}", file=sys.stderr)
         return 1
@@ -78,11 +87,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     try:
         backend = open_backend(args.simulate, args.fallback_simulate)
-    except (BackendUnavailable, QuantityError) as exc:
+    except BackendUnavailable as exc:
+        print(f"gpufrac-agent: {exc}: "
+              f"`{serve_command(args.socket, state_dir)} --simulate 2x16GiB`", file=sys.stderr)
+        return 2
+    except QuantityError as exc:
         print(f"gpufrac-agent: {exc}", file=sys.stderr)
         return 2
-    lock = _lock_state_dir(args.state_dir)
-    ledger = Ledger(args.state_dir)
+    lock = _lock_state_dir(state_dir)
+    ledger = Ledger(state_dir)
     config = AgentConfig(
         poll_interval=args.poll_interval, reclaim_grace=args.reclaim_grace,
         migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace, headroom=args.headroom,
@@ -103,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         kind = "simulated node " + getattr(backend, "spec", "") if backend.simulated else "NVML"
         log.info("serving %d GPU(s) (%s) on %s, state in %s, %d lease(s) re-adopted",
-                 len(agent.gpus), kind, args.socket, args.state_dir, len(ledger.leases))
+                 len(agent.gpus), kind, args.socket, state_dir, len(ledger.leases))
         print(f"gpufrac-agent: ready on {args.socket}", flush=True)
         await stop.wait()
         server.stop()
@@ -177,7 +190,7 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    client = AgentClient(args.socket)
+    client = AgentClient(args.socket, state_dir=args.state_dir)
     if args.json:
         print(json.dumps(status_document(client), indent=2))
     else:
@@ -186,110 +199,176 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 # --- run --------------------------------------------------------------------------------
-def _say(started: float, text: str) -> None:
-    print(f"gpufrac-agent run: [{time.monotonic() - started:4.1f}s] {text}", file=sys.stderr,
-          flush=True)
+class _Stopped(Exception):
+    """SIGINT, SIGTERM or SIGHUP reached `run` while no command of its own was running."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Progress:
+    """Progress lines on stderr, stamped with the seconds since `run` started."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self._key = ""
+        self._said = 0.0
+
+    def say(self, text: str) -> None:
+        print(f"gpufrac-agent run: [{time.monotonic() - self.started:4.1f}s] {text}",
+              file=sys.stderr, flush=True)
+
+    def note(self, key: str, text: str, every: float | None = None) -> None:
+        """Say ``text`` when ``key`` changes, and again every ``every`` s while it does not."""
+        now = time.monotonic()
+        if key != self._key or (every is not None and now - self._said >= every):
+            self._key, self._said = key, now
+            self.say(text)
 
 
 T = TypeVar("T")
 
-
-def _through_restarts(call: Callable[[], T], what: str, timeout: float = 60.0) -> T:
-    """``call()``, waiting out an agent that restarts meanwhile (its ledger keeps the leases)."""
-    deadline = time.monotonic() + timeout
-    delay = 0.1
-    while True:
-        try:
-            return call()
-        except AgentUnavailable as exc:
-            if time.monotonic() >= deadline:
-                raise
-            if delay == 0.1:
-                print(f"gpufrac-agent run: the agent does not answer ({exc.reason}) while "
-                      f"{what}; waiting for it", file=sys.stderr, flush=True)
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+# Retries back off from 0.1 s up to this.
+_MAX_DELAY = 2.0
 
 
-def _ask(client: AgentClient, args: argparse.Namespace, request: str, name: str) -> str:
-    """A job lease with this process registered to it (if we die, the agent frees it).
+class _Lease:
+    """The job lease of one `run`: asked for, waited for through agent restarts, and always
+    given back."""
 
-    A lease created just before the agent died, whose answer was lost, has no process and is
-    released by the agent after its orphan grace.
-    """
-    lease = _through_restarts(lambda: client.create_lease(
-        client=f"gpufrac-run-{os.getpid()}", kind="job", request=request, limit=args.limit,
-        devices=args.gpus, name=name), "asking for the lease")
-    _through_restarts(lambda: client.register_pid(lease["id"], os.getpid()),
-                      "registering this process")
-    return str(lease["id"])
+    def __init__(self, client: AgentClient, args: argparse.Namespace, request: str,
+                 name: str) -> None:
+        self.client = client
+        self.args = args
+        self.request = request
+        self.name = name
+        self.id: str | None = None
+        self.progress = _Progress()
+        self.deadline = time.monotonic() + args.timeout
 
+    def through_restarts(self, call: Callable[[], T], what: str) -> T:
+        """``call()``, waiting out an agent that is down or restarting until the deadline."""
+        delay = 0.1
+        down = time.monotonic()
+        while True:
+            try:
+                return call()
+            except AgentUnavailable as exc:
+                now = time.monotonic()
+                if now >= self.deadline:
+                    raise
+                self.progress.note("down", f"{exc}. Waiting for it while {what} "
+                                   f"({now - down:.0f}s so far, up to --timeout)", every=10)
+                time.sleep(min(delay, self.deadline - now))
+                delay = min(delay * 2, _MAX_DELAY)
 
-def _wait_active(
-    client: AgentClient, lease_id: str, timeout: float, again: Callable[[], str]
-) -> dict[str, Any]:
-    """Poll the lease until it is active, printing each change of reason; deadline ``timeout``.
+    def ask(self) -> None:
+        """A job lease with this process registered to it: if `run` dies, the agent frees it.
 
-    An agent that restarts meanwhile is waited for (the lease is in its ledger); a lease it no
-    longer has (released while it was away) is asked for again with ``again``.
-    """
-    deadline = time.monotonic() + timeout
-    started = time.monotonic()
-    shown = ""
-    delay = 0.1
-    while True:
-        lease: dict[str, Any] | None = None
-        try:
-            lease = client.lease(lease_id)
-        except AgentUnavailable as exc:
-            if shown != "unavailable":
-                shown = "unavailable"
-                _say(started, f"the agent does not answer ({exc.reason}); waiting for it to come "
-                     f"back: lease {lease_id} is kept in its ledger")
-        except AgentError as exc:
-            if exc.status != 404:
-                raise
-            lease_id = again()
-            _say(started, f"the agent no longer had the lease; asked again: {lease_id}")
-        if lease is not None:
-            if lease["state"] == "active":
-                return lease
-            if lease["reason"] != shown:
-                shown = lease["reason"]
-                _say(started, shown)
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"lease {lease_id} not granted within {timeout:.0f}s: {shown}")
-        time.sleep(delay)
-        delay = 0.1 if lease is not None else min(delay * 2, 2.0)
-
-
-def _release(client: AgentClient, lease_id: str, deadline_s: float = 30.0) -> None:
-    """Give the lease back, waiting out an agent restart; say exactly what is left if not."""
-    deadline = time.monotonic() + deadline_s
-    delay = 0.2
-    while True:
-        try:
-            client.release(lease_id)
-            return
-        except AgentUnavailable as exc:
-            if time.monotonic() >= deadline:
-                print(f"gpufrac-agent run: could not release lease {lease_id}: {exc.reason}. The "
-                      "agent frees it by itself once it sees this command gone (--orphan-grace); "
-                      f"or run `gpufrac-agent --socket {client.socket_path} release {lease_id}` "
-                      "when it answers.", file=sys.stderr)
+        A lease created just before the agent died, whose answer was lost (or one that signals
+        cut off before its id arrived) has no process: the agent releases it after its orphan
+        grace.
+        """
+        while True:
+            lease = self.through_restarts(lambda: self.client.create_lease(
+                client=f"gpufrac-run-{os.getpid()}", kind="job", request=self.request,
+                limit=self.args.limit, devices=self.args.gpus, name=self.name),
+                "asking for a lease")
+            self.id = lease_id = str(lease["id"])
+            try:
+                self.through_restarts(
+                    functools.partial(self.client.register_pid, lease_id, os.getpid()),
+                    "registering this process")
                 return
-        except AgentError as exc:
-            if exc.status != 404:  # already gone is what we wanted
-                print(f"gpufrac-agent run: could not release {lease_id}: {exc}", file=sys.stderr)
+            except AgentError as exc:
+                # Released while the agent was away (an orphan then): ask again.
+                if exc.status != 404 or time.monotonic() >= self.deadline:
+                    raise
+                self.progress.say(f"the agent no longer has lease {lease_id}; asking again")
+
+    def wait_active(self) -> dict[str, Any]:
+        """Poll the lease until it is active, saying each change of reason, until the deadline.
+
+        An agent that restarts meanwhile is waited for (the lease is in its ledger); a lease it
+        no longer has (released while it was away) is asked for again.
+        """
+        assert self.id is not None
+        delay = 0.1
+        down = 0.0
+        while True:
+            lease: dict[str, Any] | None = None
+            try:
+                lease = self.client.lease(self.id)
+            except AgentUnavailable as exc:
+                down = down or time.monotonic()
+                self.progress.note(
+                    "down", f"the agent does not answer ({exc.reason}) for "
+                    f"{time.monotonic() - down:.0f}s; waiting for it to come back: lease "
+                    f"{self.id} is kept in its ledger", every=10)
+            except AgentError as exc:
+                if exc.status != 404:
+                    raise
+                self.progress.say(f"the agent no longer has lease {self.id}; asking again")
+                self.ask()
+                continue
+            if lease is not None:
+                down = 0.0
+                if lease["state"] == "active":
+                    return lease
+                self.progress.note(lease["reason"], lease["reason"])
+            now = time.monotonic()
+            if now >= self.deadline:
+                raise TimeoutError(f"lease {self.id} not granted within {self.args.timeout:g}s")
+            time.sleep(min(delay, self.deadline - now))
+            delay = 0.1 if lease is not None else min(delay * 2, _MAX_DELAY)
+
+    def release(self) -> None:
+        """Give the lease back, retrying through an agent restart until --release-timeout; if
+        it cannot, say which lease is left and the exact command that releases it."""
+        if self.id is None:
             return
-        time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+        deadline = time.monotonic() + self.args.release_timeout
+        delay = 0.2
+        try:
+            while True:
+                try:
+                    self.client.release(self.id)
+                    return
+                except AgentUnavailable as exc:
+                    now = time.monotonic()
+                    if now >= deadline:
+                        self._left(f"the agent does not answer: {exc.reason}")
+                        return
+                    self.progress.note("down", f"the agent does not answer ({exc.reason}); "
+                                       f"retrying to release lease {self.id} for up to "
+                                       f"{self.args.release_timeout:g}s", every=10)
+                    time.sleep(min(delay, deadline - now))
+                    delay = min(delay * 2, _MAX_DELAY)
+                except AgentError as exc:
+                    if exc.status != 404:  # already gone is what we wanted
+                        self._left(str(exc))
+                    return
+        except _Stopped:
+            self._left("stopped while releasing it")
+
+    def _left(self, why: str) -> None:
+        command = shlex.join(["gpufrac-agent", "--socket", self.client.socket_path, "release",
+                              str(self.id)])
+        print(f"gpufrac-agent run: lease {self.id} is left on the agent ({why}). Release it with "
+              f"`{command}` once the agent answers; the agent also releases it by itself "
+              "--orphan-grace seconds after it sees that this command has ended.",
+              file=sys.stderr, flush=True)
 
 
+# The command waits for one byte on a pipe before it execs: its pid is registered first (one
+# that exits at once still registers; a simulated GPU's baseline precedes its allocations),
+# and it never runs without its lease.
 _GATE = (
     "import os, sys\n"
     "fd = int(sys.argv[1])\n"
-    "os.read(fd, 1)\n"
+    "if os.read(fd, 1) != b'x':\n"
+    "    os._exit(1)\n"
     "os.close(fd)\n"
     "try:\n"
     "    os.execvp(sys.argv[2], sys.argv[2:])\n"
@@ -306,7 +385,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("gpufrac-agent run: give the command after --, e.g. run --gpus 1 -- python train.py",
               file=sys.stderr)
         return 2
-    client = AgentClient(args.socket)
     request = args.request if args.request is not None else "1"
     for field, value in (("request", request), ("limit", args.limit)):
         if value is not None:
@@ -315,54 +393,53 @@ def cmd_run(args: argparse.Namespace) -> int:
             except QuantityError as exc:
                 print(f"gpufrac-agent run: {exc}", file=sys.stderr)
                 return 2
-    name = " ".join(command)[:200]
-    lease_id = _ask(client, args, request, name)
-
-    def again() -> str:
-        nonlocal lease_id
-        lease_id = _ask(client, args, request, name)
-        return lease_id
+    job = _Lease(AgentClient(args.socket, state_dir=args.state_dir), args, request,
+                 " ".join(command)[:200])
     child: subprocess.Popen[bytes] | None = None
 
-    def forward(signum: int, _frame: Any) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
         if child is not None and child.poll() is None:
             child.send_signal(signum)
         else:
-            raise KeyboardInterrupt
+            raise _Stopped(signum)
 
+    # Before the lease is asked for: a signal at any point after it leads to its release.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, forward)
+        signal.signal(sig, on_signal)
     try:
-        lease = _wait_active(client, lease_id, args.timeout, again)
+        job.ask()
+        lease = job.wait_active()
+        lease_id = str(lease["id"])
         gpus = ",".join(lease["physical_gpus"])
         print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
                    GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
-        # The command waits (in sh, before exec) until its pid is registered: one that exits
-        # at once still registers, and a simulated GPU's baseline precedes its allocations.
         gate_r, gate_w = os.pipe()
         child = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), *command], env=env,
                                  pass_fds=(gate_r,))
         os.close(gate_r)
         try:
-            _through_restarts(lambda: client.register_pid(lease_id, child.pid),
-                              "registering the command")
+            pid = child.pid
+            job.through_restarts(lambda: job.client.register_pid(lease_id, pid),
+                                 "registering the command")
+            with contextlib.suppress(BrokenPipeError):  # a forwarded signal ended it already
+                os.write(gate_w, b"x")
         finally:
-            os.write(gate_w, b"x")
-            os.close(gate_w)
+            os.close(gate_w)  # unopened: the command exits without running
         code = child.wait()
         return 128 - code if code < 0 else code
-    except KeyboardInterrupt:
-        return 130
+    except _Stopped as stop:
+        job.progress.say(f"stopped by {stop}; giving the lease back")
+        return 128 + stop.signum
     except (AgentError, TimeoutError) as exc:
         print(f"gpufrac-agent run: {exc}", file=sys.stderr)
         return 1
     finally:
-        _release(client, lease_id)
+        job.release()
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    AgentClient(args.socket).release(args.lease)
+    AgentClient(args.socket, state_dir=args.state_dir).release(args.lease)
     print(f"gpufrac-agent: released {args.lease}")
     return 0
 
@@ -378,12 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpufrac-agent", description=__doc__)
     parser.add_argument("--socket", default=default_socket_path(),
                         help="the agent's Unix socket (default: %(default)s)")
+    parser.add_argument("--state-dir", default=None,
+                        help="the agent's state directory, named in hints to start it "
+                        f"(serve's default: {default_state_dir()})")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     serve = sub.add_parser("serve", help="run the node agent")
     serve.add_argument("--socket", default=argparse.SUPPRESS, help="Unix socket to listen on")
-    serve.add_argument("--state-dir", default=default_state_dir(),
-                       help="where the ledger lives (default: %(default)s)")
+    serve.add_argument("--state-dir", default=argparse.SUPPRESS,
+                       help=f"where the ledger lives (default: {default_state_dir()})")
     serve.add_argument("--simulate", metavar="SPEC",
                        help="a simulated node instead of NVML, e.g. 2x16GiB or 4xH100-80GB")
     serve.add_argument("--fallback-simulate", metavar="SPEC",
@@ -419,7 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--request", help="per-GPU request for a fractional job (default: whole GPU)")
     run.add_argument("--limit", help="per-GPU limit (default: the request)")
     run.add_argument("--timeout", type=float, default=600.0,
-                     help="seconds to wait for the GPUs (default %(default)s)")
+                     help="seconds to wait for the GPUs, through agent restarts "
+                     "(default %(default)s)")
+    run.add_argument("--release-timeout", type=float, default=30.0,
+                     help="seconds to retry giving the lease back while the agent does not "
+                     "answer (default %(default)s)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=cmd_run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shlex
 import socket
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,14 @@ def default_socket_path() -> str:
     return f"/tmp/gpufrac-{os.getuid()}/agent.sock"
 
 
+def serve_command(socket_path: str, state_dir: str | None = None) -> str:
+    """The exact command that starts an agent on this socket (and state directory, when known)."""
+    words = ["gpufrac-agent", "serve", "--socket", socket_path]
+    if state_dir:
+        words += ["--state-dir", state_dir]
+    return shlex.join(words)
+
+
 class AgentError(Exception):
     """The agent refused a request: ``status``, the ``field`` at fault, and its ``message``."""
 
@@ -37,16 +46,18 @@ class AgentError(Exception):
 
 
 class AgentUnavailable(AgentError):
-    """Nothing answers at the socket."""
+    """Nothing answers at the socket ``path``; the message says how to start an agent there."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, state_dir: str | None = None) -> None:
         super().__init__(
             0, None,
             f"no gpufrac agent answers at {path} ({reason}); start one with "
-            f"`gpufrac-agent serve --socket {path}` (add `--simulate 2x16GiB` without a GPU)",
+            f"`{serve_command(path, state_dir)}` (add `--simulate 2x16GiB` on a machine "
+            "without a GPU)",
         )
         self.path = path
         self.reason = reason
+        self.state_dir = state_dir
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -68,9 +79,12 @@ class _UnixConnection(http.client.HTTPConnection):
 class AgentClient:
     """One method per endpoint of docs/agent-api.md. Each call opens its own connection."""
 
-    def __init__(self, socket_path: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(self, socket_path: str | None = None, timeout: float = 10.0,
+                 state_dir: str | None = None) -> None:
         self.socket_path = socket_path or default_socket_path()
         self.timeout = timeout
+        # Only for the hint in AgentUnavailable: the agent's state directory, when known.
+        self.state_dir = state_dir
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None,
                 timeout: float | None = None) -> Any:
@@ -83,11 +97,11 @@ class AgentClient:
                 response = conn.getresponse()
                 raw = response.read()
             except (FileNotFoundError, ConnectionRefusedError) as exc:
-                raise AgentUnavailable(self.socket_path, exc.strerror or str(exc)) from exc
+                raise self._unavailable(exc.strerror or str(exc)) from exc
             except TimeoutError as exc:
-                raise AgentUnavailable(self.socket_path, "timed out") from exc
+                raise self._unavailable("timed out") from exc
             except OSError as exc:
-                raise AgentUnavailable(self.socket_path, str(exc)) from exc
+                raise self._unavailable(str(exc)) from exc
         finally:
             conn.close()
         if response.status >= 400:
@@ -101,6 +115,9 @@ class AgentClient:
         if response.getheader("Content-Type", "").startswith("application/json"):
             return json.loads(raw)
         return raw.decode()
+
+    def _unavailable(self, reason: str) -> AgentUnavailable:
+        return AgentUnavailable(self.socket_path, reason, self.state_dir)
 
     def ping(self) -> bool:
         """True when an agent answers at the socket."""

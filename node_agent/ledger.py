@@ -38,6 +38,9 @@ CREATE TABLE IF NOT EXISTS leases (
     state TEXT NOT NULL,
     reason TEXT NOT NULL DEFAULT '',
     deadline REAL,
+    restore_until REAL,
+    orphan_deadline REAL,
+    registered REAL,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -56,7 +59,16 @@ CREATE TABLE IF NOT EXISTS directives (
     body TEXT NOT NULL,
     created REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS kills (
+    lease_id TEXT NOT NULL,
+    at REAL NOT NULL,
+    cause TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS kills_by_lease ON kills (lease_id, at);
 """
+
+# Columns added after the first release: (name, SQL type), added to older ledgers on open.
+_ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("registered", "REAL"))
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,12 @@ class Lease:
     target: tuple[str, ...] = ()
     reason: str = ""
     deadline: float | None = None
+    # Until when a kernel that came back (restart, move) is spared by reclaim.
+    restore_until: float | None = None
+    # When the lease is released unless a live process is registered by then.
+    orphan_deadline: float | None = None
+    # When a process was first registered: a later registration is a kernel coming back.
+    registered: float | None = None
     pids: tuple[tuple[int, int], ...] = ()  # (pid, start time in clock ticks)
     usage: int = 0
 
@@ -114,6 +132,8 @@ class Lease:
             "state": self.state,
             "reason": self.reason,
             "deadline": self.deadline,
+            "restore_until": self.restore_until,
+            "orphan_deadline": self.orphan_deadline,
             "created": self.created,
             "updated": self.updated,
         }
@@ -155,12 +175,19 @@ class Ledger:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._add_columns()
         self.leases: dict[str, Lease] = {}
         self._depth = 0
         self._reload()
 
     def close(self) -> None:
         self._db.close()
+
+    def _add_columns(self) -> None:
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(leases)")}
+        for name, kind in _ADDED_COLUMNS:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE leases ADD COLUMN {name} {kind}")
 
     # --- reading -------------------------------------------------------------------
     def _reload(self) -> None:
@@ -181,7 +208,9 @@ class Ledger:
                 request_spec=r["request_spec"], limit_spec=r["limit_spec"],
                 logical=tuple(json.loads(r["logical"])), physical=tuple(json.loads(r["physical"])),
                 target=tuple(json.loads(r["target"])), state=r["state"], reason=r["reason"],
-                deadline=r["deadline"], created=r["created"], updated=r["updated"],
+                deadline=r["deadline"], restore_until=r["restore_until"],
+                orphan_deadline=r["orphan_deadline"], registered=r["registered"],
+                created=r["created"], updated=r["updated"],
                 pids=tuple(pids.get(r["id"], ())), usage=usage.get(r["id"], 0),
             )
 
@@ -200,11 +229,14 @@ class Ledger:
             for s, c, lid, uid, kind, body, created in self._db.execute(query + " ORDER BY seq", args)
         ]
 
-    def kill_times(self, lease_id: str) -> list[float]:
-        """When the agent killed the lease's processes (from its ``killed`` directives)."""
-        return [float(created) for (created,) in self._db.execute(
-            "SELECT created FROM directives WHERE lease_id = ? AND kind = 'killed'", (lease_id,)
-        )]
+    def kill_times(self, lease_id: str, cause: str | None = None) -> list[float]:
+        """When the agent killed the lease's processes (for ``cause`` only, if given)."""
+        query = "SELECT at FROM kills WHERE lease_id = ?"
+        args: list[Any] = [lease_id]
+        if cause is not None:
+            query += " AND cause = ?"
+            args.append(cause)
+        return [float(at) for (at,) in self._db.execute(query + " ORDER BY at", args)]
 
     def last_seq(self) -> int:
         row = self._db.execute("SELECT MAX(seq) FROM directives").fetchone()
@@ -239,12 +271,14 @@ class Ledger:
             self._db.execute(
                 "INSERT INTO leases (id, kind, owner_uid, client, kernel_id, name, request, lim,"
                 " request_spec, limit_spec, logical, physical, target, state, reason, deadline,"
-                " created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " restore_until, orphan_deadline, registered, created, updated)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     lease.id, lease.kind, lease.owner_uid, lease.client, lease.kernel_id,
                     lease.name, lease.request, lease.limit, lease.request_spec, lease.limit_spec,
                     json.dumps(lease.logical), json.dumps(lease.physical), json.dumps(lease.target),
-                    lease.state, lease.reason, lease.deadline, lease.created, lease.updated,
+                    lease.state, lease.reason, lease.deadline, lease.restore_until,
+                    lease.orphan_deadline, lease.registered, lease.created, lease.updated,
                 ),
             )
             self.leases[lease.id] = lease
@@ -254,6 +288,8 @@ class Ledger:
         "state": "state", "reason": "reason", "deadline": "deadline", "physical": "physical",
         "logical": "logical", "target": "target", "request": "request", "limit": "lim",
         "request_spec": "request_spec", "limit_spec": "limit_spec",
+        "restore_until": "restore_until", "orphan_deadline": "orphan_deadline",
+        "registered": "registered",
     }
 
     def update(self, lease_id: str, **changes: Any) -> Lease:
@@ -280,6 +316,7 @@ class Ledger:
         with self.transaction():
             self._db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
             self._db.execute("DELETE FROM pids WHERE lease_id = ?", (lease_id,))
+            self._db.execute("DELETE FROM kills WHERE lease_id = ?", (lease_id,))
             self.leases.pop(lease_id, None)
 
     def set_pids(self, lease_id: str, pids: tuple[tuple[int, int], ...]) -> Lease:
@@ -298,6 +335,12 @@ class Ledger:
         lease = self.leases.get(lease_id)
         if lease is not None and lease.usage != usage:
             self.leases[lease_id] = replace(lease, usage=usage)
+
+    def add_kill(self, lease_id: str, at: float, cause: str) -> None:
+        """Remember a kill: counting them must survive an agent restart."""
+        with self.transaction():
+            self._db.execute("INSERT INTO kills (lease_id, at, cause) VALUES (?,?,?)",
+                             (lease_id, at, cause))
 
     def add_directive(self, lease: Lease, kind: str, body: dict[str, Any]) -> Directive:
         now = time.time()

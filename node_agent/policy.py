@@ -240,6 +240,9 @@ def plan_reclaim(
     owed ``request - usage``; the guarantee is threatened when free memory has fallen below
     ``headroom`` while something is still owed, by ``min(owed, headroom) - free``. Borrowers
     (usage above request) are chosen in :func:`reclaim_order` until their loans cover that.
+
+    A ``restoring`` kernel (within its grace after it came back) is chosen only when the other
+    borrowers' loans together do not cover the deficit: the guarantee comes before the grace.
     """
     on_device = [p for p in leases if device.uuid in p.physical]
     owed = sum(max(0, p.request - p.usage) for p in on_device)
@@ -256,6 +259,25 @@ def plan_reclaim(
         if covered >= deficit:
             break
     return chosen
+
+
+def room(device: Device, leases: Sequence[Placement], lease_id: str, used: int,
+         headroom: int) -> int:
+    """How much more ``lease_id`` can hold on ``device`` now without setting off a reclaim.
+
+    Its unused request is always its own. Beyond it the lease borrows, and :func:`plan_reclaim`
+    takes loans back once free memory falls below what the others are owed (capped at
+    ``headroom``): it may grow until free memory is down to that. Its limit caps both.
+    """
+    on_device = [p for p in leases if device.uuid in p.physical]
+    me = next((p for p in on_device if p.id == lease_id), None)
+    if me is None:
+        return 0
+    own = max(0, me.request - me.usage)
+    others_owed = sum(max(0, p.request - p.usage) for p in on_device if p.id != lease_id)
+    free = max(0, device.total - used)
+    grow = max(own, free - min(others_owed, headroom))
+    return max(0, min(grow, me.limit - me.usage)) if me.limit else max(0, grow)
 
 
 def kills_in_window(kill_times: Iterable[float], now: float, window: float) -> int:

@@ -27,6 +27,12 @@ log = logging.getLogger("gpufrac.agent")
 MAX_WAIT = 60.0
 
 
+def _ordinal(n: int) -> str:
+    """3rd, 4th, 11th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 class ApiError(Exception):
     """A refused request: HTTP status, the field at fault (or None) and what was expected."""
 
@@ -109,9 +115,6 @@ class Agent:
         self.config = config or AgentConfig()
         self.gpus: list[GpuInfo] = []
         self._reported: dict[str, int] = {}
-        self._orphan_since: dict[str, float] = {}
-        # lease id -> until when it is restoring (memory only: a short grace, not state)
-        self._restoring: dict[str, float] = {}
         self._directive_added = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0}
@@ -192,11 +195,17 @@ class Agent:
             if alive != lease.pids:
                 lease = self.ledger.set_pids(lease.id, alive)
             if alive:
-                self._orphan_since.pop(lease.id, None)
+                if lease.orphan_deadline is not None:
+                    self.ledger.update(lease.id, orphan_deadline=None)
                 continue
-            since = self._orphan_since.setdefault(lease.id, now)
-            if now - since >= self.config.orphan_grace:
-                log.info("lease %s: no live process for %.0fs, released", lease.id, now - since)
+            # The deadline is stored: an agent that keeps restarting still releases orphans
+            # (and one restarted with a shorter --orphan-grace honours it).
+            deadline = lease.orphan_deadline
+            if deadline is None or deadline > now + self.config.orphan_grace:
+                deadline = now + self.config.orphan_grace
+                lease = self.ledger.update(lease.id, orphan_deadline=deadline)
+            if now >= deadline:
+                log.info("lease %s: no live process by its orphan deadline, released", lease.id)
                 self._release(lease)
 
     # --- views -----------------------------------------------------------------------
@@ -229,6 +238,17 @@ class Agent:
         if lease is None or not (caller.admin or lease.owner_uid == caller.uid):
             raise ApiError(404, "lease", f"no lease {lease_id!r} of yours")
         return lease
+
+    def room(self, lease: Lease) -> int | None:
+        """Bytes ``lease`` can add on its GPU now without a reclaim (None: not running on one)."""
+        gpu = self.gpu(lease.physical[0]) if lease.physical else None
+        if gpu is None or not gpu.healthy or lease.state not in ("active", "shrinking"):
+            return None
+        on_gpu = [other.placement() for other in self.ledger.leases.values()
+                  if gpu.uuid in other.physical and other.state in ("active", "shrinking")]
+        device = policy.Device(gpu.uuid, gpu.index, gpu.memory_total)
+        return policy.room(device, on_gpu, lease.id, gpu.memory_used,
+                           int(self.config.headroom * gpu.memory_total))
 
     def planning_view(self, exclude: str | None = None) -> list[policy.Placement]:
         """Leases as policy should see them: a lease on its way somewhere counts as there."""
@@ -380,8 +400,6 @@ class Agent:
     def _release(self, lease: Lease) -> None:
         self.ledger.delete(lease.id)
         self._reported.pop(lease.id, None)
-        self._orphan_since.pop(lease.id, None)
-        self._restoring.pop(lease.id, None)
         self._activate_pending()
 
     def register_pid(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> Lease:
@@ -399,16 +417,18 @@ class Agent:
                 # One process, one lease: otherwise its memory counts twice.
                 raise ApiError(409, "pid", f"process {pid} is already registered to lease {other.id}")
         pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
-        # A kernel back from a kill or a move is restoring what it held: it gets a grace.
-        came_back = lease.state in ("killed", "migrating")
+        now = time.time()
+        changes: dict[str, Any] = {"orphan_deadline": None, "registered": lease.registered or now}
+        if lease.kind == policy.NOTEBOOK and (
+            lease.registered is not None or lease.state in ("killed", "migrating")
+        ):
+            # A kernel that comes back (a restart, a move) restores what it held: a grace.
+            changes["restore_until"] = now + self.config.restore_grace
+        if lease.state == "killed":
+            changes.update(state="active", reason="restarted after it was killed")
         with self.ledger.transaction():
             lease = self.ledger.set_pids(lease.id, (*pids, (pid, ident.start_time)))
-            if lease.state == "killed":
-                lease = self.ledger.update(lease.id, state="active",
-                                           reason="restarted after it was killed")
-        self._orphan_since.pop(lease.id, None)
-        if came_back:
-            self._restoring[lease.id] = time.time() + self.config.restore_grace
+            lease = self.ledger.update(lease.id, **changes)
         self._track(lease, pid)
         return lease
 
@@ -434,51 +454,77 @@ class Agent:
         with self.ledger.transaction():
             lease = self.ledger.update(
                 lease.id, state="active", physical=lease.target, target=(), deadline=None,
-                reason=lease.reason,
+                reason=lease.reason, restore_until=time.time() + self.config.restore_grace,
             )
             for pid, _ in lease.pids:
                 self._track(lease, pid)
-        self._restoring[lease.id] = time.time() + self.config.restore_grace
         self._activate_pending()
         return lease
 
     # --- reclaim and deadlines ---------------------------------------------------------
-    def _repeat_note(self, lease: Lease, now: float, coming: int) -> str:
-        """What people must hear when a lease is stopped again and again within the window."""
-        count = policy.kills_in_window(self.ledger.kill_times(lease.id), now,
-                                       self.config.kill_window) + coming
-        if count < 3:
+    def _reclaim_stops(self, lease: Lease, now: float) -> int:
+        """How often reclaim stopped this lease within --kill-window (the ledger keeps them)."""
+        return policy.kills_in_window(self.ledger.kill_times(lease.id, "reclaim"), now,
+                                      self.config.kill_window)
+
+    def _repeat_note(self, lease: Lease, stop: int, *, coming: bool) -> str:
+        """What its user must hear when reclaim stops a lease for the ``stop``-th time within the
+        window: a kernel that restores more than its request is stopped again and again."""
+        if stop < 3:
             return ""
         minutes = self.config.kill_window / 60
-        return (f" This is stop number {count} of this kernel within {minutes:.0f} minutes: what "
-                f"it holds after a restore needs more than its {format_bytes(lease.request)} "
-                "request. Ask for more (`%gpu request` with a larger share) or keep less on the "
-                "GPU (`del` large tensors, `%gpu release`).")
+        which = f"{_ordinal(stop)} stop of this kernel within {minutes:g} minutes"
+        head = (f" If it does not shrink, this will be the {which}" if coming
+                else f" This is the {which}")
+        return (f"{head}: the state it restores needs more than its request of "
+                f"{format_bytes(lease.request)} (it held {format_bytes(lease.usage)}). Ask for "
+                f"more with `%gpu request {self._suggest_request(lease)}`, or free memory "
+                "(`del` large tensors, `%gpu release`) before it is restored again.")
+
+    def _suggest_request(self, lease: Lease) -> str:
+        """A request that covers what the lease held: rounded up, a whole GPU at most."""
+        step = 256 * 2**20 if lease.usage < 4 * 2**30 else 2**30
+        want = -(-max(lease.usage, lease.request + 1) // step) * step
+        totals = [self.gpu(u) for u in lease.physical]
+        if any(g is not None and want >= g.memory_total for g in totals):
+            return "1"
+        return f"{want // 2**30}Gi" if want % 2**30 == 0 else f"{want // 2**20}Mi"
 
     def _kill(self, lease: Lease, reason: str, cause: str) -> None:
-        reason += self._repeat_note(lease, time.time(), coming=1)
+        now = time.time()
+        stops = self._reclaim_stops(lease, now) + (cause == "reclaim")
+        if cause == "reclaim":
+            reason += self._repeat_note(lease, stops, coming=False)
         killed = [pid for pid, start in lease.pids if procs.kill(pid, start)]
         self.counters["kills"] += 1
         where = lease.target if lease.state == "migrating" and lease.target else lease.physical
         with self.ledger.transaction():
+            self.ledger.add_kill(lease.id, now, cause)
             self.ledger.set_pids(lease.id, ())
             lease = self.ledger.update(lease.id, state="killed", physical=where, target=(),
                                        deadline=None, reason=reason)
             self._directive(lease, "killed", reason, cause=cause, pids=killed,
                             request=lease.request, limit=lease.limit, usage=lease.usage,
-                            gpu=where[0])
-        log.warning("lease %s: killed pids %s: %s", lease.id, killed, reason)
+                            gpu=where[0], stops_in_window=stops,
+                            kill_window=self.config.kill_window)
+        log.warning("lease %s: killed pids %s (%s): %s", lease.id, killed, cause, reason)
 
     def _enforce_deadlines(self, now: float) -> None:
         for lease in list(self.ledger.leases.values()):
             if lease.state == "migrating" and lease.deadline and now >= lease.deadline:
-                self._kill(lease, f"{lease.reason}; the kernel did not move within "
-                           f"{self.config.migrate_grace:.0f}s, so it was stopped and will "
-                           "restart there", "migrate_timeout")
+                src, dst = self._labels(lease.physical), self._labels(lease.target)
+                self._kill(lease, f"stopped because its move from {src} to {dst} did not finish "
+                           f"within {self.config.migrate_grace:g}s (a move that timed out, not a "
+                           f"memory problem): it restarts on {dst} from its last good checkpoint. "
+                           f"Why it moved: {lease.reason}", "migrate_timeout")
 
     def _reclaim(self, now: float) -> None:
         leases = self.ledger.leases
         chosen: set[str] = set()
+        restoring = frozenset(
+            lease.id for lease in leases.values()
+            if lease.restore_until is not None and lease.restore_until > now
+        )
         for gpu in self.gpus:
             if not gpu.healthy:
                 continue
@@ -488,30 +534,30 @@ class Agent:
             ]
             device = policy.Device(gpu.uuid, gpu.index, gpu.memory_total)
             headroom = int(self.config.headroom * gpu.memory_total)
-            restoring = frozenset(k for k, until in self._restoring.items() if until > now)
+            # Policy takes a restoring kernel only when the others' loans cannot cover the
+            # deficit: the owner's guarantee comes first.
             for r in policy.plan_reclaim(device, on_gpu, gpu.memory_used, headroom, restoring):
                 chosen.add(r.lease_id)
                 lease = leases[r.lease_id]
-                if r.lease_id in restoring:
-                    # Not shrunk, let alone killed, while it restores; its grace ends soon.
-                    continue
                 owed = f"{format_bytes(r.deficit)} owed to other notebooks on {self.gpu_label(gpu.uuid)}"
                 if lease.state == "active":
+                    stops = self._reclaim_stops(lease, now)
                     reason = (f"using {format_bytes(lease.usage)}, {format_bytes(r.loan)} above its "
                               f"request of {format_bytes(lease.request)}, while {owed}"
-                              + self._repeat_note(lease, now, coming=1))
+                              + self._repeat_note(lease, stops + 1, coming=True))
                     deadline = now + self.config.reclaim_grace
                     with self.ledger.transaction():
                         lease = self.ledger.update(lease.id, state="shrinking", deadline=deadline,
                                                    reason=reason)
                         self._directive(lease, "shrink", reason, request=lease.request,
                                         limit=lease.limit, usage=lease.usage, deadline=deadline,
-                                        gpu=gpu.uuid)
+                                        gpu=gpu.uuid, stops_in_window=stops,
+                                        kill_window=self.config.kill_window)
                     self.counters["shrinks"] += 1
                 elif lease.deadline is not None and now >= lease.deadline:
-                    self._kill(lease, f"OOM-killed to return {format_bytes(r.loan)} of loaned memory: "
+                    self._kill(lease, f"stopped to return {format_bytes(r.loan)} of loaned memory: "
                                f"it stayed {format_bytes(r.loan)} above its request of "
-                               f"{format_bytes(lease.request)} for {self.config.reclaim_grace:.0f}s "
+                               f"{format_bytes(lease.request)} for {self.config.reclaim_grace:g}s "
                                f"after being asked to shrink, while {owed}", "reclaim")
         for lease in list(leases.values()):
             if lease.state == "shrinking" and lease.id not in chosen:

@@ -12,10 +12,10 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from jupyter_gpufrac.kernel import namespace, pickling, rng, store, tensor_io, torch_adapter
 
@@ -26,6 +26,7 @@ MAGIC = b"GPUFRAC-CKPT-1\n"
 FORMAT = 2
 _TRAILER = struct.Struct(">Q")  # header length, after the JSON header, before the end magic
 MAX_ATTEMPTS = 3
+T = TypeVar("T")
 
 
 class CheckpointError(Exception):
@@ -68,6 +69,8 @@ class LoadResult:
     header: dict[str, Any] = field(default_factory=dict)
     # The generators as saved, to apply again right before the next cell (start-up draws).
     rng_state: dict[str, Any] = field(default_factory=dict)
+    # Variables left on disk because they did not fit the budget: name -> bytes.
+    deferred: dict[str, int] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -79,6 +82,9 @@ class Checkpointer:
         self._lock = threading.Lock()
         self.last: CheckpointResult | None = None
         self._gc: threading.Thread | None = None
+        # Groups a budgeted restore left on disk: every checkpoint keeps them until they are
+        # loaded (``load_deferred``) or their names are bound anew.
+        self.deferred: list[dict[str, Any]] = []
 
     @property
     def state_path(self) -> Path:
@@ -125,6 +131,7 @@ class Checkpointer:
                 saved = self._save_group(names, selection.values, blobs, ns, lost)
                 if saved is not None:
                     groups.append(saved)
+            groups += self._carry_deferred(ns, blobs)
             rng_blob = blobs.group_blob(pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL))
             # Blobs durable first, then the state file that names them: a kill or crash
             # in between leaves the previous state whole, and its blobs untouched.
@@ -178,6 +185,7 @@ class Checkpointer:
         for _attempt in range(MAX_ATTEMPTS):
             buffer = io.BytesIO()
             mark = blobs.mark()
+            blobs.reached = {}
             try:
                 pickling.NamespacePickler(buffer, blobs, ns).dump(members)
             except Exception as exc:
@@ -192,10 +200,27 @@ class Checkpointer:
                 if not members:
                     return None
                 continue
-            return {"names": sorted(members), "blob": blobs.group_blob(buffer.getvalue())}
+            data = buffer.getvalue()
+            tensors = {blob: nbytes for blob, (nbytes, _) in blobs.reached.items()}
+            on_gpu = sorted(blob for blob, (_, device) in blobs.reached.items() if device != "cpu")
+            return {"names": sorted(members), "blob": blobs.group_blob(data), "pickle": len(data),
+                    "tensors": tensors, "gpu": on_gpu}
         for name in members:
             lost[name] = "pickling kept failing for the variables it shares objects with"
         return None
+
+    def _carry_deferred(self, ns: Mapping[str, Any], blobs: pickling.BlobWriter) -> list[dict[str, Any]]:
+        """The deferred groups, for names the notebook has not bound anew; their blobs kept."""
+        carried = []
+        for group in self.deferred:
+            names = [name for name in group["names"] if name not in ns]
+            if not names:
+                continue
+            carried.append({**group, "names": names})
+            for blob, nbytes in {group["blob"]: 0, **group.get("tensors", {})}.items():
+                blobs.referenced.setdefault(blob, int(nbytes))
+        self.deferred = carried
+        return carried
 
     def _collect_garbage(self, keep: set[str]) -> None:
         # Replaced blobs are deleted off the critical path: unlinking gigabytes takes a while.
@@ -214,34 +239,51 @@ class Checkpointer:
             self._gc.join()
             self._gc = None
 
-    def load(self, ns: dict[str, Any], *, device: str | None = None) -> LoadResult:
-        """Restore the committed checkpoint into ``ns``; tensors from a GPU land on ``device``."""
-        with self._lock:
-            return self._load(ns, device or torch_adapter.current_device())
+    def load(
+        self, ns: dict[str, Any], *, device: str | None = None, budget: int | None = None,
+        measure: str = "gpu_bytes",
+    ) -> LoadResult:
+        """Restore the committed checkpoint into ``ns``; tensors from a GPU land on ``device``.
 
-    def _load(self, ns: dict[str, Any], device: str) -> LoadResult:
-        path = self.state_path
-        try:
-            store.check_private(self.root, directory=True)
-            if not path.exists():
-                raise CheckpointError(f"there is no checkpoint in {self.root}")
-            store.check_private(path, directory=False)
-            store.check_private(self.root / store.BLOB_DIR, directory=True)
-        except store.UnsafeCheckpointError as exc:
-            raise CheckpointError(str(exc)) from exc
-        except FileNotFoundError as exc:
-            raise CheckpointError(f"there is no checkpoint in {self.root}") from exc
-        with open(path, "rb") as fh:
-            header, _ = _read_trailer(fh, path)
-        if header.get("format") != FORMAT:
-            raise CheckpointError(f"the checkpoint in {self.root} has format "
-                                  f"{header.get('format')!r}; this version reads {FORMAT}")
+        With a ``budget`` (bytes, counted by each group's ``measure``: ``gpu_bytes`` or
+        ``bytes``), the largest variables are left on disk until the rest fits; they are
+        named in ``deferred`` and :meth:`load_deferred` brings them back.
+        """
+        with self._lock:
+            return self._load(ns, device or torch_adapter.current_device(), budget, measure)
+
+    def load_deferred(
+        self, ns: dict[str, Any], names: Sequence[str] = (), *, device: str | None = None
+    ) -> tuple[list[str], dict[str, str]]:
+        """Load deferred variables (those named, or all): (restored names, lost with why).
+
+        A name bound anew since the restore keeps its new value.
+        """
+        with self._lock:
+            wanted = [g for g in self.deferred if not names or set(names) & set(g["names"])]
+            unknown = sorted(set(names) - {n for g in self.deferred for n in g["names"]})
+            if unknown:
+                raise CheckpointError(f"not kept on disk: {', '.join(unknown)}")
+            values, lost, tensors, _ = self._load_groups(
+                wanted, ns, device or torch_adapter.current_device())
+            restored = sorted(name for name in values if name not in ns)
+            ns.update({name: values[name] for name in restored})
+            for tensor, blob in tensors:
+                self.cache.remember(tensor, blob)
+            self.deferred = [g for g in self.deferred if g not in wanted]
+            return restored, lost
+
+    def _load_groups(
+        self, groups: list[dict[str, Any]], ns: dict[str, Any], device: str
+    ) -> tuple[dict[str, Any], dict[str, str], list[tuple[Any, str]], int]:
+        """Unpickle ``groups``: (values, lost with why, restored tensors with blobs, bytes
+        moved to the host)."""
         restored_tensors: list[tuple[Any, str]] = []
         storages: dict[tuple[str, str], Any] = {}
         target: dict[str, Any] = {}
-        lost = dict(header.get("lost", {}))
+        lost: dict[str, str] = {}
         moved_to_cpu = 0
-        for group in header.get("groups", []):
+        for group in groups:
             names = [str(name) for name in group.get("names", [])]
             try:
                 data = self._read_blob(str(group["blob"]))
@@ -262,7 +304,35 @@ class Checkpointer:
                 why = f"could not be loaded: {type(exc).__name__}: {exc}"[:300]
                 lost.update(dict.fromkeys(names, why))
                 continue
-            target.update(values)
+            # A carried group names only the members not bound anew since it was deferred.
+            target.update({name: value for name, value in values.items() if name in names})
+        return target, lost, restored_tensors, moved_to_cpu
+
+    def _load(
+        self, ns: dict[str, Any], device: str, budget: int | None, measure: str
+    ) -> LoadResult:
+        path = self.state_path
+        try:
+            store.check_private(self.root, directory=True)
+            if not path.exists():
+                raise CheckpointError(f"there is no checkpoint in {self.root}")
+            store.check_private(path, directory=False)
+            store.check_private(self.root / store.BLOB_DIR, directory=True)
+        except store.UnsafeCheckpointError as exc:
+            raise CheckpointError(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"there is no checkpoint in {self.root}") from exc
+        with open(path, "rb") as fh:
+            header, _ = _read_trailer(fh, path)
+        if header.get("format") != FORMAT:
+            raise CheckpointError(f"the checkpoint in {self.root} has format "
+                                  f"{header.get('format')!r}; this version reads {FORMAT}")
+        groups = [g for g in header.get("groups", []) if isinstance(g, dict)]
+        deferred = defer(groups, budget, measure) if budget is not None else []
+        target, lost, restored_tensors, moved_to_cpu = self._load_groups(
+            [g for g in groups if g not in deferred], ns, device)
+        lost = {**header.get("lost", {}), **lost}
+        self.deferred = deferred
         rng_state: dict[str, Any] = {}
         if header.get("rng"):
             try:
@@ -293,6 +363,7 @@ class Checkpointer:
             moved_to_cpu_bytes=moved_to_cpu,
             header=header,
             rng_state=rng_state,
+            deferred={name: group_size([g], measure) for g in deferred for name in g["names"]},
         )
 
     def _read_blob(self, name: str) -> bytes:
@@ -310,6 +381,62 @@ class Checkpointer:
             return None
 
 
+def components(items: Iterable[T], joined: Iterable[tuple[T, T]]) -> list[list[T]]:
+    """``items`` split into the sets that the ``joined`` pairs connect, in first-seen order."""
+    parent: dict[T, T] = {item: item for item in items}
+
+    def find(item: T) -> T:
+        while parent[item] != item:
+            parent[item] = parent[parent[item]]
+            item = parent[item]
+        return item
+
+    for a, b in joined:
+        parent[find(a)] = find(b)
+    found: dict[T, list[T]] = {}
+    for item in parent:
+        found.setdefault(find(item), []).append(item)
+    return list(found.values())
+
+
+def group_size(groups: list[dict[str, Any]], measure: str) -> int:
+    """Bytes ``groups`` take once loaded: ``bytes`` (pickles and storages, each storage once)
+    or ``gpu_bytes`` (storages that go to the GPU)."""
+    tensors: dict[str, int] = {}
+    on_gpu: set[str] = set()
+    for group in groups:
+        tensors.update(group.get("tensors", {}))
+        on_gpu.update(group.get("gpu", []))
+    if measure == "gpu_bytes":
+        return sum(int(n) for blob, n in tensors.items() if blob in on_gpu)
+    return sum(int(g.get("pickle", 0)) for g in groups) + sum(int(n) for n in tensors.values())
+
+
+def defer(groups: list[dict[str, Any]], budget: int, measure: str) -> list[dict[str, Any]]:
+    """The groups to leave on disk so that the rest, counted by ``measure``, fits ``budget``.
+
+    Groups that share a tensor storage go together (a view must stay a view of its base); the
+    largest go first, so the fewest variables wait.
+    """
+    holder: dict[str, int] = {}
+    joined = [(i, holder.setdefault(blob, i))
+              for i, group in enumerate(groups) for blob in group.get("tensors", {})]
+    units = components(range(len(groups)), joined)
+
+    def size(unit: list[int]) -> int:
+        return group_size([groups[i] for i in unit], measure)
+
+    total = sum(size(unit) for unit in units)
+    chosen: list[int] = []
+    for unit in sorted(units, key=size, reverse=True):
+        if total <= budget:
+            break
+        if size(unit) > 0:
+            chosen += unit
+            total -= size(unit)
+    return [groups[i] for i in sorted(chosen)]
+
+
 def group_names(
     values: Mapping[str, Any], blobs: pickling.BlobWriter, ns: dict[str, Any]
 ) -> list[list[str]]:
@@ -319,15 +446,8 @@ def group_names(
     Each value is pickled alone, without writing anything, to learn what it reaches; a value
     that cannot be pickled alone is its own group (its failure is reported when it is saved).
     """
-    parent = {name: name for name in values}
-
-    def find(name: str) -> str:
-        while parent[name] != name:
-            parent[name] = parent[parent[name]]
-            name = parent[name]
-        return name
-
     owner: dict[int, str] = {}
+    joined: list[tuple[str, str]] = []
     dry = pickling.BlobWriter(blobs.root, blobs.cache, dry=True)
     # Everything each pickling met stays alive until the grouping is done: a temporary freed
     # after one variable's pickling could lend its id to an object of the next one.
@@ -340,14 +460,9 @@ def group_names(
         except Exception:
             continue
         alive.append(pickler.memo.copy())
-        for key in pickler.shared_ids() - {id(wrapper)}:
-            other = owner.setdefault(key, name)
-            if other != name:
-                parent[find(name)] = find(other)
-    groups: dict[str, list[str]] = {}
-    for name in values:
-        groups.setdefault(find(name), []).append(name)
-    return [sorted(names) for names in groups.values()]
+        joined += [(name, owner.setdefault(key, name))
+                   for key in pickler.shared_ids() - {id(wrapper)}]
+    return [sorted(names) for names in components(values, joined)]
 
 
 def _matplotlib_backend() -> str | None:

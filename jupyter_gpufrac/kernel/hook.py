@@ -199,6 +199,13 @@ class GpuFracHook:
         if not self.torch_seen and torch_adapter.torch_module() is not None:
             self.on_torch_imported(torch_adapter.torch_module())  # type: ignore[arg-type]
         running, self._running = self._running, None
+        error = getattr(result, "error_in_exec", None)
+        if isinstance(error, NameError) and any(
+            error.name in g["names"] for g in self.checkpointer.deferred
+        ):
+            print(f"gpufrac: {error.name} was kept on disk at the last restore (there was no "
+                  f"room on the GPU for it): `%gpu restore {error.name}` loads it.",
+                  file=sys.stderr, flush=True)
         cut_off = self._cut_off_by_move(result)
         if cut_off and running is not None:
             print(f"gpufrac: cell {running['cell']} was cut off because this kernel is moving to "
@@ -327,16 +334,20 @@ class GpuFracHook:
             "time": time.time(), "kernel_id": self.env.kernel_id, "pid": os.getpid(),
             "cause": reason.cause if reason else "manual",
             "reason": asdict(reason) if reason else None,
-            "restored": [], "lost": [], "lost_reasons": {}, "newer_names": [],
+            "restored": [], "lost": [], "lost_reasons": {}, "newer_names": [], "deferred": {},
+            "room": None,
             "interrupted_cell": interrupted,
             "checkpoint_time": None, "checkpoint_cell": None, "moved_to_cpu_bytes": 0,
             "ok": False, "error": None,
         }
         self._import_torch_for(self.checkpointer.read_header())
+        room = self._room() if at_start else None
+        # The simulated node counts a kernel's whole memory; a GPU counts its device memory.
+        measure = "bytes" if self.env.simulated else "gpu_bytes"
         cpu_fallback = False
         try:
             try:
-                loaded = self.checkpointer.load(self.ip.user_ns)
+                loaded = self.checkpointer.load(self.ip.user_ns, budget=room, measure=measure)
             except CheckpointError as exc:
                 oom = torch_adapter.oom_exception_types()
                 if not (oom and isinstance(exc.__cause__, oom)):
@@ -344,14 +355,16 @@ class GpuFracHook:
                 # The GPU tensors do not fit under the cap (or the GPU is busy): the variables
                 # matter more than where they live, so load them into host memory instead.
                 torch_adapter.empty_cache()
-                loaded = self.checkpointer.load(self.ip.user_ns, device="cpu")
+                loaded = self.checkpointer.load(self.ip.user_ns, device="cpu", budget=room,
+                                                measure=measure)
                 cpu_fallback = True
         except CheckpointError as exc:
             report["error"] = str(exc)
             text = messages.restore_message(reason, restored=[], lost={}, checkpoint_time=None,
                                             interrupted_cell=interrupted, error=str(exc))
         else:
-            known = set(loaded.restored) | set(loaded.lost) | set(loaded.modules)
+            known = set(loaded.restored) | set(loaded.lost) | set(loaded.modules) | set(
+                loaded.deferred)
             newer = sorted(set(previous.get("names", [])) - known)
             last_cell = previous.get("execution_count")
             self._readopt_offloaded(loaded.header.get("offloaded", []))
@@ -362,14 +375,15 @@ class GpuFracHook:
                 lost_reasons=loaded.lost, newer_names=newer,
                 checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
                 moved_to_cpu_bytes=loaded.moved_to_cpu_bytes, rng=loaded.rng,
-                ok=not loaded.lost and not newer and interrupted is None,
+                deferred=loaded.deferred, room=room,
+                ok=not loaded.lost and not newer and interrupted is None and not loaded.deferred,
             )
             text = messages.restore_message(
                 reason, restored=report["restored"], lost=loaded.lost,
                 checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
                 last_cell=last_cell if isinstance(last_cell, int) else None,
                 newer_names=newer, moved_to_cpu_bytes=loaded.moved_to_cpu_bytes,
-                interrupted_cell=interrupted,
+                interrupted_cell=interrupted, deferred=loaded.deferred, room=room,
                 cpu_reason=("they did not fit in this kernel's GPU memory limit"
                             if cpu_fallback else "this kernel has no CUDA device"),
             )
@@ -382,6 +396,22 @@ class GpuFracHook:
         except OSError:
             log.warning("gpufrac: could not write the restore report", exc_info=True)
         return report
+
+    def _room(self) -> int | None:
+        """What this kernel may load without setting off a reclaim (None: no limit known).
+
+        A kernel stopped to give loaned memory back that loads all of it again would only be
+        stopped again: what does not fit waits on disk.
+        """
+        lease = self.lease_info(timeout=2.0)
+        room = lease.get("room") if lease else None
+        return int(room) if isinstance(room, int) else None
+
+    def restore_deferred(self, names: list[str]) -> tuple[list[str], dict[str, str]]:
+        """Load variables a restore kept on disk (``names``, or all); (loaded, lost)."""
+        restored, lost = self.checkpointer.load_deferred(self.ip.user_ns, names)
+        self._restored_names += restored
+        return restored, lost
 
     def _import_torch_for(self, header: Mapping[str, Any] | None) -> None:
         """Import torch before a restore that holds tensors, so they land on this kernel's GPU.

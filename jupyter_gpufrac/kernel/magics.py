@@ -60,9 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--full", action="store_true",
                     help="rewrite every tensor (after writes that bypass torch's version "
                     "counter, e.g. through .data or .numpy())")
-    sub.add_parser("restore", help="load the latest checkpoint into the namespace now",
-                   description="Load the latest checkpoint; variables it holds replace the "
-                   "current ones with the same names.")
+    res = sub.add_parser(
+        "restore", help="load variables kept on disk, or the latest checkpoint",
+        description="After a restart that kept variables on disk (there was no room on the GPU "
+        "for them): load those, or only the NAMEs given. Otherwise load the latest checkpoint; "
+        "variables it holds replace the current ones with the same names.")
+    res.add_argument("names", nargs="*", metavar="NAME", help="variables kept on disk to load")
     sub.add_parser("reload", help="bring tensors moved to host memory back to the GPU",
                    description="Move tensors that were offloaded to host memory (to give lent "
                    "GPU memory back) back onto the GPU, as far as the cap allows.")
@@ -128,6 +131,10 @@ class GpuMagic:
         if hook.offloaded:
             names = ", ".join(r.name for r in hook.offloaded)
             lines.append(f"  offloaded to host memory: {names} (`%gpu reload` brings them back)")
+        waiting = sorted(n for g in hook.checkpointer.deferred for n in g["names"])
+        if waiting:
+            lines.append(f"  kept on disk since the last restore: {', '.join(waiting)} "
+                         "(`%gpu restore` loads them)")
         lines.append(self._checkpoint_line(s))
         if hook.restore_report:
             lines.append("  last restore:")
@@ -259,8 +266,19 @@ class GpuMagic:
             print(f"gpufrac: not saved: {messages.names_list(parts)}")
 
     def do_restore(self, args: argparse.Namespace) -> None:
+        if self.hook.checkpointer.deferred or args.names:
+            try:
+                restored, lost = self.hook.restore_deferred(list(args.names))
+            except CheckpointError as exc:
+                raise UsageError(f"%gpu restore: {exc}") from None
+            if restored:
+                print(f"gpufrac: loaded {messages.names_list(restored)} from disk.")
+            if lost:
+                parts = [f"{name} ({why})" for name, why in sorted(lost.items())]
+                raise UsageError(f"%gpu restore: could not load {messages.names_list(parts)}")
+            return
         report = self.hook.restore(None, at_start=False)
-        if not report["ok"]:
+        if report["error"]:
             raise UsageError(f"%gpu restore: {report['error']}")
         print(report["message"])
 

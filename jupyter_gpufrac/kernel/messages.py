@@ -93,6 +93,8 @@ def restore_message(
     cpu_reason: str = "this kernel has no CUDA device",
     interrupted_cell: str | None = None,
     error: str | None = None,
+    deferred: Mapping[str, int] | None = None,
+    room: int | None = None,
     now: float | None = None,
 ) -> str:
     """The notebook message after a restart: why, what came back, what did not and what to do."""
@@ -109,9 +111,18 @@ def restore_message(
             stamp = time.strftime("%H:%M:%S", time.localtime(checkpoint_time))
             when = f" from the checkpoint taken at {stamp} ({_ago(now - checkpoint_time)} ago"
             when += f", after cell [{checkpoint_cell}])" if checkpoint_cell else ")"
-        total = len(restored) + len(lost)
+        deferred = deferred or {}
+        total = len(restored) + len(lost) + len(deferred)
         lines.append(f"Restored {len(restored)} of {plural(total, 'variable')}{when}: "
                      f"{names_list(sorted(restored)) or 'none'}.")
+        if deferred:
+            parts = [f"{name} ({fmt_bytes(size)})" for name, size in sorted(deferred.items())]
+            lines.append(
+                f"Kept on disk, not loaded yet: {names_list(parts)}. Loading "
+                f"{'it' if len(deferred) == 1 else 'them'} now would take GPU memory that other "
+                f"notebooks on this GPU are owed (room now: {fmt_bytes(room)}), and the kernel "
+                "would be stopped again. `%gpu restore` loads them once there is room; "
+                "`%gpu request` asks for a larger share.")
         if lost:
             parts = [f"{name} ({why})" for name, why in sorted(lost.items())]
             lines.append(f"Not restored (could not be saved): {names_list(parts)}; "

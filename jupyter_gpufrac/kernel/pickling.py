@@ -26,76 +26,95 @@ USER_NS_TAG = "gpufrac.user_ns"
 
 
 @dataclass
-class _CacheEntry:
+class _Seen:
+    """One tensor on a storage, as it was when its storage was last written or reused."""
+
     ref: weakref.ref[Any]
     version: int
-    data_ptr: int
-    nbytes: int
+
+
+@dataclass
+class _StorageEntry:
+    """The blob holding one storage, and every tensor on it that the last checkpoint met."""
+
     blob: str
+    nbytes: int
+    tensors: dict[int, _Seen] = field(default_factory=dict)
 
 
 class IncrementalCache:
-    """Remembers which blob holds each tensor's storage, to skip tensors that did not change.
+    """Remembers which blob holds each storage, to skip storages that did not change.
 
-    A tensor counts as unchanged when it is the same object, its ``_version`` (bumped by every
-    in-place operation) is the same, and it still sits on the same storage. Writes that bypass
-    the version counter (``t.data.add_()``, writing through ``t.numpy()``) are not seen: take a
-    full checkpoint (``%gpu checkpoint --full``) after those.
+    A storage counts as unchanged when every tensor on it that the last checkpoint met is
+    still alive with the same ``_version`` (bumped by every in-place operation). All of them
+    count: tensors restored separately onto one storage (a tensor and its view) have version
+    counters of their own, so a change through one is seen only on that one. A tensor that
+    died meanwhile could have written to the storage: its storage is written again.
+    Writes that bypass the version counter (``t.data.add_()``, writing through ``t.numpy()``)
+    are not seen: take a full checkpoint (``%gpu checkpoint --full``) after those.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[int, _CacheEntry] = {}
+        self._storages: dict[tuple[str, int], _StorageEntry] = {}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(e.tensors) for e in self._storages.values())
+
+    @staticmethod
+    def _key(tensor: Any) -> tuple[str, int]:
+        return (str(tensor.device), int(tensor.untyped_storage().data_ptr()))
 
     def lookup(self, tensor: Any) -> str | None:
-        """The blob holding ``tensor``'s unchanged storage, or None."""
+        """The blob holding ``tensor``'s storage if nothing on it changed, or None."""
         if _no_version(tensor):
             return None
-        entry = self._entries.get(id(tensor))
-        if entry is None:
+        entry = self._storages.get(self._key(tensor))
+        if entry is None or entry.nbytes != tensor.untyped_storage().nbytes():
             return None
-        alive = entry.ref()
-        if alive is None or id(alive) != id(tensor):
-            return None
-        storage = tensor.untyped_storage()
-        if (
-            entry.version != tensor._version
-            or entry.data_ptr != storage.data_ptr()
-            or entry.nbytes != storage.nbytes()
-        ):
-            return None
+        if id(tensor) not in entry.tensors:
+            return None  # a tensor new on this storage: it may have written to it
+        for key, seen in entry.tensors.items():
+            alive = seen.ref()
+            if alive is None or id(alive) != key or int(alive._version) != seen.version:
+                return None
         return entry.blob
 
     def remember(self, tensor: Any, blob: str) -> None:
         """Record that ``blob`` holds ``tensor``'s storage as it is now."""
         if _no_version(tensor):
             return  # without a version counter a change cannot be seen: always written
-        storage = tensor.untyped_storage()
+        storage_key = self._key(tensor)
+        nbytes = int(tensor.untyped_storage().nbytes())
+        entry = self._storages.get(storage_key)
+        if entry is None or entry.blob != blob or entry.nbytes != nbytes:
+            # The storage was just written: tensors still on it are as the new blob has them.
+            kept = {} if entry is None else {
+                k: _Seen(seen.ref, int(alive._version)) for k, seen in entry.tensors.items()
+                if (alive := seen.ref()) is not None and id(alive) == k
+            }
+            entry = self._storages[storage_key] = _StorageEntry(blob, nbytes, kept)
         key = id(tensor)
-        # The callback drops the entry when the tensor dies, so ids are never confused.
-        def forget(dead: weakref.ref[Any], key: int = key) -> None:
-            self._drop(key, dead)
 
-        ref = weakref.ref(tensor, forget)
-        self._entries[key] = _CacheEntry(
-            ref, int(tensor._version), int(storage.data_ptr()), int(storage.nbytes()), blob
-        )
+        # A tensor that dies may have changed its storage last: the storage is then written
+        # again (and ids of dead tensors are never confused with new ones).
+        def forget(dead: weakref.ref[Any], storage_key: tuple[str, int] = storage_key) -> None:
+            self._drop(storage_key, dead)
 
-    def _drop(self, key: int, ref: weakref.ref[Any]) -> None:
-        entry = self._entries.get(key)
-        if entry is not None and entry.ref is ref:
-            del self._entries[key]
+        entry.tensors[key] = _Seen(weakref.ref(tensor, forget), int(tensor._version))
+
+    def _drop(self, storage_key: tuple[str, int], ref: weakref.ref[Any]) -> None:
+        entry = self._storages.get(storage_key)
+        if entry is not None and any(seen.ref is ref for seen in entry.tensors.values()):
+            del self._storages[storage_key]
 
     def forget_blobs(self, blobs: set[str]) -> None:
         """Drop entries pointing at blobs about to be deleted."""
-        for key in [k for k, e in self._entries.items() if e.blob in blobs]:
-            del self._entries[key]
+        for key in [k for k, e in self._storages.items() if e.blob in blobs]:
+            del self._storages[key]
 
     def clear(self) -> None:
         """Forget everything: the next checkpoint writes every tensor."""
-        self._entries.clear()
+        self._storages.clear()
 
 
 def _no_version(tensor: Any) -> bool:
@@ -118,6 +137,8 @@ class BlobWriter:
     group_bytes_written: int = 0
     groups_written: int = 0
     new_paths: list[Path] = field(default_factory=list)
+    # Storage blobs the group being pickled reaches: blob -> (nbytes, device type).
+    reached: dict[str, tuple[int, str]] = field(default_factory=dict)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
     _keepalive: list[Any] = field(default_factory=list)
 
@@ -142,7 +163,7 @@ class BlobWriter:
         if known is None:
             known = self._by_storage[key] = self._write(storage)
             self._keepalive.append(storage)
-        self._reference(*known)
+        self._reference(*known, device)
         return (known[0], known[1], device)
 
     def _write(self, storage: Any) -> tuple[str, int]:
@@ -165,7 +186,8 @@ class BlobWriter:
         self.referenced[name] = len(data)
         return name
 
-    def _reference(self, blob: str, nbytes: int) -> None:
+    def _reference(self, blob: str, nbytes: int, device: str) -> None:
+        self.reached[blob] = (nbytes, device)
         if blob not in self.referenced:
             self.referenced[blob] = nbytes
             self.tensor_bytes += nbytes
@@ -188,7 +210,7 @@ class BlobWriter:
             # Keep the storage alive so its _cdata cannot be reused within this checkpoint.
             self._keepalive.append(storage)
         self.cache.remember(tensor, known[0])
-        self._reference(*known)
+        self._reference(*known, device)
         return (known[0], known[1], device)
 
 
@@ -270,6 +292,7 @@ class NamespacePickler(cloudpickle.Pickler):
             TENSOR_TAG, index, blob, nbytes, device, int(obj.storage_offset()),
             tuple(obj.size()), tuple(obj.stride()), str(obj.dtype).removeprefix("torch."),
             bool(obj.requires_grad), type(obj) is not self._tensor_types[0], grad_pid,
+            bool(obj.is_inference()),
         )
 
     def shared_ids(self) -> set[int]:
@@ -364,7 +387,8 @@ class NamespaceUnpickler(pickle.Unpickler):
 
     def _load_tensor(self, pid: tuple[Any, ...]) -> Any:
         (_tag, index, blob, nbytes, device, offset, size, stride, dtype_name, requires_grad,
-         is_param, grad_pid) = pid
+         is_param, grad_pid) = pid[:12]
+        inference = bool(pid[12]) if len(pid) > 12 else False  # older checkpoints: not recorded
         known = self._tensors.get(index)
         if known is not None:
             return known
@@ -372,7 +396,10 @@ class NamespaceUnpickler(pickle.Unpickler):
 
         storage = self._storage(blob, nbytes, device)
         dtype = getattr(torch, dtype_name)
-        with torch.no_grad():
+        # An inference tensor stays one: code that relied on it (no autograd, no version
+        # counter) behaves as before the restore.
+        mode = torch.inference_mode() if inference else torch.no_grad()
+        with mode:
             tensor = torch.empty(0, dtype=dtype, device=storage.device)
             tensor.set_(storage, offset, size, stride)
         if requires_grad:

@@ -83,6 +83,8 @@ export interface IGpuFracEvent {
   usage?: number;
   restored?: string[];
   lost?: string[];
+  /** For `restored`: variables kept on disk (name to bytes); `%gpu restore` loads them. */
+  deferred?: Record<string, number>;
   /** For `restored`: true only when nothing was lost and no cell was cut off. */
   ok?: boolean;
   /** For `restored`: the cell the move or kill cut off, "[7] first line". */
@@ -100,6 +102,7 @@ export interface IRestore {
   restored: string[];
   lost: string[];
   lost_reasons?: Record<string, string>;
+  deferred?: Record<string, number>;
   interrupted_cell?: string | null;
   checkpoint_cell?: number | null;
   error?: string | null;

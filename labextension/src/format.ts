@@ -2,7 +2,8 @@
  * Pure formatting: the words and numbers people read. Kept free of DOM and
  * JupyterLab imports so every view says things the same way.
  */
-import { IGpuFracEvent, IGpuRef, KernelState } from './api';
+import { IGpuFracEvent, IGpuRef } from './api';
+import { restoreFactsOf, restoreSummary } from './view';
 
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;
@@ -17,82 +18,6 @@ export function formatBytes(bytes: number | null | undefined): string {
     return `${v >= 100 ? v.toFixed(0) : v.toFixed(1)} GiB`;
   }
   return `${Math.round(bytes / MiB)} MiB`;
-}
-
-/** The label and a one-line explanation for every state. */
-export const STATE_LABELS: Record<string, { label: string; help: string }> = {
-  guaranteed: {
-    label: 'guaranteed',
-    help: 'Using no more than its guaranteed share.'
-  },
-  bursting: {
-    label: 'bursting',
-    help: 'Using loaned memory above its guaranteed share; it may be asked to give it back.'
-  },
-  shrinking: {
-    label: 'shrinking',
-    help: 'Asked to give loaned memory back to its owner.'
-  },
-  'move-pending': {
-    label: 'moving soon',
-    help: 'The GPU agent asked for a move while a cell runs; the cell may finish until the countdown ends, then it is cut off and the kernel restarts from the state after the last completed cell.'
-  },
-  migrating: {
-    label: 'migrating',
-    help: 'Being moved to another GPU now; its variables come back after the restart.'
-  },
-  restored: {
-    label: 'restored',
-    help: 'Restarted by jupyter-gpufrac; every variable came back.'
-  },
-  'restore-incomplete': {
-    label: 'restored with losses',
-    help: 'Restarted by jupyter-gpufrac, but not everything came back: see what was lost and re-run the cells that make it.'
-  },
-  'oom-killed': {
-    label: 'OOM-killed',
-    help: 'Stopped to give GPU memory back; it restarts from the state after its last completed cell.'
-  },
-  'agent-unreachable': {
-    label: 'agent unreachable',
-    help: "The GPU agent does not answer, so this kernel's GPU share cannot be verified. Cells still run."
-  },
-  'no-gpu': { label: 'no GPU', help: 'This kernel holds no GPU lease.' },
-  unknown: {
-    label: '…',
-    help: 'The server has no GPU lease information for this kernel (yet).'
-  },
-  unavailable: {
-    label: 'unavailable',
-    help: 'The jupyter-gpufrac server extension did not answer.'
-  }
-};
-
-export function stateLabel(
-  state: KernelState | string,
-  deadline?: number | null,
-  nowSeconds: number = Date.now() / 1000
-): string {
-  if (state === 'move-pending' && deadline) {
-    return `moving in ${Math.max(0, Math.ceil(deadline - nowSeconds))} s`;
-  }
-  return STATE_LABELS[state]?.label ?? state;
-}
-
-/** Whether a state is on its way somewhere: worth asking the server often. */
-export function isTransitional(state: string): boolean {
-  return ['move-pending', 'migrating', 'oom-killed', 'shrinking'].includes(
-    state
-  );
-}
-
-/** Whether the view may mark the state as a success: only what the server verified. */
-export function isVerifiedSuccess(event: IGpuFracEvent): boolean {
-  return event.event === 'restored' && event.ok === true;
-}
-
-export function stateHelp(state: KernelState | string): string {
-  return STATE_LABELS[state]?.help ?? '';
 }
 
 /**
@@ -139,20 +64,9 @@ export function formatTime(unixSeconds: number | undefined): string {
     : `${when.toLocaleDateString()} ${time}`;
 }
 
-/** "12 of 12 variables restored; lost: gen, fh; cell [7] … was cut off" */
+/** "2 of 3 variables restored; lost: gen — re-run …; cell [7] … was cut off: re-run it" */
 export function restoredSummary(event: IGpuFracEvent): string {
-  const restored = event.restored ?? [];
-  const lost = event.lost ?? [];
-  const total = restored.length + lost.length;
-  let text = `${restored.length} of ${total} variable${total === 1 ? '' : 's'} restored`;
-  if (lost.length) {
-    const names = lost.slice(0, 5).join(', ');
-    text += `; lost: ${names}${lost.length > 5 ? ', …' : ''}`;
-  }
-  if (event.interrupted_cell) {
-    text += `; cell ${event.interrupted_cell} was cut off: re-run it`;
-  }
-  return text;
+  return restoreSummary(restoreFactsOf(event));
 }
 
 /**
@@ -186,7 +100,7 @@ export function describeEvent(event: IGpuFracEvent): string {
     case 'agent_unreachable':
       return "The GPU agent does not answer; this kernel's GPU share cannot be verified.";
     case 'agent_reachable':
-      return 'The GPU agent answers again.';
+      return 'The GPU agent answers again; GPU shares are verified again.';
     default:
       return event.event;
   }

@@ -78,7 +78,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
     palette?.addItem({ command: CommandIDs.openPanel, category: 'GPU' });
 
-    const notifier = new InterventionNotifier(kernelName, id => openPanel(id));
+    // Notifications name the notebook: the event's, else the followed
+    // notebook's when it is that kernel, else the session's.
+    const notebookOf = (kernelId: string): string | null =>
+      (kernelId === model.kernelId && model.path) || kernelName(kernelId);
+    const notifier = new InterventionNotifier(notebookOf, id => openPanel(id));
     model.eventReceived.connect((_, event) => notifier.handle(event));
 
     if (statusBar) {

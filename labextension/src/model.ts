@@ -1,11 +1,19 @@
 /**
- * What the extension knows about the current kernel's GPU lease.
+ * What the extension knows about the current kernel's GPU lease, and about the
+ * node (its GPUs and whether the GPU agent answers).
  *
- * Two sources feed it: the server's jupyter_events stream (immediate, the
- * primary source) and a Poll of GET /api/gpufrac/kernels/<id> (the fallback:
- * it catches events lost while the websocket was reconnecting and gives the
- * authoritative figures after every event). The poll stands by while the page
- * is hidden or no kernel is followed.
+ * Sources, first come first shown: the server's jupyter_events stream
+ * (immediate, the primary source), a Poll of GET /api/gpufrac/kernels/<id>
+ * (the fallback: it catches events lost while the websocket was reconnecting
+ * and gives the authoritative figures after every event) and a Poll of GET
+ * /api/gpufrac/node (the agent's health, the GPUs for the panel). Both polls
+ * run every 5 s while the page is visible, every second while a move or a kill
+ * is under way, and stand by while the page is hidden or nothing is followed.
+ *
+ * The agent's health is one fact for the whole node: whichever says so first
+ * (an `agent_unreachable` event of any kernel, a kernel state
+ * `agent-unreachable`, the node's `agent.available === false`) makes every
+ * lease state read "agent unreachable" until a newer signal says it answers.
  */
 import { Event, ServerConnection } from '@jupyterlab/services';
 import { IDisposable } from '@lumino/disposable';
@@ -16,10 +24,13 @@ import {
   ApiError,
   EVENT_SCHEMA_ID,
   fetchKernelStatus,
+  fetchNode,
   IGpuFracEvent,
-  IKernelStatus
+  IKernelStatus,
+  INodeInfo
 } from './api';
-import { eventKey, isTransitional } from './format';
+import { eventKey } from './format';
+import { IAgentHealth, isTransitional, IStateView, stateView } from './view';
 
 /** Where a kernel stands when the server gave no status (yet). */
 export type LocalState = 'unknown' | 'unavailable';
@@ -56,18 +67,37 @@ function stateAfterEvent(event: IGpuFracEvent): string | undefined {
   }
 }
 
-/** Poll intervals (ms): settled, and while a move or a kill is under way. */
-const SETTLED_MS = 2500;
+/**
+ * Poll intervals (ms): settled, and while a move or a kill is under way. A
+ * failing server is asked no more often than the settled pace, and never less
+ * often either: the view must notice the agent's loss within 5 s.
+ */
+const SETTLED_MS = 5000;
 const TRANSITION_MS = 1000;
+
+/** Kernel states that tell the agent answered (every lease state but one). */
+const AGENT_ANSWERED = new Set([
+  'guaranteed',
+  'bursting',
+  'move-pending',
+  'migrating',
+  'shrinking',
+  'oom-killed',
+  'restored',
+  'restore-incomplete'
+]);
 
 /** How many event keys to remember; far more than the server keeps (50). */
 const SEEN_LIMIT = 1000;
+
+/** Events of a kernel's history, as many as the server keeps. */
+const HISTORY_LIMIT = 50;
 
 export interface IModelOptions {
   serverSettings: ServerConnection.ISettings;
   /** The server's event bus; without it the model only polls. */
   events?: Event.IManager | null;
-  /** Poll interval in ms while nothing is under way (default 2500). */
+  /** Poll interval in ms while nothing is under way (default 5000). */
   interval?: number;
 }
 
@@ -79,15 +109,21 @@ export class GpuFracModel implements IDisposable {
     this._events?.stream.connect(this._onEmission, this);
     this._poll = new Poll<void, ApiError, 'fetch'>({
       factory: () => this._fetch(),
-      frequency: {
-        interval: options.interval ?? SETTLED_MS,
-        backoff: true,
-        max: 60 * 1000
-      },
+      frequency: { interval: this._interval, backoff: false },
       name: 'jupyter-gpufrac:kernel',
       // No kernel, or a 404 for it: nothing to ask. Hidden page: nobody to tell.
       standby: () =>
         this._kernelId === null || this._stopped ? true : 'when-hidden'
+    });
+    this._nodePoll = new Poll<void, ApiError, 'fetch'>({
+      factory: () => this._fetchNode(),
+      frequency: { interval: this._interval, backoff: false },
+      name: 'jupyter-gpufrac:node',
+      // Wanted for the followed kernel's agent health and by an open panel.
+      standby: () =>
+        this._kernelId === null && this._nodeWatchers === 0
+          ? true
+          : 'when-hidden'
     });
     document.addEventListener('visibilitychange', this._onVisibility);
   }
@@ -118,8 +154,10 @@ export class GpuFracModel implements IDisposable {
     this._localState = 'unknown';
     this._stopped = false;
     this._changed.emit();
+    this._followPace();
     if (id !== null) {
       void this.refresh();
+      void this._nodePoll.refresh();
     }
   }
 
@@ -140,9 +178,67 @@ export class GpuFracModel implements IDisposable {
     return this._status;
   }
 
-  /** The state to show: the server's, or ours when it has not answered. */
+  /**
+   * The state to show: the server's, or ours when it has not answered; any
+   * lease state reads "agent-unreachable" while the agent does not answer.
+   */
   get state(): string {
+    return this.view().state;
+  }
+
+  /** The server's own state, or ours when it has not answered. */
+  get serverState(): string {
     return this._status?.state ?? this._localState;
+  }
+
+  /** Label, help, reason, colour and countdown of the state, as of now. */
+  view(nowSeconds: number = Date.now() / 1000): IStateView {
+    return stateView(this.serverState, this._status, this._agent, nowSeconds);
+  }
+
+  /** Whether the GPU agent answers, as the newest signal says. */
+  get agent(): IAgentHealth {
+    return this._agent;
+  }
+
+  /** The node's GPUs and leases, from the last successful fetch. */
+  get node(): INodeInfo | null {
+    return this._node;
+  }
+
+  /** Why the last node fetch failed, or null. */
+  get nodeError(): string | null {
+    return this._nodeError;
+  }
+
+  /**
+   * Keep the node poll running without a kernel (the details panel shows the
+   * GPUs); dispose the result when no longer needed.
+   */
+  watchNode(): IDisposable {
+    this._nodeWatchers++;
+    void this.refreshNode();
+    let disposed = false;
+    return {
+      get isDisposed() {
+        return disposed;
+      },
+      dispose: () => {
+        if (!disposed) {
+          disposed = true;
+          this._nodeWatchers--;
+        }
+      }
+    };
+  }
+
+  /** Fetch the node now (again). */
+  async refreshNode(): Promise<void> {
+    if (this._isDisposed) {
+      return;
+    }
+    await this._nodePoll.refresh();
+    await this._nodePoll.tick.catch(() => undefined);
   }
 
   /** The last error message, when the server did not answer. */
@@ -180,6 +276,7 @@ export class GpuFracModel implements IDisposable {
     document.removeEventListener('visibilitychange', this._onVisibility);
     this._events?.stream.disconnect(this._onEmission, this);
     this._poll.dispose();
+    this._nodePoll.dispose();
     Signal.clearData(this);
   }
 
@@ -188,11 +285,13 @@ export class GpuFracModel implements IDisposable {
     if (kernelId === null) {
       return;
     }
+    // Events heard while the request was out are newer than its answer.
+    const eventsBefore = this._eventCount;
     let status: IKernelStatus;
     try {
       status = await fetchKernelStatus(kernelId, this._settings);
     } catch (err) {
-      if (kernelId !== this._kernelId) {
+      if (kernelId !== this._kernelId || this._isDisposed) {
         return;
       }
       const apiError =
@@ -210,17 +309,66 @@ export class GpuFracModel implements IDisposable {
       this._error = apiError.message;
       this._status = null;
       this._changed.emit();
-      // Rejecting makes the Poll back off.
+      // Rejected ticks keep the pace (no backoff): once the server answers
+      // again the view must catch up within one interval.
       throw apiError;
     }
-    if (kernelId !== this._kernelId) {
+    if (kernelId !== this._kernelId || this._isDisposed) {
       return; // the user switched notebooks while we waited
     }
     this._error = null;
     this._takeHistory(kernelId, status.events ?? []);
+    status = {
+      ...status,
+      events: this._withHeard(kernelId, status.events ?? [])
+    };
+    if (this._eventCount !== eventsBefore) {
+      // Asked before the last event arrived: its state may predate that event
+      // (the fetch the event started brings the current one); only the
+      // history is taken.
+      return;
+    }
     this._status = status;
+    if (status.state === 'agent-unreachable') {
+      this._setAgent(true, status.reason ?? null);
+    } else if (AGENT_ANSWERED.has(status.state)) {
+      this._setAgent(false, null);
+    }
     this._followPace();
     this._changed.emit();
+  }
+
+  private async _fetchNode(): Promise<void> {
+    const eventsBefore = this._eventCount;
+    try {
+      this._node = await fetchNode(this._settings);
+      this._nodeError = null;
+    } catch (err) {
+      if (this._isDisposed) {
+        return;
+      }
+      this._nodeError = err instanceof ApiError ? err.message : String(err);
+      this._changed.emit();
+      throw err;
+    }
+    if (this._isDisposed) {
+      return;
+    }
+    const agent = this._node.agent;
+    if (
+      agent &&
+      agent.available !== undefined &&
+      this._eventCount === eventsBefore
+    ) {
+      this._setAgent(agent.available === false, agent.error ?? null);
+    }
+    this._followPace();
+    this._changed.emit();
+  }
+
+  /** Record the agent's health; the caller emits `changed`. */
+  private _setAgent(down: boolean, reason: string | null): void {
+    this._agent = { down, reason: down ? reason : null };
   }
 
   /**
@@ -230,8 +378,10 @@ export class GpuFracModel implements IDisposable {
   private _followPace(): void {
     const state = this.state;
     const interval = isTransitional(state) ? TRANSITION_MS : this._interval;
-    if (this._poll.frequency.interval !== interval) {
-      this._poll.frequency = { ...this._poll.frequency, interval };
+    for (const poll of [this._poll, this._nodePoll]) {
+      if (poll.frequency.interval !== interval) {
+        poll.frequency = { ...poll.frequency, interval };
+      }
     }
     const counting = state === 'move-pending';
     if (counting && this._countdown === null) {
@@ -255,6 +405,27 @@ export class GpuFracModel implements IDisposable {
         this._eventReceived.emit({ ...event, kernel_id: kernelId });
       }
     }
+  }
+
+  /**
+   * The fetched history plus what the stream brought that it lacks (an answer
+   * sent before the event was recorded): the panel's history and the full
+   * text behind a shortened notification stay there.
+   */
+  private _withHeard(
+    kernelId: string,
+    events: IGpuFracEvent[]
+  ): IGpuFracEvent[] {
+    const heard = this._heard.get(kernelId) ?? [];
+    if (!heard.length) {
+      return events;
+    }
+    const keys = new Set(
+      events.map(e => eventKey({ ...e, kernel_id: kernelId }))
+    );
+    const merged = [...events, ...heard.filter(e => !keys.has(eventKey(e)))];
+    merged.sort((a, b) => (a.time ?? 0) - (b.time ?? 0));
+    return merged.slice(-HISTORY_LIMIT);
   }
 
   /** Returns true when the key was not seen before. */
@@ -284,10 +455,28 @@ export class GpuFracModel implements IDisposable {
     if (!this._remember(eventKey(event))) {
       return;
     }
+    // One agent serves every kernel: any kernel's word on it counts.
+    if (
+      event.event === 'agent_unreachable' ||
+      event.event === 'agent_reachable'
+    ) {
+      this._eventCount++;
+      this._setAgent(
+        event.event === 'agent_unreachable',
+        event.message ?? event.reason ?? null
+      );
+      this._followPace();
+      this._changed.emit();
+      void this._nodePoll.refresh();
+    }
+    const heard = this._heard.get(event.kernel_id) ?? [];
+    heard.push(event);
+    this._heard.set(event.kernel_id, heard.slice(-HISTORY_LIMIT));
     this._eventReceived.emit(event);
     if (event.kernel_id !== this._kernelId) {
       return;
     }
+    this._eventCount++;
     // Show the change at once; the fetch that follows brings the figures.
     const state = stateAfterEvent(event);
     if (state && this._status) {
@@ -295,7 +484,11 @@ export class GpuFracModel implements IDisposable {
         ...this._status,
         state,
         reason: event.message ?? event.reason ?? this._status.reason,
-        deadline: event.deadline ?? this._status.deadline,
+        deadline:
+          state === 'move-pending'
+            ? (event.deadline ?? this._status.deadline ?? null)
+            : null,
+        notebook: event.notebook ?? this._status.notebook,
         events: [...(this._status.events ?? []), event]
       };
       this._followPace();
@@ -308,6 +501,7 @@ export class GpuFracModel implements IDisposable {
     // Coming back to the page: do not wait for the next tick to catch up.
     if (document.visibilityState === 'visible' && this._kernelId !== null) {
       void this.refresh();
+      void this._nodePoll.refresh();
     }
   };
 
@@ -316,6 +510,12 @@ export class GpuFracModel implements IDisposable {
   private _countdown: number | null = null;
   private _events: Event.IManager | null;
   private _poll: Poll<void, ApiError, 'fetch'>;
+  private _nodePoll: Poll<void, ApiError, 'fetch'>;
+  private _node: INodeInfo | null = null;
+  private _nodeError: string | null = null;
+  private _nodeWatchers = 0;
+  private _agent: IAgentHealth = { down: false, reason: null };
+  private _eventCount = 0;
   private _kernelId: string | null = null;
   private _status: IKernelStatus | null = null;
   private _path = '';
@@ -323,6 +523,7 @@ export class GpuFracModel implements IDisposable {
   private _stopped = false;
   private _error: string | null = null;
   private _seen = new Set<string>();
+  private _heard = new Map<string, IGpuFracEvent[]>();
   private _fetchedKernels = new Set<string>();
   private _isDisposed = false;
   private _changed = new Signal<this, void>(this);

@@ -9,11 +9,14 @@
 import { Notification } from '@jupyterlab/apputils';
 
 import { IGpuFracEvent } from './api';
-import { describeEvent, isVerifiedSuccess, restoredSummary } from './format';
-import { KernelNamer } from './panel';
+import { describeEvent } from './format';
+import { eventNotice, nameList, notebookName, restoredNotice } from './view';
 
-/** JupyterLab truncates notification messages longer than this. */
-const MAX_MESSAGE = 140;
+/** Finds the notebook a kernel serves: the tracker's, else the sessions'. */
+export type NotebookOf = (kernelId: string) => string | null;
+
+/** How long the agent's events of one moment (one per kernel) are gathered. */
+const AGENT_GATHER_MS = 300;
 
 /** How long a move or kill waits for its `restored` event to join it. */
 const JOIN_WINDOW_MS = 5 * 60 * 1000;
@@ -26,8 +29,12 @@ interface IOpen {
 }
 
 export class InterventionNotifier {
+  /**
+   * @param _notebookOf - the notebook of a kernel when the event names none
+   * @param _openDetails - opens the details panel on a kernel ("Details")
+   */
   constructor(
-    private readonly _kernelName: KernelNamer,
+    private readonly _notebookOf: NotebookOf,
     private readonly _openDetails: (kernelId: string) => void
   ) {}
 
@@ -41,13 +48,11 @@ export class InterventionNotifier {
         this._start(event, 'in-progress', false);
         break;
       case 'agent_unreachable':
-        this._agent(event, 'warning', false);
-        break;
       case 'agent_reachable':
-        this._agent(event, 'info', 8000);
+        this._agent(event);
         break;
       case 'migrated':
-        this._start(event, 'info', false);
+        this._start(event, 'in-progress', false);
         break;
       case 'shrink_requested':
         this._start(event, 'warning', 20000);
@@ -64,34 +69,66 @@ export class InterventionNotifier {
     }
   }
 
-  private _prefix(kernelId: string, notebook?: string): string {
-    const path = notebook || this._kernelName(kernelId);
-    return path ? `${path.split('/').pop()}: ` : '';
+  /** The event's notebook, else the one the kernel serves, else null. */
+  private _notebook(event: IGpuFracEvent): string | null {
+    return event.notebook || this._notebookOf(event.kernel_id) || null;
   }
 
-  /** One notification for the agent, not one per kernel: it is one agent. */
-  private _agent(
-    event: IGpuFracEvent,
-    type: Notification.TypeOptions,
-    autoClose: number | false
-  ): void {
-    const message = fit('', describeEvent(event));
-    const options = { autoClose, actions: this._actions(event.kernel_id) };
-    if (this._agentNotice !== null) {
-      Notification.update({ id: this._agentNotice, message, type, ...options });
-    } else {
-      this._agentNotice = Notification.emit(message, type, options);
+  /**
+   * One notification for the agent, not one per kernel: it is one agent. The
+   * server tells each kernel at once, so the events of one moment are gathered
+   * first; the notification names every notebook whose share is unverified.
+   */
+  private _agent(event: IGpuFracEvent): void {
+    const down = event.event === 'agent_unreachable';
+    if (down !== this._agentDown) {
+      this._agentNotebooks.clear();
+      this._agentDown = down;
     }
-    if (event.event === 'agent_reachable') {
-      this._agentNotice = null;
+    const name = notebookName(this._notebook(event));
+    if (name) {
+      this._agentNotebooks.add(name);
     }
+    // "Details" opens a kernel of a named notebook where there is one.
+    if (name || this._agentEvent === null || !this._agentNotebooks.size) {
+      this._agentEvent = event;
+    }
+    if (this._agentTimer !== null) {
+      return;
+    }
+    this._agentTimer = window.setTimeout(() => {
+      this._agentTimer = null;
+      const last = this._agentEvent ?? event;
+      this._agentEvent = null;
+      const down = this._agentDown;
+      // Unreachable stays until read; "answers again" goes by itself.
+      const type: Notification.TypeOptions = down ? 'warning' : 'info';
+      const autoClose = down ? (false as const) : 8000;
+      const names = nameList([...this._agentNotebooks].sort(), 2);
+      const message = eventNotice(describeEvent(last), names || null);
+      const options = { autoClose, actions: this._actions(last.kernel_id) };
+      if (this._agentNotice !== null) {
+        Notification.update({
+          id: this._agentNotice,
+          message,
+          type,
+          ...options
+        });
+      } else {
+        this._agentNotice = Notification.emit(message, type, options);
+      }
+      if (!down) {
+        this._agentNotice = null;
+      }
+    }, AGENT_GATHER_MS);
   }
 
   private _actions(kernelId: string): Notification.IAction[] {
     return [
       {
         label: 'Details',
-        caption: 'Show the GPU lease and history of this kernel',
+        caption:
+          'Show the whole message, the GPU lease and the history of this kernel',
         callback: () => this._openDetails(kernelId)
       }
     ];
@@ -102,16 +139,14 @@ export class InterventionNotifier {
     type: Notification.TypeOptions,
     autoClose: number | false
   ): void {
-    const message = fit(
-      this._prefix(event.kernel_id, event.notebook),
-      describeEvent(event)
-    );
+    const message = eventNotice(describeEvent(event), this._notebook(event));
     const open = this._open.get(event.kernel_id);
     const options = { autoClose, actions: this._actions(event.kernel_id) };
     // A move continues one story (pending, migrating, migrated): update, do not stack.
     if (
       open &&
-      ['move_pending', 'migrating'].includes(open.event) &&
+      ['move_pending', 'migrating', 'migrated'].includes(open.event) &&
+      ['migrating', 'migrated'].includes(event.event) &&
       Date.now() - open.since < JOIN_WINDOW_MS
     ) {
       Notification.update({ id: open.id, message, type, ...options });
@@ -127,25 +162,20 @@ export class InterventionNotifier {
     });
   }
 
+  /**
+   * The end of a move or a kill. Success only when the kernel reported
+   * everything back (`ok`); otherwise a warning that stays until read and
+   * names the notebook, what was lost, the cell cut off and what to do.
+   */
   private _restored(event: IGpuFracEvent): void {
     const open = this._open.get(event.kernel_id);
     const joined =
       open !== undefined && Date.now() - open.since < JOIN_WINDOW_MS;
-    // Success is shown only when the kernel reported everything back; else the
-    // facts first (what was lost, which cell was cut off), the cause in Details.
-    const verified = isVerifiedSuccess(event);
-    const prefix = this._prefix(event.kernel_id, event.notebook);
-    const summary = restoredSummary(event);
-    const facts = verified
-      ? `${summary.charAt(0).toUpperCase()}${summary.slice(1)}.`
-      : `Restored with losses: ${summary}.`;
-    // The facts first, then why: a cut message still says what was kept.
-    const why = event.reason ? ` ${event.reason.trim()}` : '';
-    const message = fit(prefix, facts + why);
+    const notice = restoredNotice(event, this._notebook(event));
     const options = {
-      message,
-      type: (verified ? 'success' : 'warning') as Notification.TypeOptions,
-      autoClose: verified ? 15000 : (false as const),
+      message: notice.message,
+      type: notice.type as Notification.TypeOptions,
+      autoClose: notice.type === 'success' ? 15000 : (false as const),
       actions: this._actions(event.kernel_id)
     };
     if (joined) {
@@ -153,16 +183,14 @@ export class InterventionNotifier {
       this._open.delete(event.kernel_id);
     } else {
       // A restart we did not see begin (the page was reloaded meanwhile).
-      Notification.emit(message, options.type, options);
+      Notification.emit(notice.message, options.type, options);
     }
   }
 
   private _open = new Map<string, IOpen>();
   private _agentNotice: string | null = null;
-}
-
-/** The notebook's name first, unless that pushes facts past the cut. */
-function fit(prefix: string, text: string): string {
-  // JupyterLab cuts messages at 140 characters: keep the facts, not the name.
-  return (prefix + text).length > MAX_MESSAGE ? text : prefix + text;
+  private _agentNotebooks = new Set<string>();
+  private _agentDown = false;
+  private _agentEvent: IGpuFracEvent | null = null;
+  private _agentTimer: number | null = null;
 }

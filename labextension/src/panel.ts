@@ -2,23 +2,22 @@
  * The details panel (main area): the current kernel's lease, the node's GPUs
  * with this user's leases on them, and the kernel's recent history.
  */
+import { IDisposable } from '@lumino/disposable';
 import { Message } from '@lumino/messaging';
-import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 
-import { ApiError, fetchNode, IGpuFracEvent, ILease, INodeInfo } from './api';
+import { IGpuFracEvent, ILease } from './api';
 import { h, replaceChildren } from './dom';
-import {
-  describeEvent,
-  formatBytes,
-  formatTime,
-  gpuLabel,
-  restoredSummary,
-  stateHelp,
-  stateLabel
-} from './format';
+import { describeEvent, formatBytes, formatTime, gpuLabel } from './format';
 import { GpuFracModel } from './model';
 import { usageBar } from './usageBar';
+import {
+  cellLabel,
+  notebookName,
+  restoreAdvice,
+  restoreFactsOf,
+  restoreSummary
+} from './view';
 
 /** Finds the notebook path of a kernel id, for naming leases. */
 export type KernelNamer = (kernelId: string) => string | null;
@@ -41,12 +40,8 @@ export class GpuFracPanel extends Widget {
     this.node.setAttribute('role', 'region');
     this.node.setAttribute('aria-label', 'GPU lease details');
     this._prefix = `jp-gpufrac-panel-${nextId++}`;
-    this._nodePoll = new Poll<void, ApiError, 'fetch'>({
-      factory: () => this._fetchNode(),
-      frequency: { interval: 5000, backoff: true, max: 60 * 1000 },
-      name: 'jupyter-gpufrac:node',
-      standby: () => !this.isVisible || 'when-hidden'
-    });
+    // The model polls the node (every 5 s while the page is visible).
+    this._nodeWatch = _model.watchNode();
     const refresh = h(
       'button',
       {
@@ -70,18 +65,18 @@ export class GpuFracPanel extends Widget {
       return;
     }
     this._model.changed.disconnect(this._render, this);
-    this._nodePoll.dispose();
+    this._nodeWatch.dispose();
     super.dispose();
   }
 
   /** Fetch the node's GPUs and the kernel's status again. */
   async refresh(): Promise<void> {
-    await Promise.all([this._nodePoll.refresh(), this._model.refresh()]);
+    await Promise.all([this._model.refreshNode(), this._model.refresh()]);
   }
 
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
-    void this._nodePoll.refresh();
+    void this._model.refreshNode();
   }
 
   protected onActivateRequest(msg: Message): void {
@@ -89,25 +84,15 @@ export class GpuFracPanel extends Widget {
     this.node.focus();
   }
 
-  private async _fetchNode(): Promise<void> {
-    try {
-      this._node = await fetchNode(this._model.serverSettings);
-      this._nodeError = null;
-    } catch (err) {
-      this._nodeError = err instanceof ApiError ? err.message : String(err);
-      this._render();
-      throw err;
-    }
-    this._render();
-  }
-
   private _render(): void {
     if (this.isDisposed) {
       return;
     }
-    this._title.textContent = this._model.path
-      ? `GPU lease — ${this._model.path.split('/').pop()}`
+    const path = this._model.status?.notebook || this._model.path;
+    this._title.textContent = path
+      ? `GPU lease — ${notebookName(path)}`
       : 'GPU lease';
+    this._title.title = path;
     // Only the body is rebuilt: the header's button keeps keyboard focus.
     replaceChildren(
       this._body,
@@ -130,7 +115,8 @@ export class GpuFracPanel extends Widget {
   private _kernelSection(): HTMLElement {
     const model = this._model;
     const status = model.status;
-    const state = model.state;
+    const view = model.view();
+    const state = view.state;
     if (model.kernelId === null) {
       return this._section(
         'kernel',
@@ -143,17 +129,66 @@ export class GpuFracPanel extends Widget {
       { class: 'jp-gpufrac-Panel-state' },
       h(
         'span',
-        { class: 'jp-gpufrac-State', 'data-state': state },
-        stateLabel(state, status?.deadline)
+        {
+          class: 'jp-gpufrac-State',
+          'data-state': state,
+          'data-severity': view.severity,
+          'data-seconds-left':
+            view.secondsLeft !== null ? String(view.secondsLeft) : undefined
+        },
+        view.label
       ),
-      ` ${stateHelp(state)}`,
-      status?.reason ? ` ${status.reason}` : '',
-      !status && model.error ? ` (${model.error})` : ''
+      ` ${view.help}`
     );
+    // The server's sentence in full: the notifications only have room for its start.
+    const reason = view.reason
+      ? h('p', { class: 'jp-gpufrac-Panel-reason' }, view.reason)
+      : null;
+    const error =
+      !status && model.error
+        ? h('p', { class: 'jp-gpufrac-Panel-note' }, `(${model.error})`)
+        : null;
     if (!status) {
-      return this._section('kernel', 'This kernel', stateLine);
+      return this._section(
+        'kernel',
+        'This kernel',
+        ...[stateLine, reason, error].filter((n): n is HTMLElement => !!n)
+      );
     }
     const rows: Array<[string, Node | string]> = [];
+    const restore = status.restore;
+    if (restore) {
+      // First: what the user must redo. Each lost name with why, and the cell cut off.
+      const facts = restoreFactsOf(restore);
+      const advice = restoreAdvice(facts);
+      if (advice) {
+        rows.push(['What to do', h('strong', {}, advice)]);
+      }
+      rows.push([
+        'Last restore',
+        h(
+          'span',
+          {
+            class: 'jp-gpufrac-Panel-restore',
+            'data-ok': restore.ok ? 'true' : 'false'
+          },
+          `${restoreSummary(facts, { reasons: true, advice: false })}.`,
+          restore.time ? ` (${formatTime(restore.time)})` : ''
+        )
+      ]);
+      if (restore.interrupted_cell) {
+        rows.push(['Cut-off cell', cellLabel(restore.interrupted_cell)]);
+      }
+      if (
+        restore.checkpoint_cell !== null &&
+        restore.checkpoint_cell !== undefined
+      ) {
+        rows.push([
+          'Restored state',
+          `as it was after cell [${restore.checkpoint_cell}]`
+        ]);
+      }
+    }
     if (status.gpu) {
       rows.push(['GPU', gpuLabel(status.gpu)]);
       rows.push(['Device', `${status.gpu.name}, ${status.gpu.uuid}`]);
@@ -163,13 +198,18 @@ export class GpuFracPanel extends Widget {
           'span',
           { class: 'jp-gpufrac-Panel-usage' },
           usageBar(status),
-          ` ${formatBytes(status.usage)} used of ${formatBytes(status.request)} guaranteed, ${formatBytes(status.limit)} limit`
+          view.verified
+            ? ` ${formatBytes(status.usage)} used of ${formatBytes(status.request)} guaranteed, ${formatBytes(status.limit)} limit`
+            : ` last known: ${formatBytes(status.usage)} used, ${formatBytes(status.request)} requested, ${formatBytes(status.limit)} limit (not verified)`
         )
       ]);
     }
     const lease = status.lease;
     if (lease) {
-      rows.push(['Lease', `${lease.id} (${lease.kind}, ${lease.state})`]);
+      rows.push([
+        'Lease',
+        `${lease.id} (${lease.kind}, ${view.verified ? lease.state : `last known ${lease.state}`})`
+      ]);
       if (lease.request_spec || lease.limit_spec) {
         rows.push([
           'Asked for',
@@ -181,39 +221,23 @@ export class GpuFracPanel extends Widget {
         rows.push(['Placement', placement]);
       }
     }
-    const restore = status.restore;
-    if (restore) {
-      // Names, with the reason each could not come back: what the user must redo.
-      const lost = restore.lost.map(name => {
-        const why = restore.lost_reasons?.[name];
-        return why ? `${name} (${why})` : name;
-      });
-      const parts = [
-        restore.error
-          ? `nothing restored: ${restore.error}`
-          : `${restore.restored.length} of ${restore.restored.length + restore.lost.length} variables back`
-      ];
-      if (lost.length) {
-        parts.push(`lost: ${lost.join(', ')}`);
-      }
-      if (restore.interrupted_cell) {
-        parts.push(`cell ${restore.interrupted_cell} was cut off: re-run it`);
-      }
-      rows.push(['Last restore', `${parts.join('; ')}.`]);
-    }
     rows.push(['Kernel', status.kernel_id]);
     const dl = h('dl', { class: 'jp-gpufrac-Panel-facts' });
     for (const [term, value] of rows) {
       dl.appendChild(h('dt', {}, term));
       dl.appendChild(h('dd', {}, value));
     }
-    return this._section('kernel', 'This kernel', stateLine, dl);
+    return this._section(
+      'kernel',
+      'This kernel',
+      ...[stateLine, reason, dl].filter((n): n is HTMLElement => !!n)
+    );
   }
 
   /** Explains logical vs physical placement in the words of DESIGN.md. */
   private _placement(lease: ILease): string | null {
     const index = (uuid: string | null | undefined): string => {
-      const gpu = this._node?.gpus.find(g => g.uuid === uuid);
+      const gpu = this._model.node?.gpus.find(g => g.uuid === uuid);
       return gpu ? `GPU ${gpu.index}` : (uuid ?? '?');
     };
     if (!lease.physical_gpu) {
@@ -228,16 +252,36 @@ export class GpuFracPanel extends Widget {
     return `on ${index(lease.physical_gpu)}`;
   }
 
+  /** Why nothing about the share is verified, while the agent does not answer. */
+  private _agentNote(): HTMLElement[] {
+    const agent = this._model.agent;
+    const node = this._model.node;
+    if (!agent.down && node?.agent?.available !== false) {
+      return [];
+    }
+    const why = (agent.reason ?? node?.agent?.error ?? '').trim();
+    return [
+      h(
+        'p',
+        { class: 'jp-gpufrac-Panel-agent' },
+        `GPU agent unreachable${why ? `: ${why}` : '.'}${node ? ' The figures below are the last known ones.' : ''}`
+      )
+    ];
+  }
+
   private _nodeSection(): HTMLElement {
-    const node = this._node;
+    const node = this._model.node;
     if (!node) {
       return this._section(
         'node',
         'GPUs on this node',
+        ...this._agentNote(),
         h(
           'p',
           {},
-          this._nodeError ? `Not available: ${this._nodeError}` : 'Loading…'
+          this._model.nodeError
+            ? `Not available: ${this._model.nodeError}`
+            : 'Loading…'
         )
       );
     }
@@ -251,15 +295,7 @@ export class GpuFracPanel extends Widget {
         )
       );
     }
-    if (node.agent && node.agent.available === false) {
-      intro.push(
-        h(
-          'p',
-          { class: 'jp-gpufrac-Panel-note' },
-          `GPU agent unavailable${node.agent.error ? `: ${node.agent.error}` : ''}.`
-        )
-      );
-    }
+    intro.push(...this._agentNote());
     const leases = new Map(node.leases.map(l => [l.id, l]));
     const table = h(
       'table',
@@ -363,17 +399,22 @@ export class GpuFracPanel extends Widget {
     }
     const list = h('ol', { class: 'jp-gpufrac-Panel-history', reversed: '' });
     for (const event of events.slice(0, 20)) {
-      let text = describeEvent(event);
-      if (event.event === 'restored' && !event.message) {
-        text = `Restored: ${restoredSummary(event)}.`;
-      }
+      const text = describeEvent(event);
       const when = event.time
         ? new Date(event.time * 1000).toISOString()
         : undefined;
       list.appendChild(
         h(
           'li',
-          { 'data-event': event.event },
+          {
+            'data-event': event.event,
+            'data-ok':
+              event.event === 'restored'
+                ? event.ok === true
+                  ? 'true'
+                  : 'false'
+                : undefined
+          },
           h('time', { datetime: when }, formatTime(event.time)),
           ' ',
           text
@@ -383,9 +424,7 @@ export class GpuFracPanel extends Widget {
     return this._section('history', 'Recent history', list);
   }
 
-  private _node: INodeInfo | null = null;
-  private _nodeError: string | null = null;
-  private _nodePoll: Poll<void, ApiError, 'fetch'>;
+  private _nodeWatch: IDisposable;
   private readonly _prefix: string;
   private readonly _title = h('h2');
   private readonly _body = h('div', { class: 'jp-gpufrac-Panel-body' });

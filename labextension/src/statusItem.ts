@@ -5,7 +5,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { h, replaceChildren } from './dom';
-import { formatBytes, gpuLabel, stateHelp, stateLabel } from './format';
+import { formatBytes, gpuLabel } from './format';
 import { GpuFracModel } from './model';
 import { usageBar } from './usageBar';
 
@@ -50,10 +50,12 @@ export class GpuStatusItem extends Widget {
 
   private _render(): void {
     const status = this._model.status;
-    const state = this._model.state;
+    const view = this._model.view();
+    const state = view.state;
     const gpu = status?.gpu ?? null;
     const node = this.node;
     node.dataset.state = state;
+    node.dataset.severity = view.severity;
     node.dataset.gpuIndex = gpu ? String(gpu.index) : '';
 
     // Without a GPU the state word says it all ("no GPU", "unavailable").
@@ -64,14 +66,14 @@ export class GpuStatusItem extends Widget {
       limit: status?.limit
     };
     // Without the agent the figures are the last known ones, not a guarantee.
-    const verified = state !== 'agent-unreachable';
     const numbers = gpu
-      ? `${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} ${verified ? 'guaranteed' : 'requested (unverified)'}, ${formatBytes(figures.limit)} limit`
+      ? view.verified
+        ? `${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} guaranteed, ${formatBytes(figures.limit)} limit`
+        : `last known: ${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} requested, ${formatBytes(figures.limit)} limit`
       : '';
-    const reason = status?.reason ? ` ${status.reason}` : '';
-    const word = stateLabel(state, status?.deadline);
-    const summary = [label, numbers, word].filter(Boolean).join(', ');
-    node.title = `${summary}. ${stateHelp(state)}${reason}\nClick for details.`;
+    const reason = view.reason ? ` ${view.reason}` : '';
+    const summary = [label, numbers, view.label].filter(Boolean).join(', ');
+    node.title = `${summary}. ${view.help}${reason}\nClick for details.`;
     node.setAttribute(
       'aria-label',
       `GPU lease: ${summary}.${reason} Press Enter for details.`
@@ -83,8 +85,14 @@ export class GpuStatusItem extends Widget {
       gpu ? usageBar(figures, 'jp-gpufrac-StatusItem-bar') : null,
       h(
         'span',
-        { class: 'jp-gpufrac-StatusItem-state', 'data-state': state },
-        word
+        {
+          class: 'jp-gpufrac-StatusItem-state',
+          'data-state': state,
+          'data-severity': view.severity,
+          'data-seconds-left':
+            view.secondsLeft !== null ? String(view.secondsLeft) : undefined
+        },
+        view.label
       )
     );
   }

@@ -83,8 +83,7 @@ class NvmlBackend:
         except self._nvml.NVMLError as exc:
             raise BackendUnavailable(
                 f"NVML could not start ({exc}); is the NVIDIA driver installed? "
-                "Without a GPU, run the agent on a simulated node: "
-                "gpufrac-agent serve --simulate 2x16GiB"
+                "Without a GPU, run the agent on a simulated node (--simulate 2x16GiB)"
             ) from exc
         self._initialised = True
 

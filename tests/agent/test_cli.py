@@ -8,7 +8,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from support import AgentProcess, wait_for
+
+from node_agent.client import AgentClient, AgentUnavailable
 
 
 def test_demo_places_spreads_and_compacts() -> None:
@@ -70,3 +73,23 @@ def test_run_refuses_bad_arguments(start_agent: Callable[..., AgentProcess]) -> 
     out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket + ".no",
                           "status"], capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 1 and "no gpufrac agent answers" in out.stderr
+
+
+def test_hints_to_start_an_agent_give_the_exact_command(tmp_path: Path) -> None:
+    sock, state = str(tmp_path / "a b.sock"), str(tmp_path / "state")
+    out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", sock, "--state-dir",
+                          state, "status"], capture_output=True, text=True, timeout=30,
+                         check=False)
+    assert out.returncode == 1
+    assert f"start one with `gpufrac-agent serve --socket '{sock}' --state-dir {state}`" in (
+        out.stderr)
+    # Without a state directory, the hint names none rather than guess.
+    try:
+        AgentClient(sock).node()
+    except AgentUnavailable as exc:
+        assert exc.path == sock and exc.state_dir is None
+        assert f"`gpufrac-agent serve --socket '{sock}'`" in str(exc)
+    else:
+        raise AssertionError("nothing listens there")
+    with pytest.raises(AgentUnavailable, match=f"--state-dir {state}`"):
+        AgentClient(sock, state_dir=state).leases()

@@ -6,6 +6,7 @@ import os
 import random
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 
 from support import AgentProcess, wait_for
@@ -162,3 +163,26 @@ def test_sigkill_during_churn_and_compaction(
     wait_for(lambda: not set(dead) & {x["id"] for x in c.leases()}, what="dead leases cleaned up")
     check_ledger(agent)
     assert kills == 8
+
+
+def test_an_orphan_deadline_outlives_agent_restarts(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    agent = start_agent("--orphan-grace", "3")
+    c = agent.client()
+    lease = c.create_lease(client="c", request="0.25")
+    h = holders()
+    assert c.register_pid(lease["id"], h.pid)["orphan_deadline"] is None
+    h.stop()
+    deadline = wait_for(lambda: c.lease(lease["id"])["orphan_deadline"], what="orphan deadline")
+    # Restarts closer together than the grace: a timer kept in memory would never run out.
+    while time.time() < deadline + 0.5:
+        agent.kill()
+        agent.start()
+        present = {x["id"]: x for x in c.leases()}
+        if lease["id"] not in present:
+            break
+        assert present[lease["id"]]["orphan_deadline"] == deadline
+    wait_for(lambda: lease["id"] not in {x["id"] for x in c.leases()}, timeout=2,
+             what="the orphan released at its stored deadline")
+    check_ledger(agent)

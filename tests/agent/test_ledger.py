@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
@@ -50,3 +51,40 @@ def test_unknown_fields_refused(tmp_path: Path) -> None:
     ledger.insert(_lease())
     with pytest.raises(KeyError, match="owner_uid"):
         ledger.update("l-1", owner_uid=0)
+
+
+def test_kill_times_and_deadlines_survive_reopen(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    ledger.insert(_lease())
+    ledger.update("l-1", restore_until=7.0, orphan_deadline=8.0, registered=1.0)
+    ledger.add_kill("l-1", 2.0, "reclaim")
+    ledger.add_kill("l-1", 3.0, "migrate_timeout")
+    ledger.close()
+    again = Ledger(tmp_path)
+    lease = again.leases["l-1"]
+    assert (lease.restore_until, lease.orphan_deadline, lease.registered) == (7.0, 8.0, 1.0)
+    assert again.kill_times("l-1") == [2.0, 3.0]
+    assert again.kill_times("l-1", "reclaim") == [2.0]
+    again.delete("l-1")
+    assert again.kill_times("l-1") == []
+
+
+def test_a_ledger_from_before_the_new_columns_opens(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "ledger.sqlite3") as db:
+        db.execute(
+            "CREATE TABLE leases (id TEXT PRIMARY KEY, kind TEXT NOT NULL, owner_uid INTEGER NOT"
+            " NULL, client TEXT NOT NULL, kernel_id TEXT, name TEXT NOT NULL DEFAULT '', request"
+            " INTEGER NOT NULL, lim INTEGER NOT NULL, request_spec TEXT NOT NULL, limit_spec TEXT"
+            " NOT NULL, logical TEXT NOT NULL, physical TEXT NOT NULL, target TEXT NOT NULL"
+            " DEFAULT '[]', state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '', deadline REAL,"
+            " created REAL NOT NULL, updated REAL NOT NULL)"
+        )
+        db.execute("INSERT INTO leases (id, kind, owner_uid, client, request, lim, request_spec,"
+                   " limit_spec, logical, physical, state, created, updated) VALUES ('l-old',"
+                   " 'notebook', 1000, 'c', 1, 2, '1', '2', '[\"GPU-a\"]', '[\"GPU-a\"]',"
+                   " 'active', 1.0, 1.0)")
+    ledger = Ledger(tmp_path)
+    assert ledger.leases["l-old"].orphan_deadline is None
+    assert ledger.update("l-old", orphan_deadline=9.0).orphan_deadline == 9.0
+    ledger.close()
+    assert Ledger(tmp_path).leases["l-old"].orphan_deadline == 9.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from node_agent import policy
 from node_agent.policy import JOB, NOTEBOOK, Device, Placement
 
 GB = 1 << 30
+MB = 1 << 20
 
 
 @st.composite
@@ -248,8 +250,67 @@ def test_restoring_kernels_are_reclaimed_from_only_when_nothing_else_covers(
     # Restoring kernels come after every settled borrower.
     flags = [lease_id in restoring for lease_id in picked]
     assert flags == sorted(flags)
+    # The guarantee holds through any grace: whatever all loans can cover is covered.
+    loans = sum(p.usage - p.request for p in leases if p.usage > p.request)
+    if chosen and loans >= deficit:
+        assert sum(r.loan for r in chosen) >= deficit
+
+
+def test_a_restoring_kernel_is_spared_only_while_others_cover() -> None:
+    d = Device("g", 0, 10 * GB)
+    owner = Placement("owner", NOTEBOOK, 4 * GB, ("g",), ("g",), usage=1 * GB)
+    back = Placement("back", NOTEBOOK, 1 * GB, ("g",), ("g",), usage=5 * GB, created=2.0)
+    other = Placement("other", NOTEBOOK, 1 * GB, ("g",), ("g",), usage=3 * GB, created=1.0)
+    used, headroom = 9 * GB, 2 * GB  # owed 3 GiB, 1 GiB free: 1 GiB to take back
+    assert [r.lease_id for r in policy.plan_reclaim(d, [owner, back, other], used, headroom)
+            ] == ["back"], "without a grace, the largest loan goes first"
+    restoring = frozenset({"back"})
+    assert [r.lease_id for r in policy.plan_reclaim(
+        d, [owner, back, other], used, headroom, restoring)] == ["other"]
+    # Alone, it gives back all the same: the owner's guarantee comes first.
+    assert [r.lease_id for r in policy.plan_reclaim(
+        d, [owner, back], used, headroom, restoring)] == ["back"]
 
 
 def test_kills_are_counted_within_the_window() -> None:
     assert policy.kills_in_window([100.0, 500.0, 650.0], now=701.0, window=600.0) == 2
     assert policy.kills_in_window([], now=700.0, window=600.0) == 0
+
+
+@given(one_gpu(), st.data())
+def test_growing_within_its_room_sets_off_no_reclaim_of_it(
+    case: tuple[Device, list[Placement], int], data: st.DataObject
+) -> None:
+    """A restoring kernel loads what fits its room: that alone must never make it a target."""
+    d, leases, other = case
+    if not leases:
+        return
+    me = data.draw(st.sampled_from(leases))
+    used = sum(p.usage for p in leases) + other
+    if used > d.total:
+        return
+    headroom = d.total // 20
+    room = policy.room(d, leases, me.id, used, headroom)
+    assert room >= max(0, me.request - me.usage), "its unused request is always its own"
+    grown = [replace(p, usage=p.usage + room) if p.id == me.id else p for p in leases]
+    before = {r.lease_id for r in policy.plan_reclaim(d, leases, used, headroom)}
+    after = {r.lease_id for r in policy.plan_reclaim(d, grown, used + room, headroom)}
+    if me.usage + room > me.request:
+        assert me.id not in after - before
+    # One byte more than the room beyond its request sets off a reclaim.
+    if me.usage + room >= me.request and used + room + 1 <= d.total:
+        more = [replace(p, usage=p.usage + room + 1) if p.id == me.id else p for p in leases]
+        assert policy.plan_reclaim(d, more, used + room + 1, headroom) or not any(
+            p.request > p.usage for p in leases if p.id != me.id)
+
+
+def test_room_is_what_the_others_are_not_owed() -> None:
+    d = Device("g", 0, 2048 * MB)
+    owner = Placement("owner", JOB, 1331 * MB, ("g",), ("g",), usage=0)
+    back = Placement("back", NOTEBOOK, 614 * MB, ("g",), ("g",), usage=100 * MB, limit=2048 * MB)
+    headroom = 1843 * MB
+    # Free 1948 MiB, of which the owner is owed 1331: the kernel can add 617 MiB.
+    assert policy.room(d, [owner, back], "back", 100 * MB, headroom) == 617 * MB
+    assert policy.room(d, [back], "back", 100 * MB, headroom) == 1948 * MB
+    capped = replace(back, limit=300 * MB)
+    assert policy.room(d, [capped], "back", 100 * MB, headroom) == 200 * MB

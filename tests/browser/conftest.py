@@ -5,8 +5,9 @@ runtime dirs, the gpufrac provisioner as default, and GPUFRAC_AGENT_SOCKET on a
 fresh path: nothing answers there, so the server embeds a simulated 2-GPU
 agent. The labextension is linked from the repo's build output
 (jupyter_gpufrac/labextension) into the isolated data dir, which comes first on
-JupyterLab's search path, so the test sees the current build whether or not
-(and how) the package is installed.
+JupyterLab's search path (JUPYTER_PREFER_ENV_PATH=0: in a virtualenv the env's
+dirs would otherwise come first), so the test sees the current build whether or
+not (and how) the package is installed.
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -
         JUPYTER_DATA_DIR=str(data),
         JUPYTER_RUNTIME_DIR=str(runtime),
         IPYTHONDIR=str(home / ".ipython"),
+        # Inside a virtualenv jupyter_core puts sys.prefix's dirs before the user's,
+        # so an installed (possibly stale) copy of the extension in
+        # $PREFIX/share/jupyter/labextensions would win over the build linked above.
+        JUPYTER_PREFER_ENV_PATH="0",
         # Fresh, so the server embeds its simulated agent; a developer may point
         # the test at an agent of their own instead.
         GPUFRAC_AGENT_SOCKET=os.environ.get("GPUFRAC_TEST_AGENT_SOCKET") or str(root / "agent.sock"),

@@ -2,11 +2,18 @@
 
 One JupyterLab, one notebook, one story: the notebook's kernel is spread to
 GPU 1 of the simulated node; a whole-GPU job (`gpufrac-agent run --gpus 1`)
-makes the agent move it back to GPU 0; the status item and a notification say
-so, and what was kept; the details panel (opened from the keyboard) shows the
-node and the history; the notebook still has its variables. Then shrink and
-OOM-kill events, sent through the event contract, must give notifications that
-say why and what was lost. No errors may reach the browser console.
+makes the agent move it back to GPU 0 while a cell still runs: the status item
+counts down ("moving in 23 s — cell still running") on GPU 1 and never says
+"migrating" before the move starts; once the cell ends the kernel moves; the
+status item and a notification say so, and what was kept; the details panel
+(opened from the keyboard) shows the node and the history; the notebook still
+has its variables. Then shrink and OOM-kill events, sent through the event
+contract, must give notifications that say why and what was lost, with no
+success mark unless the restore was verified, and never cut mid-word without a
+"Details" action that opens the whole text. Last, the GPU agent stops
+answering (SIGSTOP): widget and panel say "agent unreachable" with the reason
+within seconds, never "guaranteed", and recover when it answers again. No
+errors may reach the browser console.
 
 Screenshots of the item and the panel in the light and dark themes go to a temp
 dir, or to docs/screenshots with GPUFRAC_UPDATE_SCREENSHOTS=1.
@@ -44,7 +51,21 @@ NOTEBOOK = {
             "metadata": {},
             "outputs": [],
             "source": "weights = list(range(1000))\nlr = 0.01",
-        }
+        },
+        {
+            "cell_type": "code",
+            "execution_count": None,
+            "id": "c2",
+            "metadata": {},
+            "outputs": [],
+            # Still running when the move is asked for; the test lets it end.
+            "source": (
+                "import os, time\n"
+                "t_end = time.time() + 120\n"
+                "while not os.path.exists('release-cell') and time.time() < t_end:\n"
+                "    time.sleep(0.2)"
+            ),
+        },
     ],
     "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
     "nbformat": 4,
@@ -86,6 +107,30 @@ def _emit(lab: Lab, kernel_id: str, event: str, message: str, **fields: object) 
     data = {"kernel_id": kernel_id, "event": event, "message": message, "time": time.time(), **fields}
     status, body = lab.api("/api/events", "POST", {"schema_id": SCHEMA_ID, "version": "1", "data": data})
     assert status == 204, (status, body)
+
+
+def _embedded_agent_pid(lab: Lab) -> int:
+    """The server's embedded agent: `node_agent serve` with a socket in the Lab's temp dir."""
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "serve" in cmdline and any(str(lab.root) in a for a in cmdline):
+            return int(proc.info["pid"])
+    raise AssertionError("no embedded agent process found")
+
+
+def _toast_text(toast: Locator) -> str:
+    return toast.locator(".jp-toast-message").inner_text().replace("\n", " ").strip()
+
+
+def _assert_fits(shown: str, full: str) -> None:
+    """JupyterLab cuts at 140 characters mid-word; ours fit, cut only between words."""
+    assert len(shown) <= 140, shown
+    if shown.endswith("…"):
+        kept = shown[:-1].split(": ", 1)[-1]  # after the notebook's name
+        assert full.startswith(kept), (shown, full)
+        assert full[len(kept)] in " ,;:", f"cut inside a word: {shown!r}"
 
 
 def _screenshot_dir(tmp_path: Path, repo_root: Path) -> Path:
@@ -149,6 +194,9 @@ def test_widget_follows_kernel_through_migration(
             page.keyboard.press("Shift+Enter")
             expect(page.locator(".jp-Notebook .jp-InputPrompt").first).to_contain_text("[1]", timeout=60_000)
             _shoot_item(page, item, shots / "widget-before-move-light.png")
+            # A cell that runs until the test lets it end (at most 120 s).
+            page.keyboard.press("Shift+Enter")
+            expect(page.locator(".jp-Notebook .jp-InputPrompt").nth(1)).to_contain_text("[*]", timeout=20_000)
 
             # A job that needs a whole GPU: GPU 1 must be emptied.
             job = subprocess.Popen(
@@ -171,6 +219,25 @@ def test_widget_follows_kernel_through_migration(
                 start_new_session=True,
             )
 
+            # [server] The move waits for the running cell: a countdown on GPU 1,
+            # never "migrating" before anything moved.
+            state_word = item.locator(".jp-gpufrac-StatusItem-state")
+            expect(item).to_have_attribute("data-state", "move-pending", timeout=60_000)
+            expect(state_word).to_have_text(re.compile(r"^moving in \d+ s — cell still running$"))
+            expect(item).to_have_attribute("data-gpu-index", "1")
+            expect(item).not_to_contain_text("migrating")
+            first_left = int(state_word.get_attribute("data-seconds-left") or "0")
+            page.wait_for_timeout(2200)
+            expect(item).to_have_attribute("data-state", "move-pending")
+            later_left = int(state_word.get_attribute("data-seconds-left") or "0")
+            assert 0 < later_left < first_left, (first_left, later_left)
+            pending_move = page.locator(".Toastify__toast").filter(has_text="demo.ipynb").first
+            expect(pending_move).to_be_visible(timeout=10_000)
+            expect(pending_move).not_to_have_class(re.compile("Toastify__toast--success"))
+            _shoot_item(page, item, shots / "widget-move-pending-light.png")
+            # The cell ends within its grace period: the move goes on, nothing is cut off.
+            (lab.notebooks / "release-cell").write_text("")
+
             # The item follows the kernel to GPU 0 ...
             expect(item).to_have_attribute("data-gpu-index", "0", timeout=120_000)
             expect(item).to_contain_text("GPU 0")
@@ -181,6 +248,9 @@ def test_widget_follows_kernel_through_migration(
             expect(toast).to_contain_text(re.compile(r"\bjob\b"))
             expect(toast).to_contain_text(re.compile(r"\d+ of \d+ variables restored"), timeout=60_000)
             expect(item).to_have_attribute("data-state", "restored", timeout=30_000)
+            # Verified by the kernel: the one success mark there is.
+            expect(toast).to_have_class(re.compile("Toastify__toast--success"), timeout=30_000)
+            expect(toast).to_contain_text("demo.ipynb")
             # JupyterLab's own kernel status comes back too (not stuck on "Starting").
             expect(page.locator("#jp-main-statusbar")).to_contain_text("Idle", timeout=20_000)
             _shoot_item(page, item, shots / "widget-light.png")
@@ -195,6 +265,8 @@ def test_widget_follows_kernel_through_migration(
             expect(history.locator("[data-event=migrated]")).to_contain_text("GPU 1")
             expect(history).to_contain_text(re.compile(r"\d+ of \d+ variables restored"))
             expect(panel.locator(".jp-gpufrac-State")).to_have_text("restored")
+            expect(panel.locator(".jp-gpufrac-Panel-restore")).to_have_attribute("data-ok", "true")
+            expect(panel.locator("h2")).to_contain_text("demo.ipynb")
             page.screenshot(path=str(shots / "lab-light.png"))
             # The panel alone, without the toast over it.
             for close in page.locator(".Toastify__toast").get_by_title("Hide notification").all():
@@ -214,7 +286,7 @@ def test_widget_follows_kernel_through_migration(
             page.screenshot(path=str(shots / "lab-dark.png"))
             page.locator(".jp-Notebook").first.click()  # the notebook again, as users see it
             # The notebook page stayed connected and its variables came back.
-            page.locator(".jp-Notebook .jp-Cell").nth(1).click()
+            page.locator(".jp-Notebook .jp-Cell").nth(2).click()
             page.keyboard.type("print(len(weights), lr)")
             page.keyboard.press("Shift+Enter")
             expect(page.locator(".jp-Notebook .jp-OutputArea-output").first).to_contain_text(
@@ -257,21 +329,32 @@ def test_widget_follows_kernel_through_migration(
                 lost=["batches"],
             )
             expect(killed).to_contain_text("lost: batches", timeout=20_000)
-            # Something was lost: no success mark, and it stays until read.
+            # Something was lost: no success mark, and it stays until read; it
+            # names the notebook and says what to do.
             expect(killed).not_to_have_class(re.compile("Toastify__toast--success"))
+            expect(killed).to_have_class(re.compile("Toastify__toast--warning"))
+            expect(killed).to_contain_text("demo.ipynb: Restored with losses")
+            expect(killed).to_contain_text("Re-run the cells that create it")
 
             # A move while a cell runs: a countdown first, then what was cut off, by cell.
+            # The server's sentence is longer than a notification holds.
+            long_message = (
+                "Will move from GPU 0 to GPU 1 in 30 s (a job needs the whole GPU); the running "
+                "cell may finish until then, otherwise it is cut off and the kernel restarts "
+                "from the state after the last completed cell."
+            )
             _emit(
                 lab,
                 kernel_id,
                 "move_pending",
-                "Will move from GPU 0 to GPU 1 in 30 s; the running cell may finish until then.",
+                long_message,
                 deadline=time.time() + 30,
                 notebook="demo.ipynb",
             )
             pending = page.locator(".Toastify__toast").filter(has_text="Will move from GPU 0")
             expect(pending).to_be_visible(timeout=20_000)
             expect(pending).to_contain_text("demo.ipynb")
+            _assert_fits(_toast_text(pending), long_message)
             pending = page.locator(f"[id='{pending.get_attribute('id')}']")
             _emit(
                 lab,
@@ -286,10 +369,61 @@ def test_widget_follows_kernel_through_migration(
                 notebook="demo.ipynb",
             )
             expect(pending).to_contain_text("Restored with losses", timeout=20_000)
-            expect(pending).to_contain_text("cell [4] train() was cut off")
+            expect(pending).to_contain_text("cell [4] train() was cut off. Re-run it.")
+            expect(pending).to_contain_text("demo.ipynb")
             expect(pending).not_to_have_class(re.compile("Toastify__toast--success"))
+            # "Details" (it closes the toast) opens the panel, which has the whole sentences.
+            pending.get_by_role("button", name="Details").click()
+            expect(panel).to_be_visible(timeout=10_000)
+            expect(history).to_contain_text(long_message, timeout=10_000)
+            expect(history.locator("[data-event=restored][data-ok=false]").first).to_contain_text(
+                "cell [4] train() was cut off"
+            )
+            # ok missing is no success either.
+            _emit(
+                lab,
+                kernel_id,
+                "restored",
+                "Restored: 2 of 2 variables restored.",
+                restored=["weights", "lr"],
+                lost=[],
+            )
+            unverified = page.locator(".Toastify__toast").filter(has_text="not verified")
+            expect(unverified).to_be_visible(timeout=20_000)
+            expect(unverified).not_to_have_class(re.compile("Toastify__toast--success"))
             page.wait_for_timeout(1000)  # toasts slide in
             page.screenshot(path=str(shots / "notifications-dark.png"))
+            for close in page.locator(".Toastify__toast").get_by_title("Hide notification").all():
+                close.click()
+
+            # [server] The agent stops answering: within seconds no view says
+            # "guaranteed"; the reason is shown; it comes back when the agent does.
+            agent_pid = _embedded_agent_pid(lab)
+            expect(item).not_to_have_attribute("data-state", "agent-unreachable")
+            os.kill(agent_pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                # The server notices within agent_check_interval + 2 s; the view within 5 s of that.
+                expect(item).to_have_attribute("data-state", "agent-unreachable", timeout=8_000)
+                noticed_s = time.monotonic() - stopped_at
+                expect(item.locator(".jp-gpufrac-StatusItem-state")).to_have_text("agent unreachable")
+                expect(item).not_to_have_attribute("aria-label", re.compile("guaranteed"))
+                expect(item).to_have_attribute("title", re.compile("cannot be verified"))
+                expect(panel.locator(".jp-gpufrac-State")).to_have_text("agent unreachable")
+                expect(panel.locator(".jp-gpufrac-Panel-reason")).to_contain_text("cannot be verified")
+                expect(panel.locator(".jp-gpufrac-Panel-usage")).not_to_contain_text("guaranteed")
+                expect(panel.locator(".jp-gpufrac-Panel-agent")).to_be_visible(timeout=15_000)
+                lost_agent = (
+                    page.locator(".Toastify__toast").filter(has_text="demo.ipynb").filter(has_text="agent")
+                )
+                expect(lost_agent).to_be_visible(timeout=10_000)
+                expect(lost_agent).not_to_have_class(re.compile("Toastify__toast--success"))
+                _shoot_item(page, item, shots / "widget-agent-unreachable-dark.png")
+                print(f"agent loss shown {noticed_s:.1f} s after SIGSTOP")
+            finally:
+                os.kill(agent_pid, signal.SIGCONT)
+            expect(item).not_to_have_attribute("data-state", "agent-unreachable", timeout=30_000)
+            expect(panel.locator(".jp-gpufrac-Panel-agent")).to_have_count(0, timeout=30_000)
         except Exception as err:
             # What CI needs to tell a frontend bug from a server one.
             with contextlib.suppress(Exception):

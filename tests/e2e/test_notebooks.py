@@ -64,6 +64,7 @@ def test_notebook_survives_a_move_and_an_oom_kill(
     seq = Sequence(agent, server, random.Random(0))
     move_at, kill_at = len(cells) // 3, 2 * len(cells) // 3
     compared = errors = 0
+    passed = False
     try:
         seq.both(SETUP)
         for number, source in enumerate(cells):
@@ -81,7 +82,6 @@ def test_notebook_survives_a_move_and_an_oom_kill(
         assert seq.restores == 2
         print(f"{name}: {compared} cells compared ({errors} fail alike in both), "
               f"{seq.restores} restores")
+        passed = True
     finally:
-        for nb in (seq.subject, seq.reference):
-            nb.close()
-            server.api(f"/api/kernels/{nb.kernel_id}", "DELETE")
+        seq.close(check=passed)

@@ -35,6 +35,7 @@ from .sequence_cells import (
     CUT_OFF,
     CUT_OFF_DONE,
     FINGERPRINT,
+    FINISHES,
     MUTATIONS,
     UNBURST,
     fingerprint,
@@ -42,10 +43,10 @@ from .sequence_cells import (
 
 pytestmark = pytest.mark.e2e
 
-EVENTS = ("mutate", "idle_move", "busy_move", "oom_kill", "kernel_sigkill", "resize",
-          "agent_restart", "user_restart")
+EVENTS = ("mutate", "idle_move", "busy_move", "finishing_move", "oom_kill", "kernel_sigkill",
+          "resize", "resize_move", "agent_restart", "user_restart")
 # How often each event is drawn after every kind has had its turn.
-WEIGHTS = (8, 2, 1, 1, 2, 1, 1, 1)
+WEIGHTS = (8, 2, 1, 1, 1, 2, 1, 1, 1, 1)
 SETTLED = ("guaranteed", "bursting", "restored", "restore-incomplete")
 KERNELSPECS = {
     # The subject: a lease of 0.3 of a 2 GiB GPU, so 900 MiB held is a burst.
@@ -70,8 +71,8 @@ class Sequence:
         self.subject = server.open_notebook("subject.ipynb", kernel="subject")
         self.reference = server.open_notebook("reference.ipynb", kernel="reference")
         self.restores = 0
-        self.last_restore = 0.0
         self.counts: collections.Counter[str] = collections.Counter()
+        self.failures: list[tuple[int, str, str]] = []
         self.seconds: list[float] = []
 
     # -- observing ---------------------------------------------------------------------
@@ -84,25 +85,37 @@ class Sequence:
         assert lease is not None, "the subject has a lease"
         return dict(lease)
 
-    def restored_events(self) -> list[dict[str, Any]]:
-        return [e for e in self.status()["events"] if e["event"] == "restored"]
+    def events_since(self, since: float, kind: str | None = None) -> list[dict[str, Any]]:
+        """The subject's events after ``since`` (epoch seconds; server and tests share a clock)."""
+        return [e for e in self.status()["events"]
+                if e["time"] > since and (kind is None or e["event"] == kind)]
 
-    def wait_restored(self, what: str) -> dict[str, Any]:
-        """The next restore of the subject, once its kernel answers and its state settled."""
-        # The server keeps a kernel's last 50 events: follow them by time, not by count.
-        def newer() -> dict[str, Any] | None:
-            found = [e for e in self.restored_events() if e["time"] > self.last_restore]
-            return found[-1] if found else None
+    def wait_restored(self, what: str, since: float, cause: str) -> dict[str, Any]:
+        """The restore that follows this step's ``cause`` event, once the subject has settled.
+
+        A step makes exactly one restart: a second ``cause`` (a kernel killed again while it
+        restores, say) fails the step rather than being mistaken for the one that was meant.
+        """
+        def restored() -> dict[str, Any] | None:
+            causes = self.events_since(since, cause)
+            if not causes:
+                return None
+            if cause == "restored":  # a crash has no event of its own: its restore names it
+                return causes[0]
+            found = self.events_since(causes[0]["time"], "restored")
+            return found[0] if found else None
 
         try:
-            event = wait_for(newer, 120, f"the restore after {what}", interval=0.2)
+            event = wait_for(restored, 120, f"the restore after {what}", interval=0.2)
+            wait_for(lambda: self.status()["state"] in SETTLED, 60, f"{what} to settle",
+                     interval=0.2)
         except AssertionError as err:
-            events = [(e["event"], e["message"][:120]) for e in self.status()["events"][-6:]]
-            raise AssertionError(f"{err}; last events {events}; server log:\n"
-                                 f"{self.server.log_text()[-4000:]}") from None
-        self.last_restore = event["time"]
+            raise AssertionError(f"{err} (no '{cause}' then 'restored' event)") from None
+        again = self.events_since(since, cause)
+        assert len(again) == 1, (
+            f"{what}: {len(again)} '{cause}' events in one step, expected one: "
+            + " | ".join(e["message"] for e in again))
         self.restores += 1
-        wait_for(lambda: self.status()["state"] in SETTLED, 60, f"{what} to settle", interval=0.2)
         return event
 
     def check(self, step: str) -> None:
@@ -110,6 +123,16 @@ class Sequence:
         mine = fingerprint(self.subject.ok(FINGERPRINT))
         theirs = fingerprint(self.reference.ok(FINGERPRINT))
         assert mine == theirs, f"after {step}:\nsubject:   {mine}\nreference: {theirs}"
+
+    def diagnose(self) -> str:
+        """What a failure message needs: the subject's last events in full, and both logs' tails."""
+        try:
+            events = "\n".join(f"  {e['event']}: {e['message']}" for e in self.status()["events"][-8:])
+        except Exception as err:  # a failure report must not fail itself
+            events = f"  (no status: {err})"
+        return (f"\nlast events of the subject:\n{events}\n--- agent log (tail) ---\n"
+                f"{self.agent.log_text()[-3000:]}\n--- server log (tail) ---\n"
+                f"{self.server.log_text()[-5000:]}")
 
     # -- doing -------------------------------------------------------------------------
 
@@ -158,48 +181,87 @@ class Sequence:
         self.both(self.rng.choice(MUTATIONS))
 
     def do_idle_move(self) -> None:
+        since = time.time()
         source = self.move()
-        event = self.wait_restored("an idle move")
+        event = self.wait_restored("an idle move", since, "migrated")
         assert event["ok"] is True and self.status()["gpu"]["uuid"] != source, event
         self.settle_share()
 
     def do_busy_move(self) -> None:
+        since = time.time()
         cell = self.subject.send(CUT_OFF)
         wait_for(lambda: self.server.get("/api/kernels/" + self.subject.kernel_id)
                  ["execution_state"] == "busy", 10, "the cell to run", interval=0.05)
         source = self.move()
         reply = self.subject.wait(cell, timeout=60)
         assert reply.status == "error" and "cut off" in reply.error, reply
-        event = self.wait_restored("a move during a running cell")
-        assert event["ok"] is False and event["interrupted_cell"], event
+        event = self.wait_restored("a move during a running cell", since, "migrated")
+        assert event["ok"] is False and event.get("interrupted_cell"), event
         assert self.status()["gpu"]["uuid"] != source
         self.settle_share()
         # The state is as before the cut-off cell; now it runs to its end in both.
         self.check("the cut-off cell")
         self.both(CUT_OFF_DONE)
 
+    def do_finishing_move(self) -> None:
+        """A cell that ends within the grace period is completed: the move keeps its change."""
+        since = time.time()
+        cell = self.subject.send(FINISHES)
+        wait_for(lambda: self.server.get("/api/kernels/" + self.subject.kernel_id)
+                 ["execution_state"] == "busy", 10, "the cell to run", interval=0.05)
+        source = self.move()
+        reply = self.subject.wait(cell, timeout=60)
+        assert reply.status == "ok", f"a cell that ends within the grace period failed: {reply}"
+        self.reference.ok(FINISHES)
+        event = self.wait_restored("a move while a short cell runs", since, "migrated")
+        assert event["ok"] is True and not event.get("interrupted_cell"), event
+        assert self.status()["gpu"]["uuid"] != source
+        self.settle_share()
+
     def do_oom_kill(self) -> None:
         self.both(BURST)
+        since = time.time()
         # A job packed beside the subject is owed its request: the subject's loan is reclaimed.
         owner = self.job_lease("0.65")
         try:
-            event = self.wait_restored("a reclaim kill")
-            kinds = [e["event"] for e in self.status()["events"]]
-            assert "oom_killed" in kinds and event["ok"] is True, event
+            event = self.wait_restored("a reclaim kill", since, "oom_killed")
+            # While the owner holds its share, loading the loan again would only be stopped
+            # again: it waits on disk, named, and nothing else is missing.
+            assert event["ok"] is False and event["lost"] == [], event
+            assert set(event["deferred"]) == {"big"}, event
+            assert self.status()["state"] == "restore-incomplete"
         finally:
             self.agent.client().release(owner["id"])
+        assert "loaded big from disk" in self.subject.ok("%gpu restore")
         self.both(UNBURST)
 
     def do_kernel_sigkill(self) -> None:
         pid = int(self.subject.ok("import os\nprint(os.getpid())").split()[-1])
         self.reference.ok("import os\nprint(os.getpid())")
+        since = time.time()
         os.kill(pid, signal.SIGKILL)
-        event = self.wait_restored("a SIGKILL of the kernel")
+        event = self.wait_restored("a SIGKILL of the kernel", since, "restored")
         assert event["ok"] is True, event
 
     def do_resize(self) -> None:
+        """``%gpu request`` from a cell that fits: applied in place."""
         assert "request is now" in self.subject.ok("%gpu request 0.3 --limit 0.9")
         self.subject.ok("%gpu request 0.3 --limit 1")
+
+    def do_resize_move(self) -> None:
+        """``%gpu request`` from a cell that does not fit: a move, with the variables."""
+        since = time.time()
+        source = self.lease()["physical_gpu"]
+        job = self.job_lease("0.6")
+        try:
+            assert job["physical_gpu"] == source, "the job packs beside the subject"
+            out = self.subject.ok("%gpu request 0.45 --limit 1")
+            assert "does not fit" in out, out
+            event = self.wait_restored("a %gpu request that moves the kernel", since, "migrated")
+        finally:
+            self.agent.client().release(job["id"])
+        assert event["ok"] is True and self.status()["gpu"]["uuid"] != source, event
+        assert "request is now" in self.subject.ok("%gpu request 0.3 --limit 1")
 
     def do_agent_restart(self) -> None:
         self.agent.kill()
@@ -219,6 +281,29 @@ class Sequence:
         # Fresh kernels seed their generators from the OS: seed both again, as a notebook would.
         self.seed_both()
 
+    def resync(self) -> None:
+        """After a failure (soak only): both kernels start again from nothing, as after a
+        restart the user asks for, and the agent is back if a step left it down."""
+        if self.agent.process is None or self.agent.process.poll() is not None:
+            self.agent.start()
+        for lease in self.agent.client().leases():
+            if lease["kind"] == "job":
+                self.agent.client().release(lease["id"])
+        self.settle_share()
+        self.do_user_restart()
+        self.check("the restart after a failure")
+
+    def close(self, *, check: bool) -> None:
+        """Shut both kernels down; with ``check``, the subject's lease must go with its kernel
+        (a lease left behind would skew every later placement on this node)."""
+        for nb in (self.subject, self.reference):
+            nb.close()
+            self.server.api(f"/api/kernels/{nb.kernel_id}", "DELETE")
+        if check:
+            wait_for(lambda: not [x for x in self.agent.client().leases()
+                                  if x["kind"] == "notebook"],
+                     30, "the subject's lease to be released with its kernel", interval=0.2)
+
     @staticmethod
     def _answers(nb: Notebook) -> bool:
         try:
@@ -228,11 +313,12 @@ class Sequence:
 
 
 def plan(rng: random.Random, steps: int) -> list[str]:
-    """Every kind of event once, in a random order, then random draws by weight."""
-    first = list(EVENTS)
+    """``steps`` steps: every kind of event once, in a random order, then random draws by
+    weight; a mutation before each disturbance, so each one has state to lose."""
+    disturbances = [e for e in EVENTS if e != "mutate"]
+    first = list(disturbances)
     rng.shuffle(first)
-    more = rng.choices(EVENTS, weights=WEIGHTS, k=max(0, steps - len(first)))
-    # A mutation between disturbances, so each one has state to lose.
+    more = rng.choices(EVENTS, weights=WEIGHTS, k=max(0, steps // 2 - len(first)))
     return [e for event in first + more for e in ("mutate", event)]
 
 
@@ -254,24 +340,33 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProces
 
 
 def run_sequence(node: tuple[AgentProcess, Server], seed: int, steps: int,
-                 report: Callable[[Sequence], None] | None = None) -> Sequence:
+                 report: Callable[[Sequence], None] | None = None,
+                 keep_going: bool = False) -> Sequence:
+    """Run a planned sequence. The first failure raises, unless ``keep_going`` (the soak): then
+    it is recorded in ``seq.failures``, both kernels restart from nothing and the run goes on."""
     agent, server = node
     seq = Sequence(agent, server, random.Random(seed))
     seq.seed_both()
     events = plan(seq.rng, steps)
+    passed = False
     try:
         for number, event in enumerate(events, 1):
             try:
                 seq.step(event)
-            except BaseException as err:
-                raise AssertionError(f"seed {seed}, step {number} ({event}) of "
-                                     f"{events[:number]}: {err}") from err
+            except Exception as err:
+                recent = events[max(0, number - 12):number]
+                message = (f"seed {seed}, step {number} ({event}), after ...{recent}: "
+                           f"{err}{seq.diagnose()}")
+                if not keep_going:
+                    raise AssertionError(message) from err
+                seq.failures.append((number, event, str(err).splitlines()[0][:300]))
+                print(f"\nFAILURE {message}\n", file=sys.stderr)
+                seq.resync()
             if report is not None and number % 50 == 0:
                 report(seq)
+        passed = True
     finally:
-        for nb in (seq.subject, seq.reference):
-            nb.close()
-            server.api(f"/api/kernels/{nb.kernel_id}", "DELETE")
+        seq.close(check=passed)
     return seq
 
 
@@ -279,19 +374,22 @@ def run_sequence(node: tuple[AgentProcess, Server], seed: int, steps: int,
 def test_random_sequences_keep_the_notebook_whole(
     node: tuple[AgentProcess, Server], seed: int
 ) -> None:
-    seq = run_sequence(node, seed, steps=len(EVENTS))
+    seq = run_sequence(node, seed, steps=2 * len(EVENTS))
     assert set(seq.counts) == set(EVENTS), seq.counts
 
 
 def soak_figures(seq: Sequence, seed: int, seconds: float) -> str:
     """The lines `make soak` prints (and writes), from what the run measured so far."""
-    total = sum(seq.counts.values())
-    p90 = statistics.quantiles(seq.seconds, n=10)[-1] if len(seq.seconds) > 1 else 0.0
-    return "\n".join([
-        f"soak: seed {seed}, {total} steps, 0 failures, {seconds:.0f} s",
-        f"soak: median step {statistics.median(seq.seconds):.2f} s, p90 {p90:.2f} s",
+    total = sum(seq.counts.values()) + len(seq.failures)
+    times = seq.seconds or [0.0]
+    p90 = statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0]
+    lines = [
+        f"soak: seed {seed}, {total} steps, {len(seq.failures)} failures, {seconds:.0f} s",
+        f"soak: median step {statistics.median(times):.2f} s, p90 {p90:.2f} s",
         "soak: " + ", ".join(f"{event} {seq.counts[event]}" for event in EVENTS),
-    ]) + "\n"
+    ]
+    lines += [f"soak: failed step {n} ({event}): {why}" for n, event, why in seq.failures]
+    return "\n".join(lines) + "\n"
 
 
 @pytest.mark.skipif(not os.environ.get("GPUFRAC_SOAK_STEPS"), reason="make soak runs it")
@@ -307,4 +405,6 @@ def test_soak(node: tuple[AgentProcess, Server]) -> None:
         if figures:
             Path(figures).write_text(text)  # a long run that is stopped still says how far it got
 
-    progress(run_sequence(node, seed, steps, report=progress))
+    seq = run_sequence(node, seed, steps, report=progress, keep_going=True)
+    progress(seq)
+    assert not seq.failures, soak_figures(seq, seed, time.monotonic() - started)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
 
 
 def round_trip(ckdir: Path, ns: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -70,6 +70,40 @@ def test_inference_and_no_grad_tensors_round_trip_and_checkpoint_again(ckdir: Pa
     loaded = Checkpointer(ckdir).load(fresh)
     assert loaded.lost == {}
     assert torch.equal(fresh["y_preds"], y_preds) and torch.equal(fresh["frozen"], frozen)
+    # An inference tensor comes back as one: code relying on that behaves as before.
+    assert fresh["y_preds"].is_inference() and not fresh["frozen"].is_inference()
+    assert fresh["model"].weight.requires_grad and not fresh["model"].weight.is_inference()
+
+
+@pytest.mark.parametrize("changed", ["base", "window"])
+def test_a_change_through_either_of_two_restored_views_is_saved(ckdir: Path, changed: str) -> None:
+    # Restored separately onto one storage, the two tensors no longer share a version
+    # counter: the next checkpoint must still see a change made through either of them.
+    base = torch.arange(10.0)
+    ck = Checkpointer(ckdir)
+    ck.take({"base": base, "window": base[2:5]})
+    ns: dict[str, Any] = {}
+    ck.load(ns)
+    ns[changed].mul_(-1)
+    expected = ns["base"].clone()
+    ck.take(ns)
+    fresh: dict[str, Any] = {}
+    Checkpointer(ckdir).load(fresh)
+    assert torch.equal(fresh["base"], expected) and fresh["base"][2] == -2.0
+    assert torch.equal(fresh["window"], expected[2:5])
+
+
+def test_a_restored_view_that_died_after_writing_is_not_missed(ckdir: Path) -> None:
+    base = torch.arange(4.0)
+    ck = Checkpointer(ckdir)
+    ck.take({"base": base, "head": base[:2]})
+    ns: dict[str, Any] = {}
+    ck.load(ns)
+    ns.pop("head").add_(10)  # written through, then gone: base's own counter never moved
+    ck.take(ns)
+    fresh: dict[str, Any] = {}
+    Checkpointer(ckdir).load(fresh)
+    assert fresh["base"].tolist() == [10.0, 11.0, 2.0, 3.0]
 
 
 def test_views_in_different_groups_still_share_memory(ckdir: Path) -> None:
@@ -161,3 +195,42 @@ def test_only_changed_groups_are_written_again(ckdir: Path) -> None:
     changed = ck.take(ns)
     # One group was pickled anew (a's); b's and t's were not, and no tensor was written.
     assert changed.groups_written == 1 and changed.bytes_written == 0
+
+
+def test_a_budgeted_restore_keeps_the_largest_on_disk_until_asked(ckdir: Path) -> None:
+    base = torch.arange(100_000.0)
+    ns: dict[str, Any] = {"big": torch.ones(250_000), "base": base, "window": base[:10],
+                          "small": torch.ones(4), "xs": [1, 2]}
+    Checkpointer(ckdir).take(ns)
+    ck = Checkpointer(ckdir)
+    restored: dict[str, Any] = {}
+    loaded = ck.load(restored, budget=600_000, measure="bytes")
+    # big (1 MB) goes first; base and window (400 kB, one storage) then fit.
+    assert set(loaded.deferred) == {"big"} and loaded.deferred["big"] >= 1_000_000
+    assert set(restored) == {"base", "window", "small", "xs"} and loaded.lost == {}
+    loaded = Checkpointer(ckdir).load({}, budget=100_000, measure="bytes")
+    assert set(loaded.deferred) == {"big", "base", "window"}, "a view waits with its base"
+    # Checkpoints taken meanwhile keep what waits on disk.
+    restored["xs"].append(3)
+    ck.take(restored)
+    again: dict[str, Any] = {}
+    assert Checkpointer(ckdir).load(again).deferred == {}
+    assert torch.equal(again["big"], ns["big"]) and again["xs"] == [1, 2, 3]
+    # Loading it on demand, in the kernel that deferred it.
+    assert ck.load_deferred(restored, ["big"]) == (["big"], {})
+    assert torch.equal(restored["big"], ns["big"]) and ck.deferred == []
+
+
+def test_a_name_bound_anew_is_not_overwritten_by_what_waited(ckdir: Path) -> None:
+    Checkpointer(ckdir).take({"big": torch.ones(100_000), "other": torch.zeros(100_000)})
+    ck = Checkpointer(ckdir)
+    ns: dict[str, Any] = {}
+    assert set(ck.load(ns, budget=0, measure="bytes").deferred) == {"big", "other"}
+    ns["big"] = "new"
+    ck.take(ns)
+    fresh: dict[str, Any] = {}
+    Checkpointer(ckdir).load(fresh)
+    assert fresh["big"] == "new" and torch.equal(fresh["other"], torch.zeros(100_000))
+    assert ck.load_deferred(ns) == (["other"], {}) and ns["big"] == "new"
+    with pytest.raises(CheckpointError, match="not kept on disk: big"):
+        ck.load_deferred(ns, ["big"])

@@ -195,3 +195,19 @@ async def test_full_node_starts_the_kernel_without_gpus(isolated: Path, no_lease
     finally:
         for job in jobs:
             client.release(job["id"])
+
+
+async def test_a_kernel_shut_down_never_takes_a_lease_again(
+    isolated: Path, no_leases: AgentProcess
+) -> None:
+    """The server's watch gives a GPU to kernels without one; a kernel being shut down looks
+    like one (its lease is already given back) and must not get a lease nobody releases."""
+    ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25"}})
+    km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
+    await km.start_kernel()
+    provisioner = km.provisioner
+    assert isinstance(provisioner, GpuFracProvisioner) and provisioner.lease is not None
+    await km.shutdown_kernel(now=True)
+    assert provisioner.lease is None and provisioner.closed
+    assert await provisioner.acquire_lease() is None
+    assert no_leases.client().leases() == []
