@@ -84,6 +84,12 @@ class GpuFrac(ExtensionApp):
         "(COUNTxMEMORY, e.g. 2x16GiB or 4xH100-80GB). Empty: no fallback, NVML or nothing.",
     ).tag(config=True)
 
+    embedded_agent_nvml = Bool(
+        True,
+        help="Whether the embedded agent tries NVML first. False: it always runs the simulated "
+        "node of embedded_agent_simulate (a demo, or tests, on a machine with a GPU).",
+    ).tag(config=True)
+
     embedded_agent_timeout = Float(
         30.0,
         help="Seconds to wait for the embedded agent to answer before giving up on it.",
@@ -245,7 +251,8 @@ class GpuFrac(ExtensionApp):
                 )
                 return
         agent = EmbeddedAgent(
-            self.agent_socket, self.agent_state_dir, self.embedded_agent_simulate, self.log
+            self.agent_socket, self.agent_state_dir, self.embedded_agent_simulate, self.log,
+            use_nvml=self.embedded_agent_nvml,
         )
         try:
             await agent.start(self.embedded_agent_timeout)

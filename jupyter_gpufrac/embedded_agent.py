@@ -20,11 +20,13 @@ class EmbeddedAgent:
     """``gpufrac-agent serve`` as a child process of the server."""
 
     def __init__(
-        self, socket_path: str, state_dir: str, fallback_simulate: str, log: logging.Logger
+        self, socket_path: str, state_dir: str, fallback_simulate: str, log: logging.Logger,
+        *, use_nvml: bool = True,
     ) -> None:
         self.socket_path = socket_path
         self.state_dir = state_dir
         self.fallback_simulate = fallback_simulate
+        self.use_nvml = use_nvml
         self.log = log
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(state_dir, "agent.log")
@@ -34,7 +36,8 @@ class EmbeddedAgent:
         command = [sys.executable, "-m", "node_agent", "serve", "--socket", self.socket_path]
         command += ["--state-dir", self.state_dir]
         if self.fallback_simulate:
-            command += ["--fallback-simulate", self.fallback_simulate]
+            option = "--fallback-simulate" if self.use_nvml else "--simulate"
+            command += [option, self.fallback_simulate]
         return command
 
     async def start(self, deadline_s: float = 30.0) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from node_agent.caps import FRAMEWORK_CAPS, framework_caps
 from node_agent.quantities import QuantityError, parse_quantity
 
 KERNEL_EXTENSION = "jupyter_gpufrac.kernel"
@@ -26,10 +27,12 @@ OWNED_VARIABLES = (
     "GPUFRAC_GPU_INDEX",
     "GPUFRAC_GPU_NAME",
     "GPUFRAC_GPU_TOTAL",
+    "GPUFRAC_CONTEXT",
     "GPUFRAC_SIMULATED",
     "GPUFRAC_CHECKPOINT_DIR",
     "GPUFRAC_RESTORE",
     "GPUFRAC_RESTART_REASON",
+    *FRAMEWORK_CAPS,
 )
 
 
@@ -165,6 +168,10 @@ def build_kernel_env(
             env["GPUFRAC_GPU_NAME"] = str(gpu["name"])
         if gpu.get("memory_total") is not None:
             env["GPUFRAC_GPU_TOTAL"] = str(int(gpu["memory_total"]))
+        if gpu.get("context_size"):
+            env["GPUFRAC_CONTEXT"] = str(int(gpu["context_size"]))
+        env.update(framework_caps(int(lease["limit"]), int(gpu.get("context_size") or 0),
+                                  gpu.get("memory_total"), len(uuids)))
     if simulated:
         env["GPUFRAC_SIMULATED"] = "1"
     if restart_reason is not None:

@@ -100,7 +100,7 @@ class BaseHandler(web.RequestHandler):
 
 class NodeHandler(BaseHandler):
     def get(self) -> None:
-        self.reply(self.agent.node())
+        self.reply(self.agent.node(self.caller))
 
 
 class LeasesHandler(BaseHandler):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from node_agent.caps import framework_caps
 from node_agent.client import (
     AgentClient,
     AgentError,
@@ -94,12 +95,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except QuantityError as exc:
         print(f"gpufrac-agent: {exc}", file=sys.stderr)
         return 2
+    context_size = None
+    if args.context_size is not None:
+        try:
+            context_size = parse_quantity(args.context_size, "context-size").nbytes
+        except QuantityError as exc:
+            print(f"gpufrac-agent: {exc}", file=sys.stderr)
+            return 2
+        if context_size is None:
+            print("gpufrac-agent: --context-size must be a memory size such as 500Mi, got "
+                  f"{args.context_size!r}", file=sys.stderr)
+            return 2
     lock = _lock_state_dir(state_dir)
     ledger = Ledger(state_dir)
     config = AgentConfig(
         poll_interval=args.poll_interval, reclaim_grace=args.reclaim_grace,
         migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace, headroom=args.headroom,
-        restore_grace=args.restore_grace, kill_window=args.kill_window,
+        restore_grace=args.restore_grace, kill_window=args.kill_window, context_size=context_size,
+        enforce_limits=args.enforce_limits,
     )
     agent = Agent(backend, ledger, config)
 
@@ -361,6 +374,16 @@ class _Lease:
               file=sys.stderr, flush=True)
 
 
+def _caps(client: AgentClient, lease: dict[str, Any]) -> dict[str, str]:
+    """JAX, CuPy, TensorFlow and MPS capped at the lease's limit, as in a kernel."""
+    uuids = list(lease["physical_gpus"])
+    gpu: dict[str, Any] = {}
+    with contextlib.suppress(AgentError):  # without the GPU's size, fewer caps; it still runs
+        gpu = next((g for g in client.node()["gpus"] if g["uuid"] in uuids), {})
+    return framework_caps(int(lease["limit"]), int(gpu.get("context_size") or 0),
+                          gpu.get("memory_total"), len(uuids))
+
+
 # The command waits for one byte on a pipe before it execs: its pid is registered first (one
 # that exits at once still registers; a simulated GPU's baseline precedes its allocations),
 # and it never runs without its lease.
@@ -414,6 +437,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
                    GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
+        env.update(_caps(job.client, lease))
         gate_r, gate_w = os.pipe()
         child = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), *command], env=env,
                                  pass_fds=(gate_r,))
@@ -484,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--headroom", type=float, default=0.05,
                        help="reclaim when free memory on a GPU falls below this share of it while "
                        "a lease is under its request (default %(default)s)")
+    serve.add_argument("--context-size", metavar="SIZE",
+                       help="what one process's CUDA context takes (a share counts it, as NVML "
+                       "does); default: the simulated board's, or an estimate of 500Mi with NVML")
+    serve.add_argument("--enforce-limits", action=argparse.BooleanOptionalAction, default=None,
+                       help="ask a lease above its limit to shrink, then stop it (default: with "
+                       "NVML; not on a simulated node, where resident memory counts)")
     serve.add_argument("--admin-group", help="members of this group see and manage all leases")
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also serve TCP (needs --token-file)")
     serve.add_argument("--token-file", help="file holding the TCP token")

@@ -67,6 +67,15 @@ class AgentConfig:
     kill_window: float = 600.0
     # Reclaim starts when free memory falls below this share of the GPU while an owner is owed.
     headroom: float = 0.05
+    # One process's CUDA context, where the backend does not know it (None: the estimate).
+    context_size: int | None = None
+    # Stop leases that stay above their limit. None: with NVML only; a simulated node counts
+    # resident memory, which an `import torch` alone takes past a tight limit.
+    enforce_limits: bool | None = None
+
+
+# A CUDA 12 context on a recent data-centre GPU; NVML does not report it on its own.
+CONTEXT_ESTIMATE = 500 * 2**20
 
 
 @dataclass
@@ -163,7 +172,7 @@ class Agent:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         m = await loop.run_in_executor(None, self._measure)
-        self.gpus = m.gpus
+        self.gpus = [replace(g, context_size=self._context(g)) for g in m.gpus]
         now = time.time()
         self._update_usage(m)
         self._forget_dead(now)
@@ -209,8 +218,17 @@ class Agent:
                 self._release(lease)
 
     # --- views -----------------------------------------------------------------------
+    def _context(self, gpu: GpuInfo) -> int:
+        """What one process's CUDA context takes on ``gpu``: told, known, or estimated."""
+        if self.config.context_size is not None:
+            return self.config.context_size
+        if gpu.context_size or self.backend.simulated:
+            return gpu.context_size
+        return CONTEXT_ESTIMATE
+
     def devices(self) -> list[policy.Device]:
-        return [policy.Device(g.uuid, g.index, g.memory_total, g.healthy) for g in self.gpus]
+        """GPUs as policy sees them: what processes can hold, less the driver's reserve."""
+        return [policy.Device(g.uuid, g.index, g.memory_usable, g.healthy) for g in self.gpus]
 
     def gpu(self, uuid: str) -> GpuInfo | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
@@ -219,11 +237,20 @@ class Agent:
         gpu = self.gpu(uuid)
         return f"GPU {gpu.index}" if gpu else uuid
 
-    def node(self) -> dict[str, Any]:
+    def node(self, caller: Caller | None = None) -> dict[str, Any]:
+        """The GPUs, each with the shares running on it: the caller's own (admins: all) by
+        lease id, the others without id or owner, so that a user can see why a GPU is full."""
+        def share(lease: Lease) -> dict[str, Any]:
+            mine = caller is not None and (caller.admin or lease.owner_uid == caller.uid)
+            return {"lease": lease.id if mine else None, "kind": lease.kind,
+                    "request": lease.request, "usage": lease.usage, "state": lease.state}
+
         return {
             "backend": self.backend.name,
             "simulated": self.backend.simulated,
-            "gpus": [g.to_json() for g in self.gpus],
+            "gpus": [{**g.to_json(), "shares": [share(lease) for lease in self.ledger.leases.values()
+                                                if g.uuid in lease.physical]}
+                     for g in self.gpus],
         }
 
     def visible(self, caller: Caller) -> list[Lease]:
@@ -246,9 +273,9 @@ class Agent:
             return None
         on_gpu = [other.placement() for other in self.ledger.leases.values()
                   if gpu.uuid in other.physical and other.state in ("active", "shrinking")]
-        device = policy.Device(gpu.uuid, gpu.index, gpu.memory_total)
+        device = policy.Device(gpu.uuid, gpu.index, gpu.memory_usable)
         return policy.room(device, on_gpu, lease.id, gpu.memory_used,
-                           int(self.config.headroom * gpu.memory_total))
+                           int(self.config.headroom * gpu.memory_usable))
 
     def planning_view(self, exclude: str | None = None) -> list[policy.Placement]:
         """Leases as policy should see them: a lease on its way somewhere counts as there."""
@@ -305,15 +332,22 @@ class Agent:
         return self.ledger.leases[lease.id]
 
     def _resolve_share(self, request: Quantity, limit: Quantity) -> tuple[int, int]:
-        """Request and limit in bytes; fractions resolve against the smallest healthy GPU, so a
-        lease fits wherever it lands."""
-        totals = [g.memory_total for g in self.gpus if g.healthy]
-        if not totals:
+        """Request and limit in bytes; fractions resolve against the smallest healthy GPU's
+        usable memory, so a lease fits wherever it lands. A share counts its process's CUDA
+        context, as NVML does: a request smaller than a context could never be kept."""
+        healthy = [g for g in self.gpus if g.healthy]
+        if not healthy:
             raise ApiError(409, None, "this node has no healthy GPU to place a lease on")
         try:
-            return check_share(request, limit, min(totals))
+            req, lim = check_share(request, limit, min(g.memory_usable for g in healthy))
         except QuantityError as exc:
             raise ApiError(400, exc.field, exc.message) from exc
+        context = max(g.context_size for g in healthy)
+        if req < context:
+            raise ApiError(400, "request", f"{format_bytes(req)} is less than the "
+                           f"{format_bytes(context)} a CUDA context takes on this node's GPUs; "
+                           f"ask for at least {format_bytes(context)} (a share counts its context)")
+        return req, lim
 
     def _place(self, kind: str, req: int, count: int, others: list[policy.Placement]
                ) -> tuple[tuple[str, ...], tuple[str, ...], list[policy.Move]]:
@@ -373,7 +407,7 @@ class Agent:
         others = self.planning_view(exclude=lease.id)
         changes = {"request": req, "limit": lim, "request_spec": str(request),
                    "limit_spec": str(limit)}
-        totals = {g.uuid: g.memory_total for g in self.gpus if g.healthy}
+        totals = {g.uuid: g.memory_usable for g in self.gpus if g.healthy}
         logical_load, physical_load = policy.logical_load(others), policy.physical_load(others)
         if all(logical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.logical) and all(
             physical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.physical
@@ -486,7 +520,7 @@ class Agent:
         step = 256 * 2**20 if lease.usage < 4 * 2**30 else 2**30
         want = -(-max(lease.usage, lease.request + 1) // step) * step
         totals = [self.gpu(u) for u in lease.physical]
-        if any(g is not None and want >= g.memory_total for g in totals):
+        if any(g is not None and want >= g.memory_usable for g in totals):
             return "1"
         return f"{want // 2**30}Gi" if want % 2**30 == 0 else f"{want // 2**20}Mi"
 
@@ -532,8 +566,8 @@ class Agent:
                 lease.placement() for lease in leases.values()
                 if gpu.uuid in lease.physical and lease.state in ("active", "shrinking")
             ]
-            device = policy.Device(gpu.uuid, gpu.index, gpu.memory_total)
-            headroom = int(self.config.headroom * gpu.memory_total)
+            device = policy.Device(gpu.uuid, gpu.index, gpu.memory_usable)
+            headroom = int(self.config.headroom * gpu.memory_usable)
             # Policy takes a restoring kernel only when the others' loans cannot cover the
             # deficit: the owner's guarantee comes first.
             for r in policy.plan_reclaim(device, on_gpu, gpu.memory_used, headroom, restoring):
@@ -545,29 +579,59 @@ class Agent:
                     reason = (f"using {format_bytes(lease.usage)}, {format_bytes(r.loan)} above its "
                               f"request of {format_bytes(lease.request)}, while {owed}"
                               + self._repeat_note(lease, stops + 1, coming=True))
-                    deadline = now + self.config.reclaim_grace
-                    with self.ledger.transaction():
-                        lease = self.ledger.update(lease.id, state="shrinking", deadline=deadline,
-                                                   reason=reason)
-                        self._directive(lease, "shrink", reason, request=lease.request,
-                                        limit=lease.limit, usage=lease.usage, deadline=deadline,
-                                        gpu=gpu.uuid, stops_in_window=stops,
+                    self._ask_to_shrink(lease, reason, now, gpu=gpu.uuid, stops_in_window=stops,
                                         kill_window=self.config.kill_window)
-                    self.counters["shrinks"] += 1
                 elif lease.deadline is not None and now >= lease.deadline:
                     self._kill(lease, f"stopped to return {format_bytes(r.loan)} of loaned memory: "
                                f"it stayed {format_bytes(r.loan)} above its request of "
                                f"{format_bytes(lease.request)} for {self.config.reclaim_grace:g}s "
                                f"after being asked to shrink, while {owed}", "reclaim")
+        chosen |= self._enforce_limits(now, chosen)
         for lease in list(leases.values()):
             if lease.state == "shrinking" and lease.id not in chosen:
                 why = ("gave its loan back" if lease.usage <= lease.request
                        else "the owner no longer needs the memory")
                 self.ledger.update(lease.id, state="active", deadline=None, reason=why)
 
+    def _ask_to_shrink(self, lease: Lease, reason: str, now: float, **body: Any) -> None:
+        """The first rung: a ``shrink`` directive and a deadline of --reclaim-grace."""
+        deadline = now + self.config.reclaim_grace
+        with self.ledger.transaction():
+            lease = self.ledger.update(lease.id, state="shrinking", deadline=deadline,
+                                       reason=reason)
+            self._directive(lease, "shrink", reason, request=lease.request, limit=lease.limit,
+                            usage=lease.usage, deadline=deadline, **body)
+        self.counters["shrinks"] += 1
+
+    def _enforce_limits(self, now: float, chosen: set[str]) -> set[str]:
+        """The same ladder for a lease above its limit, owed to others or not: what no
+        allocator cap holds (another framework, a child process) is asked back, then stopped."""
+        over_limit: set[str] = set()
+        enforce = self.config.enforce_limits
+        if not (enforce if enforce is not None else not self.backend.simulated):
+            return over_limit
+        for lease in list(self.ledger.leases.values()):
+            if (lease.id in chosen or lease.state not in ("active", "shrinking")
+                    or not lease.limit or lease.usage <= lease.limit):
+                continue
+            over_limit.add(lease.id)
+            over = format_bytes(lease.usage - lease.limit)
+            if lease.state == "active":
+                reason = (f"using {format_bytes(lease.usage)}, {over} above its limit of "
+                          f"{format_bytes(lease.limit)}: something the allocator cap does not "
+                          "hold (another framework, a child process) has the memory")
+                self._ask_to_shrink(lease, reason, now,
+                                    gpu=lease.physical[0] if lease.physical else None,
+                                    cause="limit")
+            elif lease.deadline is not None and now >= lease.deadline:
+                self._kill(lease, f"stopped because it stayed {over} above its limit of "
+                           f"{format_bytes(lease.limit)} for {self.config.reclaim_grace:g}s after "
+                           "being asked to shrink", "limit")
+        return over_limit
+
     def _activate_pending(self) -> None:
         load = policy.physical_load(lease.placement() for lease in self.ledger.leases.values())
-        totals = {g.uuid: g.memory_total for g in self.gpus}
+        totals = {g.uuid: g.memory_usable for g in self.gpus}
         for lease in list(self.ledger.leases.values()):
             if lease.state == "pending" and all(
                 load.get(u, 0) <= totals.get(u, 0) for u in lease.physical

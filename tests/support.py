@@ -38,6 +38,16 @@ def wait_for(
         time.sleep(interval)
 
 
+def nvml_works() -> bool:
+    """Whether NVML initialises here (a machine with an NVIDIA driver), asked in a subprocess."""
+    probe = "import pynvml\npynvml.nvmlInit()\npynvml.nvmlShutdown()"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:
@@ -72,7 +82,9 @@ class AgentProcess:
     ``with AgentProcess(root, "2x2GiB") as agent:`` starts it and stops it at the end.
     """
 
-    def __init__(self, root: Path, spec: str, args: Sequence[str] = (), ready_timeout: float = 30.0) -> None:
+    def __init__(self, root: Path, spec: str | None, args: Sequence[str] = (),
+                 ready_timeout: float = 30.0) -> None:
+        """``spec``: the simulated node; None serves the real GPUs through NVML."""
         root.mkdir(parents=True, exist_ok=True)
         self.socket = str(root / "agent.sock")
         self.state_dir = str(root / "agent-state")
@@ -87,7 +99,8 @@ class AgentProcess:
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
             process = self.process = subprocess.Popen(
-                [sys.executable, "-m", "node_agent", "serve", "--simulate", self.spec,
+                [sys.executable, "-m", "node_agent", "serve",
+                 *(["--simulate", self.spec] if self.spec else []),
                  "--socket", self.socket, "--state-dir", self.state_dir, *self.args],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )

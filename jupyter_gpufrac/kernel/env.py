@@ -33,6 +33,8 @@ class KernelEnv:
     gpu_index: int | None = None
     gpu_name: str | None = None
     gpu_total: int | None = None
+    # What this process's CUDA context takes of the share (the allocator gets the rest).
+    context: int = 0
     simulated: bool = False
     checkpoint_dir: Path = Path(".")
     # Whether checkpoints here can be found again by a restarted kernel (a provisioner said where,
@@ -121,6 +123,9 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         limit = request
     if limit is None:
         limit = request
+    if env.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "").strip() not in ("", "0"):
+        problems.append("PYTORCH_NO_CUDA_MEMORY_CACHING is set: PyTorch's allocator cap does not "
+                        "apply, so only the agent's measurements enforce the limit")
     raw_dir = env.get("GPUFRAC_CHECKPOINT_DIR", "").strip()
     checkpoint_dir = Path(raw_dir).expanduser() if raw_dir else default_checkpoint_dir(kernel_id)
     raw_reason = env.get("GPUFRAC_RESTART_REASON", "").strip()
@@ -135,6 +140,7 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         gpu_index=_int(env, "GPUFRAC_GPU_INDEX", problems),
         gpu_name=env.get("GPUFRAC_GPU_NAME") or None,
         gpu_total=_int(env, "GPUFRAC_GPU_TOTAL", problems),
+        context=_int(env, "GPUFRAC_CONTEXT", problems) or 0,
         simulated=env.get("GPUFRAC_SIMULATED", "") == "1",
         checkpoint_dir=checkpoint_dir,
         checkpoint_dir_stable=bool(raw_dir or kernel_id),

@@ -15,7 +15,16 @@ from dataclasses import asdict
 from typing import Any
 
 from jupyter_gpufrac.kernel import env as kenv
-from jupyter_gpufrac.kernel import ladder, messages, namespace, offload, rng, store, torch_adapter
+from jupyter_gpufrac.kernel import (
+    frameworks,
+    ladder,
+    messages,
+    namespace,
+    offload,
+    rng,
+    store,
+    torch_adapter,
+)
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from jupyter_gpufrac.kernel.import_hook import ImportWatcher
@@ -67,6 +76,8 @@ class GpuFracHook:
         self.started = time.time()
         self._lock = threading.RLock()
         self._import_watcher = ImportWatcher(["torch"], self.on_torch_imported)
+        self._tensorflow_watcher = ImportWatcher(["tensorflow"], self.on_tensorflow_imported)
+        self.tensorflow_capped: list[str] = []
         self._cells_path = environment.checkpoint_dir / store.CELLS_FILE
         self._previous_cells = self._read_previous_cells()
 
@@ -82,6 +93,12 @@ class GpuFracHook:
             self.on_torch_imported(torch)
         else:
             self._import_watcher.install()
+        if self.env.has_lease and self.limit is not None:
+            tensorflow = sys.modules.get("tensorflow")
+            if tensorflow is not None:
+                self.on_tensorflow_imported(tensorflow)
+            else:
+                self._tensorflow_watcher.install()
         if self.env.restore:
             self.restore_at_start()
         elif self.env.checkpoint_dir_stable:
@@ -110,6 +127,7 @@ class GpuFracHook:
             with contextlib.suppress(ValueError):
                 self.ip.events.unregister(event, callback)
         self._import_watcher.uninstall()
+        self._tensorflow_watcher.uninstall()
         if self.torch_seen:
             self.ip.set_custom_exc((), None)
         if self.watcher is not None:
@@ -124,16 +142,26 @@ class GpuFracHook:
                 return
             self.torch_seen = True
         self._import_watcher.uninstall()
-        oom_types = torch_adapter.oom_exception_types()
-        if oom_types:
-            self.ip.set_custom_exc(oom_types, _oom_handler(self))
+        if torch_adapter.oom_exception_types():
+            self.ip.set_custom_exc(torch_adapter.gpu_error_types(), _oom_handler(self))
         self.apply_cap()
 
+    def on_tensorflow_imported(self, tensorflow: types.ModuleType) -> None:
+        """Cap TensorFlow at the limit (less the context) before it touches a GPU."""
+        self._tensorflow_watcher.uninstall()
+        if self.limit is not None:
+            self.tensorflow_capped = frameworks.cap_tensorflow(
+                tensorflow, max(0, self.limit - self.env.context))
+
     def apply_cap(self) -> None:
-        """Cap PyTorch at the limit, or at the request while memory is being reclaimed."""
+        """Cap PyTorch at the limit, or at the request while memory is being reclaimed.
+
+        A share counts the process's CUDA context, as NVML does; the allocator gets the rest.
+        """
         target = self.request if self.state.shrinking else self.limit
         if target is None:
             return
+        target = max(0, target - self.env.context)
         if torch_adapter.set_memory_cap(target, self.env.gpu_total or None) is not None:
             self.cap = target
 
@@ -215,7 +243,9 @@ class GpuFracHook:
             self._maybe_end_shrink()
         usage = torch_adapter.reserved_bytes() if self.env.has_lease else None
         with self._lock:
-            actions = ladder.after_cell(self.state, usage=usage, request=self.request,
+            allocator_request = (None if self.request is None
+                                 else max(0, self.request - self.env.context))
+            actions = ladder.after_cell(self.state, usage=usage, request=allocator_request,
                                         cut_off=cut_off)
         for action in actions:
             if action is ladder.Action.OFFLOAD:
@@ -493,6 +523,28 @@ class GpuFracHook:
         except Exception:
             return None
 
+    def oom_explanation(self, error: BaseException, source: str) -> str:
+        """What a GPU memory failure means for this kernel: whose memory ran out, and why."""
+        reserved = torch_adapter.reserved_bytes()
+        shares: list[dict[str, Any]] = []
+        if self.env.has_lease:
+            with contextlib.suppress(Exception):  # the explanation must come, agent or not
+                node = make_client(self.env.agent_socket, timeout=2.0).node()
+                gpus: list[dict[str, Any]] = node.get("gpus", [])
+                gpu = next((g for g in gpus if g.get("uuid") == self.env.gpu_uuid), {})
+                shares = list(gpu.get("shares", []))
+        cause = messages.oom_cause(
+            wanted=messages.oom_wanted(error), reserved=reserved, cap=self.cap,
+            gpu_free=torch_adapter.free_bytes(), shares=shares, own_lease=self.env.lease_id,
+        )
+        return messages.oom_explanation(
+            request=self.request, limit=self.limit,
+            total=self.env.gpu_total or torch_adapter.device_total(),
+            reserved=reserved, allocated=torch_adapter.allocated_bytes(), cap=self.cap,
+            shrunk=self.state.shrinking, has_lease=self.env.has_lease, source=source,
+            cause=cause,
+        )
+
     def summary(self) -> dict[str, Any]:
         """Machine-readable state for the server (``user_expressions``) and ``%gpu``."""
         last = self.checkpointer.last
@@ -520,26 +572,23 @@ class GpuFracHook:
 
 
 def _oom_handler(hook: GpuFracHook) -> Any:
-    """A ``set_custom_exc`` handler: the usual traceback plus what the OOM means here."""
+    """A ``set_custom_exc`` handler: the usual traceback, plus what it means here when it is
+    a GPU memory failure (other errors of the same classes are shown as IPython would)."""
 
     def handler(shell: Any, etype: type, value: BaseException, tb: Any,
                 tb_offset: int | None = None) -> None:
         stb: list[str] = shell.InteractiveTB.structured_traceback(
             etype, value, tb, tb_offset=tb_offset
         )
-        explanation = messages.oom_explanation(
-            request=hook.request, limit=hook.limit,
-            total=hook.env.gpu_total or torch_adapter.device_total(),
-            reserved=torch_adapter.reserved_bytes(), allocated=torch_adapter.allocated_bytes(),
-            cap=hook.cap, shrunk=hook.state.shrinking, has_lease=hook.env.has_lease,
-        )
+        source = messages.oom_source(value)
+        extra = [] if source is None else [hook.oom_explanation(value, source)]
         # IPython ignores what a custom handler returns; _showtraceback is what showtraceback
         # ends with, and ipykernel turns it into the cell's error output and the reply.
         show = getattr(shell, "_showtraceback", None)
         if show is not None:
-            show(etype, value, [*stb, explanation])
+            show(etype, value, [*stb, *extra])
         else:
             print(shell.InteractiveTB.stb2text(stb), file=sys.stderr)
-            print(explanation, file=sys.stderr)
+            print(*extra, file=sys.stderr)
 
     return handler

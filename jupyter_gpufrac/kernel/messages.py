@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 
@@ -139,6 +140,71 @@ def restore_message(
     return "\n".join(f"gpufrac: {line}" for line in lines)
 
 
+# Messages of GPU memory failures that are not PyTorch's OutOfMemoryError, and who failed.
+_OOM_MARKS = (
+    ("CUBLAS_STATUS_ALLOC_FAILED", "cuBLAS"),
+    ("CUDNN_STATUS_ALLOC_FAILED", "cuDNN"),
+    ("CUFFT_ALLOC_FAILED", "cuFFT"),
+    ("CUSOLVER_STATUS_ALLOC_FAILED", "cuSOLVER"),
+    ("CUSPARSE_STATUS_ALLOC_FAILED", "cuSPARSE"),
+    ("CUDA error: out of memory", "CUDA"),
+    ("CUDA out of memory", "PyTorch"),
+)
+_WANTED = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def oom_source(error: BaseException) -> str | None:
+    """Who ran out of GPU memory in ``error`` ("PyTorch", "CUDA", "cuBLAS", …), or None when
+    ``error`` is not a GPU memory failure."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return "PyTorch"
+    text = str(error)
+    return next((who for mark, who in _OOM_MARKS if mark in text), None)
+
+
+def oom_wanted(error: BaseException) -> int | None:
+    """The size of the allocation that failed, when the message says it."""
+    match = _WANTED.search(str(error))
+    return int(float(match.group(1)) * _UNITS[match.group(2)]) if match else None
+
+
+def oom_cause(
+    *, wanted: int | None, reserved: int | None, cap: int | None, gpu_free: int | None,
+    shares: Sequence[Mapping[str, object]] = (), own_lease: str | None = None,
+) -> str:
+    """Why the memory ran out: this kernel's own cap, or a GPU full because of others (each
+    other share by its figures: whose it is is not ours to know)."""
+    need = wanted or 0
+    if cap is not None and reserved is not None and reserved + need > cap:
+        return (f"This kernel reached its own cap of {fmt_bytes(cap)} "
+                f"({fmt_bytes(reserved)} held, {fmt_bytes(need)} more asked for).")
+    if gpu_free is None:
+        return "The GPU could not give more memory."
+    others = [s for s in shares if s.get("lease") is None or s.get("lease") != own_lease]
+    text = (f"The GPU itself is full ({fmt_bytes(gpu_free)} free) while this kernel is below "
+            "its cap: other processes hold the memory.")
+    borrowing = [s for s in others if _int(s.get("usage")) > _int(s.get("request"))]
+    if others:
+        text += (f" {plural(len(others), 'other share')} on this GPU: "
+                 + "; ".join(_share_text(s) for s in others[:4])
+                 + (f"; and {len(others) - 4} more" if len(others) > 4 else "") + ".")
+    if borrowing:
+        text += (" Memory above a request is on loan: the agent takes it back for notebooks "
+                 "under their request, so what your request guarantees comes free.")
+    return text
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) else 0
+
+
+def _share_text(share: Mapping[str, object]) -> str:
+    usage, request = _int(share.get("usage")), _int(share.get("request"))
+    over = f", {fmt_bytes(usage - request)} above it" if usage > request else ""
+    return f"a {share.get('kind', 'lease')} using {fmt_bytes(usage)} of a {fmt_bytes(request)} request{over}"
+
+
 def oom_explanation(
     *,
     request: int | None,
@@ -149,9 +215,13 @@ def oom_explanation(
     cap: int | None,
     shrunk: bool,
     has_lease: bool,
+    source: str = "PyTorch",
+    cause: str = "",
 ) -> str:
-    """What a CUDA OutOfMemoryError means under a lease, and what to do about it."""
-    lines = ["gpufrac: PyTorch ran out of the GPU memory this kernel may use."]
+    """What a GPU out-of-memory error means under a lease, and what to do about it."""
+    lines = [f"gpufrac: {source} ran out of the GPU memory this kernel may use."]
+    if cause:
+        lines.append(f"  why: {cause}")
     if has_lease:
         lines.append(f"  request (guaranteed): {fmt_share(request, total)}")
         lines.append(f"  limit (may burst to): {fmt_share(limit, total)}")

@@ -124,11 +124,22 @@ def set_cuda_rng_states(states: list[bytes]) -> bool:
 
 def oom_exception_types() -> tuple[type[BaseException], ...]:
     """Exception classes PyTorch raises when the allocator runs out (empty before torch loads)."""
+    return _exception_types(("OutOfMemoryError",))
+
+
+def gpu_error_types() -> tuple[type[BaseException], ...]:
+    """Exception classes that may carry a GPU memory failure: the allocator's, CUDA's own
+    ("CUDA error: out of memory"), and the RuntimeErrors of cuBLAS, cuDNN and the like."""
+    return (*_exception_types(("OutOfMemoryError", "AcceleratorError")), RuntimeError)
+
+
+def _exception_types(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
     torch = torch_module()
     if torch is None:
         return ()
     types: list[type[BaseException]] = []
-    for owner, name in ((torch, "OutOfMemoryError"), (getattr(torch, "cuda", None), "OutOfMemoryError")):
+    pairs = [(owner, name) for name in names for owner in (torch, getattr(torch, "cuda", None))]
+    for owner, name in pairs:
         cls = getattr(owner, name, None)
         if isinstance(cls, type) and issubclass(cls, BaseException) and cls not in types:
             types.append(cls)

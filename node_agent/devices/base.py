@@ -36,10 +36,17 @@ class GpuInfo:
     memory_total: int
     memory_used: int
     memory_free: int
-    memory_reserved: int = 0
+    memory_reserved: int = 0  # kept by the driver: total = reserved + used + free
     utilization: int | None = None
     healthy: bool = True
     error: str | None = None
+    # What one process's CUDA context takes here (0: unknown; the agent then estimates it).
+    context_size: int = 0
+
+    @property
+    def memory_usable(self) -> int:
+        """What processes can ever hold: the total less the driver's reserve."""
+        return self.memory_total - self.memory_reserved
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

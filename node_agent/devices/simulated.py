@@ -6,46 +6,80 @@ import re
 import threading
 import uuid as uuidlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import psutil
 
 from node_agent.devices.base import GpuInfo, GpuLost, NotSupported, ProcessMemory
 from node_agent.quantities import GiB, QuantityError, parse_quantity
 
-# Known boards, so that specs such as 4xH100-80GB read naturally.
+MiB = 2**20
+
+# Known boards, so that specs such as 4xH100-80GB read naturally: the name, the memory, what
+# the driver reserves and what one process's CUDA context takes. The last two are typical
+# figures for recent drivers and CUDA 12 (they vary with both); override them in the spec.
 _MODELS = {
-    "A100-40GB": ("NVIDIA A100-SXM4-40GB", 40 * GiB),
-    "A100-80GB": ("NVIDIA A100-SXM4-80GB", 80 * GiB),
-    "H100-80GB": ("NVIDIA H100 80GB HBM3", 80 * GiB),
-    "H200-141GB": ("NVIDIA H200", 141 * GiB),
-    "L4-24GB": ("NVIDIA L4", 24 * GiB),
-    "T4-16GB": ("Tesla T4", 16 * GiB),
+    "A100-40GB": ("NVIDIA A100-SXM4-40GB", 40 * GiB, 410 * MiB, 420 * MiB),
+    "A100-80GB": ("NVIDIA A100-SXM4-80GB", 80 * GiB, 512 * MiB, 420 * MiB),
+    "H100-80GB": ("NVIDIA H100 80GB HBM3", 80 * GiB, 528 * MiB, 500 * MiB),
+    "H200-141GB": ("NVIDIA H200", 141 * GiB, 600 * MiB, 520 * MiB),
+    "L4-24GB": ("NVIDIA L4", 24 * GiB, 300 * MiB, 300 * MiB),
+    "T4-16GB": ("Tesla T4", 16 * GiB, 250 * MiB, 310 * MiB),
 }
-_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*(\S+)\s*$")
+_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*([^:\s]+)\s*((?::[^:]*)*)$")
 FAULTS = ("lost", "not_supported")
 
 
-def parse_spec(spec: str) -> list[tuple[str, int]]:
-    """``2x16GiB`` or ``4xH100-80GB`` (several joined by ``,``) → [(name, bytes), ...]."""
-    boards: list[tuple[str, int]] = []
+class Board(NamedTuple):
+    """One simulated GPU: its name, memory, driver-reserved memory and per-process context."""
+
+    name: str
+    total: int
+    reserved: int = 0
+    context: int = 0
+
+
+def parse_spec(spec: str) -> list[Board]:
+    """``2x16GiB``, ``4xH100-80GB`` or ``2x16GiB:reserved=512Mi:context=300Mi`` (several
+    joined by ``,``) → one :class:`Board` per GPU."""
+    boards: list[Board] = []
     for part in spec.split(","):
         match = _SPEC.match(part)
         if not match or int(match.group(1)) < 1:
             raise QuantityError(
-                "simulate", f"expected COUNTxSIZE or COUNTxMODEL such as 2x16GiB or 4xH100-80GB, got {part!r}"
+                "simulate", "expected COUNTxSIZE or COUNTxMODEL such as 2x16GiB or 4xH100-80GB, "
+                f"optionally with :reserved=SIZE:context=SIZE, got {part!r}"
             )
         count, what = int(match.group(1)), match.group(2)
         if what.upper() in _MODELS:
-            name, total = _MODELS[what.upper()]
+            name, total, reserved, context = _MODELS[what.upper()]
         else:
             size = parse_quantity(what, "simulate")
             if size.nbytes is None:
                 raise QuantityError("simulate", f"the size of a simulated GPU must be memory, got {what!r}")
-            name, total = f"GPU {what}", size.nbytes
-        boards.extend((f"{name} (simulated)", total) for _ in range(count))
+            name, total, reserved, context = f"GPU {what}", size.nbytes, 0, 0
+        options = _options(match.group(3), part)
+        reserved, context = options.get("reserved", reserved), options.get("context", context)
+        if reserved + context >= total:
+            raise QuantityError("simulate", f"reserved and context leave no memory on {part!r}")
+        boards.extend(Board(f"{name} (simulated)", total, reserved, context) for _ in range(count))
     if len(boards) > 64:
         raise QuantityError("simulate", f"at most 64 GPUs, got {len(boards)}")
     return boards
+
+
+def _options(text: str, part: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for option in filter(None, text.split(":")):
+        key, _, value = option.partition("=")
+        if key not in ("reserved", "context") or not value:
+            raise QuantityError("simulate", f"expected :reserved=SIZE or :context=SIZE in {part!r}, "
+                                f"got {option!r}")
+        size = parse_quantity(value, "simulate")
+        if size.nbytes is None:
+            raise QuantityError("simulate", f"{key} must be a memory size such as 512Mi, got {value!r}")
+        out[key] = size.nbytes
+    return out
 
 
 def simulated_uuid(index: int) -> str:
@@ -57,6 +91,7 @@ class _Tracked:
     uuid: str
     baseline: int
     process: psutil.Process
+    context: int  # charged from the start: a kernel process creates its CUDA context early
 
 
 @dataclass
@@ -69,7 +104,8 @@ class _Gpu:
 
 
 class SimulatedBackend:
-    """GPUs described by a spec; a tracked process uses what it holds above its baseline.
+    """GPUs described by a spec; a tracked process uses its CUDA context plus what it holds
+    above its baseline, and the driver keeps its reserved memory.
 
     The baseline is the process's resident memory when it was placed, so allocations a
     test makes in a real process (torch tensors, bytearrays) show up as device memory.
@@ -82,9 +118,11 @@ class SimulatedBackend:
         self.spec = spec
         self._lock = threading.Lock()
         self._gpus: dict[str, _Gpu] = {}
-        for index, (name, total) in enumerate(parse_spec(spec)):
+        for index, board in enumerate(parse_spec(spec)):
             uuid = simulated_uuid(index)
-            self._gpus[uuid] = _Gpu(GpuInfo(uuid, index, name, total, 0, total))
+            free = board.total - board.reserved
+            self._gpus[uuid] = _Gpu(GpuInfo(uuid, index, board.name, board.total, 0, free,
+                                            board.reserved, context_size=board.context))
         self._tracked: dict[int, _Tracked] = {}
 
     def gpus(self) -> list[GpuInfo]:
@@ -94,12 +132,15 @@ class SimulatedBackend:
                 if gpu.fault == "lost":
                     out.append(_unhealthy(gpu.info, "GPU is lost (simulated fault)"))
                     continue
-                used = min(gpu.info.memory_total, gpu.extra_used + self._used_locked(uuid))
+                # As NVML's v2 memory info: total = reserved + used + free.
+                usable = gpu.info.memory_total - gpu.info.memory_reserved
+                used = min(usable, gpu.extra_used + self._used_locked(uuid))
                 out.append(
                     GpuInfo(
                         uuid, gpu.info.index, gpu.info.name, gpu.info.memory_total,
-                        used, gpu.info.memory_total - used,
+                        used, usable - used, gpu.info.memory_reserved,
                         utilization=None if gpu.fault == "not_supported" else 0,
+                        context_size=gpu.info.context_size,
                     )
                 )
             return out
@@ -128,7 +169,8 @@ class SimulatedBackend:
                 baseline = process.memory_info().rss
             except psutil.Error:
                 return
-            self._tracked[pid] = _Tracked(uuid, baseline, process)
+            self._tracked[pid] = _Tracked(uuid, baseline, process,
+                                          self._gpus[uuid].info.context_size)
 
     def close(self) -> None:
         with self._lock:
@@ -152,7 +194,7 @@ class SimulatedBackend:
         try:
             if not tracked.process.is_running():
                 raise psutil.NoSuchProcess(pid)
-            return max(0, tracked.process.memory_info().rss - tracked.baseline)
+            return tracked.context + max(0, tracked.process.memory_info().rss - tracked.baseline)
         except psutil.Error:
             del self._tracked[pid]
             return None

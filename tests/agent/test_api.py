@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from support import AgentProcess, free_port, wait_for
+from support import AgentProcess, free_port, nvml_works, wait_for
 
 from node_agent import procs
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
@@ -195,6 +195,12 @@ def test_users_see_only_their_own_leases(
     assert {x["id"] for x in root.leases()} == {mine["id"], their_id}
     # Metrics show others' leases only to admins.
     assert mine["id"] not in as_user(NOBODY, lambda: agent.client().metrics())["ok"]
+    # The node shows every share on each GPU, others' without lease id or owner.
+    shares = [s for g in as_user(NOBODY, lambda: agent.client().node())["ok"]["gpus"]
+              for s in g["shares"]]
+    assert sorted(str(s["lease"]) for s in shares) == sorted([their_id, "None"])
+    assert all(set(s) == {"lease", "kind", "request", "usage", "state"} for s in shares)
+    assert {s["lease"] for g in root.node()["gpus"] for s in g["shares"]} == {mine["id"], their_id}
 
 
 def test_pid_registration_rules(
@@ -287,13 +293,13 @@ def test_tcp_with_token(start_agent: Callable[..., AgentProcess], shared_tmp: An
 
 
 def test_serve_without_gpu_suggests_simulation(shared_tmp: Any) -> None:
+    if nvml_works():
+        pytest.skip("NVML works on this machine: serve would serve it")
     out = subprocess.run(
         [sys.executable, "-m", "node_agent", "serve", "--socket", str(shared_tmp / "a.sock"),
          "--state-dir", str(shared_tmp / "s")],
         capture_output=True, text=True, timeout=30, check=False,
     )
-    if out.returncode == 0:
-        pytest.skip("NVML works on this machine")
     assert out.returncode == 2 and "--simulate" in out.stderr
 
 

@@ -150,10 +150,16 @@ def test_open_backend_falls_back_to_simulation() -> None:
 
 
 def test_simulated_specs() -> None:
-    assert parse_spec("2x16GiB") == [("GPU 16GiB (simulated)", 16 * GiB)] * 2
+    assert parse_spec("2x16GiB") == [("GPU 16GiB (simulated)", 16 * GiB, 0, 0)] * 2
     boards = parse_spec("4xH100-80GB")
-    assert len(boards) == 4 and boards[0] == ("NVIDIA H100 80GB HBM3 (simulated)", 80 * GiB)
-    for bad in ("", "2x", "x16GiB", "0x16GiB", "2x0.5", "2xbanana"):
+    # Named boards keep what the driver reserves and what a CUDA context takes.
+    assert len(boards) == 4 and boards[0] == (
+        "NVIDIA H100 80GB HBM3 (simulated)", 80 * GiB, 528 * 2**20, 500 * 2**20)
+    tuned = parse_spec("1xH100-80GB:context=300Mi,1x8GiB:reserved=256Mi:context=200Mi")
+    assert [(b.reserved, b.context) for b in tuned] == [
+        (528 * 2**20, 300 * 2**20), (256 * 2**20, 200 * 2**20)]
+    for bad in ("", "2x", "x16GiB", "0x16GiB", "2x0.5", "2xbanana", "1x8GiB:context",
+                "1x8GiB:vram=1Gi", "1x8GiB:context=0.5", "1x1GiB:reserved=1Gi"):
         with pytest.raises(QuantityError, match="simulate"):
             parse_spec(bad)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import AgentProcess, wait_for
 
-from node_agent.client import AgentClient
+from node_agent.client import AgentClient, AgentError
 
 from .conftest import Holder
 
@@ -315,3 +316,89 @@ def test_the_third_stop_in_the_window_says_why_and_what_to_do(
     for text in (shrink["reason"], killed["reason"]):
         assert "the state it restores needs more than its request of 128.0 MiB" in text
         assert "`%gpu request 512Mi`" in text and "free memory" in text
+
+
+def test_four_quarter_shares_that_use_all_of_them_are_never_disturbed(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    """A GPU as real ones are: the driver keeps a reserve and every process pays a CUDA context.
+    Shares are cut from what processes can hold and count their context, as NVML's per-process
+    figures do, so four quarter shares used to the last byte fit and nobody is a borrower."""
+    agent = start_agent("--reclaim-grace", "0.5", "--headroom", "0.25",
+                        spec="1x4GiB:reserved=528Mi:context=500Mi")
+    c = agent.client()
+    gpu = c.node()["gpus"][0]
+    assert (gpu["memory_reserved"], gpu["context_size"]) == (528 * MiB, 500 * MiB)
+    usable = 4 * 1024 * MiB - 528 * MiB
+    _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
+    kernels = [_notebook(agent, holders, "0.25", "0.25", 0) for _ in range(4)]
+    assert all(abs(lease["request"] - usable // 4) < MiB for lease, _ in kernels)
+    with pytest.raises(AgentError) as refused:
+        c.create_lease(client="jupyter", request="0.25")
+    assert refused.value.status == 409 and refused.value.field == "request"
+    for lease, proc in kernels:
+        # Everything the share leaves beside the context (less a little for the interpreter).
+        proc.hold(lease["request"] // MiB - 500 - 16)
+    wait_for(lambda: all(c.lease(lease["id"])["usage"] > lease["request"] - 40 * MiB
+                         for lease, _ in kernels), what="all four using their whole share")
+    found, _ = c.directives(client="jupyter", after=cursor, timeout=2)
+    assert found == [], [d["reason"] for d in found]
+    for lease, proc in kernels:
+        now = c.lease(lease["id"])
+        assert proc.alive() and now["state"] == "active" and not now["bursting"], now
+
+
+def test_a_share_smaller_than_a_context_is_refused(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent(spec="1x4GiB:context=500Mi")
+    with pytest.raises(AgentError) as refused:
+        agent.client().create_lease(client="jupyter", request="256Mi")
+    err = refused.value
+    assert (err.status, err.field) == (400, "request")
+    assert "less than the 500.0 MiB a CUDA context takes" in err.message
+    assert "ask for at least 500.0 MiB" in err.message
+
+
+def test_a_lease_above_its_limit_is_asked_back_then_stopped_with_nobody_owed(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    """What no allocator cap holds (JAX without its variables, a child process, raw CUDA) is
+    caught by measurement: the same ladder as a reclaim, though no other lease is owed."""
+    agent = start_agent("--reclaim-grace", "0.5", "--enforce-limits", spec="1x2GiB")
+    c = agent.client()
+    lease, proc = _notebook(agent, holders, "128Mi", "256Mi", 0)
+    _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
+    proc.hold(100)
+    assert c.directives(client="jupyter", after=cursor, timeout=1)[0] == [], "within its limit"
+    proc.hold(300)
+    found, cursor = c.directives(client="jupyter", after=cursor, timeout=10)
+    assert [(d["kind"], d["cause"]) for d in found] == [("shrink", "limit")]
+    assert "above its limit of 256.0 MiB" in found[0]["reason"]
+    found, _ = c.directives(client="jupyter", after=cursor, timeout=10)
+    assert [(d["kind"], d["cause"]) for d in found] == [("killed", "limit")]
+    assert "stayed" in found[0]["reason"] and "above its limit of 256.0 MiB" in found[0]["reason"]
+    wait_for(lambda: not proc.alive(), what="the process over its limit stopped")
+    assert c.lease(lease["id"])["state"] == "killed"
+
+
+def test_run_caps_other_frameworks_at_the_limit_less_the_context(
+    start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    agent = start_agent(spec="1x2GiB:context=200Mi")
+    out = tmp_path / "env.json"
+    names = ["XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+             "CUPY_GPU_MEMORY_LIMIT", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+    script = (f"import json, os; open({str(out)!r}, 'w').write(json.dumps("
+              f"{{n: os.environ.get(n) for n in {names!r}}}))")
+    done = subprocess.run(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
+         "--request", "1Gi", "--", sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{(1024 - 200) / 2048:.4f}",
+        "CUPY_GPU_MEMORY_LIMIT": str((1024 - 200) * MiB),
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1024M",
+    }

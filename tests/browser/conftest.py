@@ -178,6 +178,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -
                 "--ServerApp.port_retries=0",
                 f"--IdentityProvider.token={token}",
                 f"--ServerApp.root_dir={notebooks}",
+                # The simulated node even where a GPU is: the test moves between two GPUs.
+                "--GpuFrac.embedded_agent_nvml=False",
             ],
             cwd=notebooks,
             env=env,

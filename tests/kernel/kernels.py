@@ -91,6 +91,8 @@ class Kernel:
 def kernel_env(extra: Mapping[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFRAC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # These kernels behave as on a machine without a GPU, even on one with (tests/gpu has those).
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
 

@@ -12,6 +12,7 @@ from support import AgentProcess, wait_for
 
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+from jupyter_gpufrac.launch import build_kernel_env
 
 from .kernels import running_kernel
 from .test_directives import spread_lease
@@ -47,6 +48,18 @@ def test_no_lease_mode_magics_errors_and_oom_help(tmp_path: Path) -> None:
         assert oom.status == "error" and oom.error is not None
         assert oom.error["ename"] == "OutOfMemoryError"
         assert "ran out of the GPU memory" in oom.traceback and "del x" in oom.traceback
+        # CUDA's own out-of-memory and a library's failed workspace are explained too...
+        for raised, who in (
+            ('RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")',
+             "cuBLAS"),
+            ('torch.AcceleratorError("CUDA error: out of memory")', "CUDA"),
+        ):
+            failed = k.run(f"raise {raised}")
+            assert f"gpufrac: {who} ran out of the GPU memory" in failed.traceback, failed
+        # ...and any other RuntimeError is shown as IPython shows it, with nothing added.
+        plain = k.run('raise RuntimeError("shape mismatch")')
+        assert plain.error is not None and plain.error["ename"] == "RuntimeError"
+        assert "shape mismatch" in plain.traceback and "gpufrac" not in plain.traceback
 
         # The silent checkpoint the server runs before a migration prints nothing.
         assert "torch" in k.value("__import__('jupyter_gpufrac.kernel', fromlist=['x'])"
@@ -231,3 +244,49 @@ def test_bursting_kernel_checkpoints_and_hears_shrink(tmp_path: Path) -> None:
             owner.kill()
             owner.wait()
         agent.stop()
+
+
+# Stands in for TensorFlow's config API (not installed here): it records what it was told.
+FAKE_TENSORFLOW = '''
+import types
+calls = []
+class _Gpu:
+    def __init__(self, name):
+        self.name = name
+class LogicalDeviceConfiguration:
+    def __init__(self, memory_limit=None):
+        self.memory_limit = memory_limit
+def _list(kind):
+    return [_Gpu("/physical_device:GPU:0")] if kind == "GPU" else []
+def _set(device, configs):
+    calls.append((device.name, [c.memory_limit for c in configs]))
+config = types.SimpleNamespace(list_physical_devices=_list,
+                               set_logical_device_configuration=_set,
+                               LogicalDeviceConfiguration=LogicalDeviceConfiguration)
+'''
+
+
+def test_other_frameworks_are_capped_at_the_limit_less_the_context(tmp_path: Path) -> None:
+    fake = tmp_path / "site"
+    (fake / "tensorflow").mkdir(parents=True)
+    (fake / "tensorflow" / "__init__.py").write_text(FAKE_TENSORFLOW)
+    limit, context = 3 * GiB, 500 * 2**20
+    lease = {"id": "l-tf", "request": GiB, "limit": limit, "physical_gpus": ["GPU-x"]}
+    gpus = {"GPU-x": {"index": 0, "memory_total": 16 * GiB, "context_size": context}}
+    env = build_kernel_env({}, kernel_id="k", socket_path=str(tmp_path / "none.sock"),
+                           checkpoint_dir=str(tmp_path / "ck"), lease=lease, gpus=gpus,
+                           simulated=False, restart_reason=None, hide_gpus=False)
+    # The environment caps JAX, CuPy and MPS clients from the start.
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == f"{(limit - context) / (16 * GiB):.4f}"
+    assert env["CUPY_GPU_MEMORY_LIMIT"] == str(limit - context)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3072M"
+    kept = {k: env[k] for k in env if k.startswith(("GPUFRAC_", "XLA_", "CUPY_", "TF_", "CUDA_"))}
+    with running_kernel({**kept, "PYTHONPATH": str(fake),
+                         "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}) as k:
+        # TensorFlow, imported by a cell, is capped before it can touch the GPU.
+        assert k.run("import tensorflow").status == "ok"
+        assert k.value("tensorflow.calls") == [
+            ("/physical_device:GPU:0", [(limit - context) // 2**20])]
+        # A bypass of the PyTorch cap is named where the user looks.
+        assert "PYTORCH_NO_CUDA_MEMORY_CACHING is set" in k.run("%gpu").stdout

@@ -137,6 +137,26 @@ def test_oom_explanation_names_request_limit_and_remedies() -> None:
     assert "%gpu request" in text and "%gpu reload" in text and "del x" in text
 
 
+def test_oom_forms_and_whose_memory_ran_out() -> None:
+    assert messages.oom_source(RuntimeError("CUDA error: out of memory")) == "CUDA"
+    assert messages.oom_source(RuntimeError("CUDNN_STATUS_ALLOC_FAILED")) == "cuDNN"
+    assert messages.oom_source(RuntimeError("index out of range")) is None
+    tried = RuntimeError("CUDA out of memory. Tried to allocate 1.50 GiB (GPU 0; ...)")
+    assert messages.oom_wanted(tried) == int(1.5 * GiB)
+    # Its own cap: what it holds and wants is over it, whatever the GPU has free.
+    own = messages.oom_cause(wanted=GiB, reserved=3 * GiB, cap=4 * GiB - 1, gpu_free=20 * GiB)
+    assert own.startswith("This kernel reached its own cap")
+    # Below its cap, on a GPU that others fill: each other share by its figures, not by owner.
+    shares = [{"lease": "l-mine", "kind": "notebook", "request": 4 * GiB, "usage": GiB},
+              {"lease": None, "kind": "notebook", "request": 4 * GiB, "usage": 10 * GiB},
+              {"lease": None, "kind": "job", "request": 8 * GiB, "usage": 4 * GiB}]
+    full = messages.oom_cause(wanted=GiB, reserved=GiB, cap=8 * GiB, gpu_free=100 * 2**20,
+                              shares=shares, own_lease="l-mine")
+    assert "The GPU itself is full (100.0 MiB free)" in full
+    assert "2 other shares" in full and "6.0 GiB above it" in full and "on loan" in full
+    assert "l-mine" not in full
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

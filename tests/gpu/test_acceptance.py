@@ -1,0 +1,160 @@
+"""On a real GPU: the cap, the context, UUIDs, NVML's view of a kernel, restores onto CUDA.
+
+``pytest -m gpu`` runs these where CUDA is; elsewhere they skip (``make test`` runs them too).
+Each check runs in a fresh process: a cap or a CUDA context must not leak into pytest's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import AgentProcess, nvml_works, wait_for
+
+pytestmark = pytest.mark.gpu
+
+MiB, GiB = 2**20, 2**30
+
+
+def _cuda_devices() -> int:
+    probe = "import torch\nprint(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
+DEVICES = _cuda_devices()
+if not DEVICES:
+    pytest.skip("no CUDA device here", allow_module_level=True)
+
+
+def _python(code: str, **env: str) -> dict[str, object]:
+    """Run ``code`` in a fresh interpreter; it prints one JSON line, returned."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _uuids() -> list[str]:
+    code = ("import json, torch\nprint(json.dumps({'uuids': ['GPU-' + str(torch.cuda."
+            "get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]}))")
+    return [str(u) for u in _python(code)["uuids"]]  # type: ignore[union-attr]
+
+
+def test_uuid_visibility_selects_the_leased_gpu() -> None:
+    last = _uuids()[-1]
+    seen = _python("import json, torch\nprint(json.dumps({'count': torch.cuda.device_count(), "
+                   "'uuid': 'GPU-' + str(torch.cuda.get_device_properties(0).uuid)}))",
+                   CUDA_VISIBLE_DEVICES=last)
+    assert seen == {"count": 1, "uuid": last}
+
+
+def test_the_cap_stops_an_allocation_above_the_limit_and_says_whose_it_is() -> None:
+    code = f"""
+import json, torch
+from jupyter_gpufrac.kernel import messages, torch_adapter
+total = torch_adapter.device_total()
+torch_adapter.set_memory_cap({GiB}, total)
+ok = torch.empty({GiB // 2}, dtype=torch.uint8, device="cuda")
+try:
+    torch.empty({2 * GiB}, dtype=torch.uint8, device="cuda")
+    result = "allocated"
+except torch.OutOfMemoryError as err:
+    result = messages.oom_cause(wanted=messages.oom_wanted(err),
+                                reserved=torch_adapter.reserved_bytes(), cap={GiB},
+                                gpu_free=torch_adapter.free_bytes())
+print(json.dumps({{"result": result}}))
+"""
+    assert str(_python(code)["result"]).startswith("This kernel reached its own cap")
+
+
+def test_a_cuda_context_is_what_the_simulation_assumes_it_is(tmp_path: Path) -> None:
+    """NVML's figure for a process minus its allocator's reserve: the context, measured."""
+    code = """
+import json, os, time, torch, pynvml
+torch.empty(1, device="cuda")
+torch.cuda.synchronize()
+pynvml.nvmlInit()
+uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
+handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+used = next(p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            if p.pid == os.getpid())
+print(json.dumps({"context": used - torch.cuda.memory_reserved()}))
+"""
+    context = int(_python(code)["context"])  # type: ignore[arg-type]
+    print(f"measured CUDA context: {context / MiB:.0f} MiB (the agent's estimate: 500 MiB)")
+    assert 64 * MiB < context < 2 * GiB
+
+
+def test_a_checkpoint_restores_onto_the_gpu(tmp_path: Path) -> None:
+    target = _uuids()[-1]
+    save = f"""
+import json, torch
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+ns = {{"w": torch.arange(1000.0, device="cuda"), "cpu": torch.ones(3)}}
+Checkpointer({str(tmp_path)!r}).take(ns)
+print(json.dumps({{"ok": True}}))
+"""
+    load = f"""
+import json, torch
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+ns = {{}}
+Checkpointer({str(tmp_path)!r}).load(ns)
+print(json.dumps({{"w": str(ns["w"].device), "cpu": str(ns["cpu"].device),
+                  "sum": float(ns["w"].sum())}}))
+"""
+    _python(save, CUDA_VISIBLE_DEVICES=_uuids()[0])
+    # On another GPU where there is one: a move; else the same GPU in a new process.
+    assert _python(load, CUDA_VISIBLE_DEVICES=target) == {
+        "w": "cuda:0", "cpu": "cpu", "sum": float(sum(range(1000)))}
+
+
+@pytest.mark.skipif(not nvml_works(), reason="NVML does not initialise")
+def test_the_agent_measures_a_kernel_through_nvml(tmp_path: Path) -> None:
+    with AgentProcess(tmp_path / "agent", None, ["--poll-interval", "0.2"]) as agent:
+        c = agent.client()
+        lease = c.create_lease(client="gpu-test", request="2Gi", limit="4Gi")
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, torch\nx = torch.empty(2**30, dtype=torch.uint8, "
+             "device='cuda')\nprint('ready', flush=True)\nsys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": lease["physical_gpu"]})
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+            c.register_pid(lease["id"], holder.pid)
+            wait_for(lambda: c.lease(lease["id"])["usage"] > GiB, 30, "NVML to see the kernel")
+            gpu = next(g for g in c.node()["gpus"] if g["uuid"] == lease["physical_gpu"])
+            assert [s["lease"] for s in gpu["shares"]] == [lease["id"]]
+        finally:
+            holder.kill()
+            holder.wait()
+
+
+def test_offload_frees_the_gpu_memory_a_notebook_holds_everywhere() -> None:
+    """Tensors bound to names, kept in containers and in the output cache all leave the GPU:
+    what the allocator holds falls back to (almost) nothing, and comes back on reload."""
+    code = f"""
+import gc, json, torch
+from jupyter_gpufrac.kernel import offload
+big = torch.empty({512 * MiB}, dtype=torch.uint8, device="cuda")
+ns = {{"big": big, "pair": [big, torch.ones(3, device="cuda")],
+      "Out": {{3: big}}, "_": big, "_3": big, "model": torch.nn.Linear(1024, 1024).cuda()}}
+del big
+before = torch.cuda.memory_allocated()
+moved = offload.offload(ns)
+gc.collect()
+torch.cuda.empty_cache()
+after = torch.cuda.memory_allocated()
+back, left = offload.reload(ns, moved, None)
+print(json.dumps({{"before": before, "after": after, "same": ns["pair"][0] is ns["big"],
+                  "back": sorted(r.name for r in back), "left": len(left),
+                  "device": str(ns["big"].device)}}))
+"""
+    seen = _python(code)
+    assert int(seen["before"]) > 512 * MiB > 64 * MiB > int(seen["after"])  # type: ignore[arg-type]
+    assert seen["same"] is True and seen["left"] == 0 and seen["device"] == "cuda:0"
