@@ -347,28 +347,34 @@ class GpuFrac(ExtensionApp):
         """Bursting events, the user's ``%gpu request`` remembered, a GPU for kernels without one."""
         while True:
             await asyncio.sleep(self.lease_poll_interval)
-            provisioners = self._provisioners()
-            await self._refresh_notebooks()
-            if self.agent_error is None:
-                for kernel_id, provisioner in provisioners.items():
-                    if provisioner.lease is None and provisioner.launches and not provisioner.closed:
-                        await self._give_gpu(kernel_id, provisioner)
-            if not any(p.lease for p in provisioners.values()):
-                continue
             try:
-                leases = {lease["id"]: lease for lease in await self.link.leases()}
-            except Exception as err:  # the agent watch reports the agent going away
-                self.log.debug("gpufrac: lease watch: %s", err)
-                continue
+                await self._look_at_leases()
+            except Exception:  # the watch must outlive any one bad answer
+                self.log.exception("gpufrac: the lease watch failed; looking again")
+
+    async def _look_at_leases(self) -> None:
+        provisioners = self._provisioners()
+        await self._refresh_notebooks()
+        if self.agent_error is None:
             for kernel_id, provisioner in provisioners.items():
-                if provisioner.lease is None or provisioner.lease["id"] not in leases:
-                    continue
-                lease = provisioner.lease = leases[provisioner.lease["id"]]
-                self._note_request(provisioner, lease)
-                bursting = bool(lease.get("bursting"))
-                if bursting and not self._bursting.get(kernel_id):
-                    self._emit_bursting(kernel_id, provisioner, lease)
-                self._bursting[kernel_id] = bursting
+                if provisioner.lease is None and provisioner.launches and not provisioner.closed:
+                    await self._give_gpu(kernel_id, provisioner)
+        if not any(p.lease for p in provisioners.values()):
+            return
+        try:
+            leases = {lease["id"]: lease for lease in await self.link.leases()}
+        except Exception as err:  # the agent watch reports the agent going away
+            self.log.debug("gpufrac: lease watch: %s", err)
+            return
+        for kernel_id, provisioner in provisioners.items():
+            if provisioner.lease is None or provisioner.lease["id"] not in leases:
+                continue
+            lease = provisioner.lease = leases[provisioner.lease["id"]]
+            self._note_request(provisioner, lease)
+            bursting = bool(lease.get("bursting"))
+            if bursting and not self._bursting.get(kernel_id):
+                self._emit_bursting(kernel_id, provisioner, lease)
+            self._bursting[kernel_id] = bursting
 
     async def _give_gpu(self, kernel_id: str, provisioner: GpuFracProvisioner) -> None:
         """A kernel that started without a GPU share gets one once there is room."""
@@ -408,22 +414,30 @@ class GpuFrac(ExtensionApp):
         while True:
             await asyncio.sleep(self.agent_check_interval)
             try:
-                await link.node()
-            except AgentUnavailable as err:
-                if self.agent_error is None:
-                    self._agent_lost(str(err))
-                embedded = self.embedded
-                if (embedded is not None and embedded.exited()
-                        and time.monotonic() - last_restart >= EMBEDDED_RESTART_EVERY_S):
-                    last_restart = time.monotonic()
-                    try:
-                        await embedded.start(self.embedded_agent_timeout)
-                    except Exception as start_err:
-                        self.log.error("gpufrac: restarting the embedded GPU agent failed: %s",
-                                       start_err)
-                continue
-            if self.agent_error is not None:
-                await self._agent_back()
+                last_restart = await self._check_agent(link, last_restart)
+            except Exception:  # the watch must outlive any one bad answer
+                self.log.exception("gpufrac: checking the GPU agent failed; checking again")
+
+    async def _check_agent(self, link: AgentLink, last_restart: float) -> float:
+        """One look at the agent; returns when the embedded agent was last restarted."""
+        try:
+            await link.node()
+        except AgentUnavailable as err:
+            if self.agent_error is None:
+                self._agent_lost(str(err))
+            embedded = self.embedded
+            if (embedded is not None and embedded.exited()
+                    and time.monotonic() - last_restart >= EMBEDDED_RESTART_EVERY_S):
+                last_restart = time.monotonic()
+                try:
+                    await embedded.start(self.embedded_agent_timeout)
+                except Exception as start_err:
+                    self.log.error("gpufrac: restarting the embedded GPU agent failed: %s",
+                                   start_err)
+            return last_restart
+        if self.agent_error is not None:
+            await self._agent_back()
+        return last_restart
 
     def agent_loss_text(self) -> str:
         """What people read while the agent does not answer, with what to do about it."""

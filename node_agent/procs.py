@@ -36,6 +36,22 @@ def identify(pid: int) -> ProcessIdentity | None:
     return ProcessIdentity(pid, uid, start_time)
 
 
+def ancestors(pid: int, depth: int = 64) -> list[int]:
+    """The process's parent, grandparent and so on up to init (nearest first)."""
+    found: list[int] = []
+    while len(found) < depth:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            break
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if pid <= 1:
+            break
+        found.append(pid)
+    return found
+
+
 def is_alive(pid: int, start_time: int) -> bool:
     """The same process (not a reused pid) still runs."""
     ident = identify(pid)

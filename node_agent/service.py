@@ -124,6 +124,8 @@ class Agent:
         self.config = config or AgentConfig()
         self.gpus: list[GpuInfo] = []
         self._reported: dict[str, int] = {}
+        # lease id -> (pid, start time) of what its processes started that uses a GPU
+        self._children: dict[str, list[tuple[int, int]]] = {}
         self._directive_added = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0}
@@ -182,15 +184,36 @@ class Agent:
         self.counters["ticks"] += 1
         self.tick_seconds = time.perf_counter() - started
 
+    def _members(self, m: Measurement) -> dict[str, dict[str, list[int]]]:
+        """lease id -> GPU -> the processes using it there: the registered ones, and those
+        they started (a DataLoader worker, a subprocess), which use the same share."""
+        owner = {pid: lease.id for lease in self.ledger.leases.values() for pid, _ in lease.pids}
+        members: dict[str, dict[str, list[int]]] = {}
+        for uuid, listed in m.processes.items():
+            for pid in listed:
+                lease_id = owner.get(pid) or next(
+                    (owner[p] for p in procs.ancestors(pid) if p in owner), None)
+                if lease_id is not None:
+                    members.setdefault(lease_id, {}).setdefault(uuid, []).append(pid)
+        return members
+
     def _update_usage(self, m: Measurement) -> None:
+        self._children = {}
+        members = self._members(m)
         for lease in list(self.ledger.leases.values()):
             usage = 0
             seen = False
+            registered = {pid for pid, _ in lease.pids}
+            started = {p for pids in members.get(lease.id, {}).values() for p in pids} - registered
+            # Pinned by start time when seen: a kill later never hits a reused pid.
+            self._children[lease.id] = [
+                (ident.pid, ident.start_time) for pid in sorted(started)
+                if (ident := procs.identify(pid)) is not None and ident.uid == lease.owner_uid]
             for uuid in lease.physical:
                 listed = m.processes.get(uuid)
                 if listed is None:
                     continue
-                held = [listed[pid] for pid, _ in lease.pids if pid in listed]
+                held = [listed[pid] for pid in members.get(lease.id, {}).get(uuid, [])]
                 if held and all(h is not None for h in held):
                     seen = True
                     usage = max(usage, sum(h or 0 for h in held))
@@ -529,7 +552,9 @@ class Agent:
         stops = self._reclaim_stops(lease, now) + (cause == "reclaim")
         if cause == "reclaim":
             reason += self._repeat_note(lease, stops, coming=False)
-        killed = [pid for pid, start in lease.pids if procs.kill(pid, start)]
+        # What the kernel started on the GPU goes with it: it would keep the memory otherwise.
+        children = self._children.get(lease.id, [])
+        killed = [pid for pid, start in (*lease.pids, *children) if procs.kill(pid, start)]
         self.counters["kills"] += 1
         where = lease.target if lease.state == "migrating" and lease.target else lease.physical
         with self.ledger.transaction():

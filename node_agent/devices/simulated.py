@@ -154,6 +154,7 @@ class SimulatedBackend:
                 raise GpuLost(f"GPU {uuid} is lost (simulated fault)")
             if gpu.fault == "not_supported":
                 raise NotSupported(f"GPU {uuid} does not report processes (simulated fault)")
+            self._adopt_children(uuid)
             return [
                 ProcessMemory(pid, self._held(pid))
                 for pid, t in sorted(self._tracked.items())
@@ -171,6 +172,26 @@ class SimulatedBackend:
                 return
             self._tracked[pid] = _Tracked(uuid, baseline, process,
                                           self._gpus[uuid].info.context_size)
+
+    def _adopt_children(self, uuid: str) -> None:
+        """Processes a tracked one started see its GPU too (they inherit CUDA_VISIBLE_DEVICES):
+        from when they are first seen, they pay a context and what they hold, as on a GPU."""
+        for tracked in list(self._tracked.values()):
+            if tracked.uuid != uuid:
+                continue
+            try:
+                children = tracked.process.children(recursive=True)
+            except psutil.Error:
+                continue
+            for child in children:
+                if child.pid in self._tracked:
+                    continue
+                try:
+                    baseline = child.memory_info().rss
+                except psutil.Error:
+                    continue
+                self._tracked[child.pid] = _Tracked(uuid, baseline, child,
+                                                    self._gpus[uuid].info.context_size)
 
     def close(self) -> None:
         with self._lock:

@@ -402,3 +402,53 @@ def test_run_caps_other_frameworks_at_the_limit_less_the_context(
         "CUPY_GPU_MEMORY_LIMIT": str((1024 - 200) * MiB),
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1024M",
     }
+
+
+# A kernel that starts a worker (a DataLoader worker, `!python train.py`) once told to.
+PARENT = """
+import subprocess, sys, time
+sys.stdin.readline()
+child = subprocess.Popen([sys.executable, "-c",
+    "import sys, time\\nx = bytearray(400 * 2**20)\\nx[::4096] = b'x' * len(x[::4096])\\n"
+    "print('held', flush=True)\\ntime.sleep(600)"])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_what_a_kernel_starts_uses_its_share_and_goes_with_it(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent("--reclaim-grace", "0.5", "--enforce-limits", spec="1x2GiB")
+    c = agent.client()
+    lease = c.create_lease(client="jupyter", request="128Mi", limit="256Mi")
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        c.register_pid(lease["id"], parent.pid)
+        assert parent.stdin is not None and parent.stdout is not None
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "held"
+        # Not registered, yet counted: it is the kernel's.
+        wait_for(lambda: c.lease(lease["id"])["usage"] > 300 * MiB, what="the child counted")
+        def killed() -> dict | None:
+            found, _ = c.directives(lease=lease["id"], after=0, timeout=1)
+            return next((d for d in found if d["kind"] == "killed"), None)
+
+        stop = wait_for(killed, what="the lease stopped above its limit")
+        assert stop["cause"] == "limit" and child in stop["pids"]
+        wait_for(lambda: parent.poll() is not None and not _alive(child),
+                 what="the kernel and what it started stopped")
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False

@@ -185,9 +185,12 @@ def test_embedded_agent_is_restarted_with_its_leases(tmp_path: Path) -> None:
         pid = int(server.log_text().split("started embedded GPU agent (pid ")[1].split(")")[0])
         os.kill(pid, signal.SIGKILL)
         # The embedded agent may be back before a poll sees the state: the events keep it.
-        wait_for(lambda: any(e["event"] == "agent_unreachable"
-                             for e in server.kernel_status(nb.kernel_id)["events"]),
-                 10, "the lost agent to be reported", interval=0.1)
+        try:
+            wait_for(lambda: any(e["event"] == "agent_unreachable"
+                                 for e in server.kernel_status(nb.kernel_id)["events"]),
+                     10, "the lost agent to be reported", interval=0.1)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; server log:\n{server.log_text()[-6000:]}") from None
         status = wait_for(
             lambda: (s := server.kernel_status(nb.kernel_id))["state"] == "guaranteed" and s,
             60, "the embedded agent to be back", interval=0.2,
