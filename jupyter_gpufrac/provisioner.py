@@ -134,6 +134,11 @@ class GpuFracProvisioner(LocalProvisioner):
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         """Get (or re-read) the lease and build the kernel's GPU environment and arguments."""
         self.last_launch_started = time.time()
+        app = self.gpufrac_app()
+        if app is not None:
+            # A kernel started while the server still starts its agent waits for it, rather
+            # than running without a GPU and being restarted onto one a second later.
+            await app.agent_ready(str(self.kernel_id))
         settings = self.settings()
         link = AgentLink(settings.socket_path)
         kernel_id = str(self.kernel_id)
