@@ -204,7 +204,8 @@ class GpuFrac(ExtensionApp):
         self.embedded: EmbeddedAgent | None = None
         self.listener: DirectiveListener | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        # Set once the server has found or started its agent (or given up on it).
+        # While the server looks for (or starts) its agent, kernels wait for it to be set.
+        self._agent_looking = False
         self._agent_checked = asyncio.Event()
         self._bursting: dict[str, bool] = {}
         self.kernel_settings = KernelSettings(
@@ -230,8 +231,6 @@ class GpuFrac(ExtensionApp):
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Start (or find) the agent, then listen for directives and watch leases."""
         if getattr(self, "kernel_settings", None) is None:
-            if getattr(self, "_agent_checked", None) is not None:
-                self._agent_checked.set()  # no kernel may wait for an agent never looked for
             return  # not loaded (invalid configuration, already reported)
         await self.ensure_agent()
         await self.release_stale_leases()
@@ -246,14 +245,15 @@ class GpuFrac(ExtensionApp):
     async def agent_ready(self, kernel_id: str) -> None:
         """Wait until the server has found (or started) its agent; not past its deadline."""
         checked = getattr(self, "_agent_checked", None)
-        if checked is None or checked.is_set():
-            return  # not loaded (an invalid configuration, already reported), or ready
+        if checked is None or checked.is_set() or not self._agent_looking:
+            return  # not loaded, not looking (no start hook ran) or ready
         self.log.info("kernel %s: waiting for the GPU agent to start", kernel_id)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(checked.wait(), self.embedded_agent_timeout + 5)
 
     async def ensure_agent(self) -> None:
         """Use the agent at the socket; without one, start the embedded agent if configured."""
+        self._agent_looking = True
         try:
             await self._ensure_agent()
         finally:
