@@ -345,6 +345,8 @@ class GpuFrac(ExtensionApp):
                 break
             await asyncio.sleep(0.2)
         provisioner = self._provisioners().get(kernel_id)
+        if provisioner is not None and report is not None:
+            await provisioner.restored()
         where: dict[str, Any] = {}
         if provisioner is not None and provisioner.lease is not None:
             uuids = lease_gpus(provisioner.lease)

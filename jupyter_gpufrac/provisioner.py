@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from typing import Any
@@ -57,6 +58,8 @@ class GpuFracProvisioner(LocalProvisioner):
         self.gpus: dict[str, dict[str, Any]] = {}
         self.simulated = False
         self.launches = 0
+        # The launch whose kernel reported its restore: it started, whatever killed it next.
+        self._restored_launch = -1
         # Set once the kernel shuts down for good: from then on it must never take a lease.
         self.closed = False
         self.no_gpu_reason: str | None = None
@@ -93,6 +96,28 @@ class GpuFracProvisioner(LocalProvisioner):
             self._settings_cache = standalone_settings(self.log)
         return self._settings_cache
 
+    async def restored(self) -> None:
+        """The kernel of this launch answered with its restore report: it started."""
+        self._restored_launch = self.launches
+        # The restarter looks every few seconds; a kill before its next look would still
+        # count as a failed start. Let it look now (it sees the kernel alive, or does what
+        # it would have done anyway).
+        poll = getattr(getattr(self.parent, "_restarter", None), "poll", None)
+        if poll is not None:
+            done = poll()
+            if inspect.isawaitable(done):
+                await done
+
+    def get_stable_start_time(self, recommended: float = 10.0) -> float:
+        """When jupyter_client's restarter counts the kernel as started for good.
+
+        Until then a death counts toward its restart limit (5, then the kernel is removed)
+        and a restart takes new ports, which cuts the open notebook's connection. A kernel that
+        reported its restore did start: a kill after that (a reclaim, an OOM, a SIGKILL) is
+        not a crash loop. Otherwise, soon: a kernel the agent stops has run for a while.
+        """
+        return 0.0 if self._restored_launch == self.launches else min(recommended, 3.0)
+
     def request_restore(self, reason: dict[str, Any]) -> None:
         """The next launch restores the latest checkpoint and tells the kernel why it restarted."""
         self._restart_reason = dict(reason)
@@ -120,14 +145,6 @@ class GpuFracProvisioner(LocalProvisioner):
     def restore_pending(self) -> bool:
         """A restore was asked for and the kernel was not launched since."""
         return self._restart_reason is not None
-
-    def get_stable_start_time(self, recommended: float = 10.0) -> float:
-        """Soon after start, count the kernel as started for good.
-
-        Until then jupyter_client's restarter restarts a dead kernel on new ports, which cuts
-        the open notebook's connection; a kernel the agent stops has run for a while.
-        """
-        return min(recommended, 3.0)
 
     # -- launch ------------------------------------------------------------------------
 

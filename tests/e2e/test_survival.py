@@ -88,6 +88,26 @@ def test_killed_twice_comes_back_whole_both_times(tmp_path: Path) -> None:
         nb.close()
 
 
+def test_killed_again_and_again_right_after_each_restore_keeps_its_kernel(tmp_path: Path) -> None:
+    """jupyter_client removes a kernel that dies 5 times in a row within seconds of starting:
+    a kernel that restored its variables did start, so kills in quick succession (reclaims,
+    OOMs, an impatient user) never cost the notebook its kernel."""
+    with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2"]) as agent, \
+            running_server(tmp_path / "server", agent.socket, FAST) as server:
+        nb = server.open_notebook("killed.ipynb")
+        nb.ok("kept = list(range(5))")
+        pid = kernel_pid(nb)
+        for round_ in range(1, 8):
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda n=round_: len(restores(server, nb.kernel_id)) >= n, 60,
+                     f"restore {round_} after SIGKILL", interval=0.05)
+            assert restores(server, nb.kernel_id)[-1]["ok"] is True
+            # Killed again at once (no cell run first), before the restarter looks again.
+            pid = int(server.kernel_status(nb.kernel_id)["lease"]["pids"][0])
+        assert nb.ok("print(kept)").strip().endswith("[0, 1, 2, 3, 4]")
+        nb.close()
+
+
 def test_cell_cut_off_by_a_move_ends_and_is_named(tmp_path: Path) -> None:
     with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2",
                                                        "--migrate-grace", "90"]) as agent, \
