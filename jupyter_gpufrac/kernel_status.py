@@ -56,10 +56,12 @@ def kernel_state(
         event = next((e for e in reversed(events) if e["event"] == wanted[state]), None)
         reason = event["message"] if event else (lease.get("reason") or None)
         return _LEASE_STATES[state], reason, None
-    if events and events[-1]["event"] == "restored" and not _activity_after(kernel, events[-1]["time"]):
+    # A bursting notice right after a restore must not hide what the restore lost.
+    last = next((e for e in reversed(events) if e["event"] != "bursting"), None)
+    if last is not None and last["event"] == "restored" and not _activity_after(kernel, last["time"]):
         # Shown until the user does something in the kernel, so a returning user reads it.
-        restored = "restored" if events[-1].get("ok") else "restore-incomplete"
-        return restored, str(events[-1]["message"]), None
+        restored = "restored" if last.get("ok") else "restore-incomplete"
+        return restored, str(last["message"]), None
     if lease.get("bursting"):
         return "bursting", None, None
     return "guaranteed", None, None

@@ -61,3 +61,21 @@ def test_importing_the_extension_touches_neither_nvml_nor_agent() -> None:
         env={"GPUFRAC_AGENT_SOCKET": env_socket, "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_a_bursting_notice_does_not_hide_what_a_restore_lost() -> None:
+    from types import SimpleNamespace
+
+    from jupyter_gpufrac.kernel_status import kernel_state
+
+    lease = {"state": "active", "bursting": True}
+    restored = {"event": "restored", "ok": False, "time": 100.0,
+                "message": "Stopped; 1 of 2 variables restored; lost: g."}
+    bursting = {"event": "bursting", "time": 100.1, "message": "Using 271 MiB"}
+    kernel, provisioner = SimpleNamespace(last_activity=None), SimpleNamespace()
+    state, reason, _ = kernel_state(kernel, provisioner, lease, [restored, bursting], now=101.0)
+    assert (state, reason) == ("restore-incomplete", restored["message"])
+    # Anything else after the restore (a shrink request, a move) is news: shown instead.
+    moved = {"event": "migrating", "time": 100.2, "message": "Moving"}
+    assert kernel_state(kernel, provisioner, lease, [restored, bursting, moved],
+                        now=101.0)[0] == "bursting"
