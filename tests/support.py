@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -83,8 +83,9 @@ class AgentProcess:
     """
 
     def __init__(self, root: Path, spec: str | None, args: Sequence[str] = (),
-                 ready_timeout: float = 30.0) -> None:
-        """``spec``: the simulated node; None serves the real GPUs through NVML."""
+                 ready_timeout: float = 30.0, env: Mapping[str, str] | None = None) -> None:
+        """``spec``: the simulated node; None serves the GPUs NVML sees. ``env``: added to
+        the agent's environment."""
         root.mkdir(parents=True, exist_ok=True)
         self.socket = str(root / "agent.sock")
         self.state_dir = str(root / "agent-state")
@@ -92,6 +93,7 @@ class AgentProcess:
         self.spec = spec
         self.args = list(args)
         self.ready_timeout = ready_timeout
+        self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> AgentProcess:
@@ -103,6 +105,7 @@ class AgentProcess:
                  *(["--simulate", self.spec] if self.spec else []),
                  "--socket", self.socket, "--state-dir", self.state_dir, *self.args],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env,
             )
 
         def ready() -> bool:

@@ -243,14 +243,15 @@ class Checkpointer:
         self, ns: dict[str, Any], *, device: str | None = None, budget: int | None = None,
         measure: str = "gpu_bytes",
     ) -> LoadResult:
-        """Restore the committed checkpoint into ``ns``; tensors from a GPU land on ``device``.
+        """Restore the committed checkpoint into ``ns``; tensors from a GPU land on ``device``
+        (by default the kernel's CUDA device, asked once torch is loaded, else the CPU).
 
         With a ``budget`` (bytes, counted by each group's ``measure``: ``gpu_bytes`` or
         ``bytes``), the largest variables are left on disk until the rest fits; they are
         named in ``deferred`` and :meth:`load_deferred` brings them back.
         """
         with self._lock:
-            return self._load(ns, device or torch_adapter.current_device(), budget, measure)
+            return self._load(ns, device, budget, measure)
 
     def load_deferred(
         self, ns: dict[str, Any], names: Sequence[str] = (), *, device: str | None = None
@@ -264,8 +265,7 @@ class Checkpointer:
             unknown = sorted(set(names) - {n for g in self.deferred for n in g["names"]})
             if unknown:
                 raise CheckpointError(f"not kept on disk: {', '.join(unknown)}")
-            values, lost, tensors, _ = self._load_groups(
-                wanted, ns, device or torch_adapter.current_device())
+            values, lost, tensors, _ = self._load_groups(wanted, ns, device)
             restored = sorted(name for name in values if name not in ns)
             ns.update({name: values[name] for name in restored})
             for tensor, blob in tensors:
@@ -274,7 +274,7 @@ class Checkpointer:
             return restored, lost
 
     def _load_groups(
-        self, groups: list[dict[str, Any]], ns: dict[str, Any], device: str
+        self, groups: list[dict[str, Any]], ns: dict[str, Any], device: str | None
     ) -> tuple[dict[str, Any], dict[str, str], list[tuple[Any, str]], int]:
         """Unpickle ``groups``: (values, lost with why, restored tensors with blobs, bytes
         moved to the host)."""
@@ -309,7 +309,7 @@ class Checkpointer:
         return target, lost, restored_tensors, moved_to_cpu
 
     def _load(
-        self, ns: dict[str, Any], device: str, budget: int | None, measure: str
+        self, ns: dict[str, Any], device: str | None, budget: int | None, measure: str
     ) -> LoadResult:
         path = self.state_path
         try:

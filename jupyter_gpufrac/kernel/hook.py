@@ -370,7 +370,6 @@ class GpuFracHook:
             "checkpoint_time": None, "checkpoint_cell": None, "moved_to_cpu_bytes": 0,
             "ok": False, "error": None,
         }
-        self._import_torch_for(self.checkpointer.read_header())
         room = self._room() if at_start else None
         # The simulated node counts a kernel's whole memory; a GPU counts its device memory.
         measure = "bytes" if self.env.simulated else "gpu_bytes"
@@ -442,18 +441,6 @@ class GpuFracHook:
         restored, lost = self.checkpointer.load_deferred(self.ip.user_ns, names)
         self._restored_names += restored
         return restored, lost
-
-    def _import_torch_for(self, header: Mapping[str, Any] | None) -> None:
-        """Import torch before a restore that holds tensors, so they land on this kernel's GPU.
-
-        The target device is chosen by asking torch; asked before the unpickler imports it,
-        the answer would be "cpu" and every CUDA tensor would come back on the host.
-        """
-        if header and header.get("tensors_bytes") and torch_adapter.torch_module() is None:
-            with contextlib.suppress(ImportError):
-                import torch
-
-                self.on_torch_imported(torch)
 
     def restore_at_start(self) -> None:
         """GPUFRAC_RESTORE: bring the variables back and keep the message for the first cell."""

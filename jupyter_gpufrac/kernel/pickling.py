@@ -18,7 +18,7 @@ from typing import Any
 
 import cloudpickle
 
-from jupyter_gpufrac.kernel import store, tensor_io
+from jupyter_gpufrac.kernel import store, tensor_io, torch_adapter
 
 TENSOR_TAG = "gpufrac.tensor"
 STORAGE_TAG = "gpufrac.storage"
@@ -334,11 +334,11 @@ class NamespaceUnpickler(pickle.Unpickler):
     """Rebuilds tensors from blobs on the kernel's device and binds functions to ``user_ns``.
 
     ``storages`` may be shared by the unpicklers of one restore, so tensors of different
-    groups that viewed one storage still share it.
+    groups that viewed one storage still share it. ``device`` None means the kernel's device.
     """
 
     def __init__(
-        self, file: Any, root: Path, user_ns: dict[str, Any], device: str,
+        self, file: Any, root: Path, user_ns: dict[str, Any], device: str | None,
         on_tensor: Callable[[Any, str], None] | None = None,
         storages: dict[tuple[str, str], Any] | None = None,
     ) -> None:
@@ -361,8 +361,17 @@ class NamespaceUnpickler(pickle.Unpickler):
             return self._load_bare_storage(pid)
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
+    def _gpu_target(self) -> str:
+        if self._device is None:
+            # A fresh kernel has not imported torch yet, and without torch the adapter can only
+            # answer "cpu": import it first, or every GPU tensor would land on the host.
+            import torch  # noqa: F401
+
+            self._device = torch_adapter.current_device()
+        return self._device
+
     def _storage(self, blob: str, nbytes: int, device: str) -> Any:
-        target = "cpu" if device == "cpu" else self._device
+        target = "cpu" if device == "cpu" else self._gpu_target()
         storage = self._storages.get((blob, target))
         if storage is None:
             if device != "cpu" and target == "cpu":

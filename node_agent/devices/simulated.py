@@ -91,7 +91,9 @@ class _Tracked:
     uuid: str
     baseline: int
     process: psutil.Process
-    context: int  # charged from the start: a kernel process creates its CUDA context early
+    context: int
+    # As on a GPU, a process has a context (and is listed) from its first use of the device on.
+    using: bool = False
 
 
 @dataclass
@@ -103,9 +105,14 @@ class _Gpu:
     pids: set[int] = field(default_factory=set)
 
 
+# Growth above the baseline that counts as a tracked process's first use of its GPU.
+FIRST_USE = 2**20
+
+
 class SimulatedBackend:
-    """GPUs described by a spec; a tracked process uses its CUDA context plus what it holds
-    above its baseline, and the driver keeps its reserved memory.
+    """GPUs described by a spec; a tracked process uses its CUDA context (from its first use
+    of the device on) plus what it holds above its baseline, and the driver keeps its reserved
+    memory.
 
     The baseline is the process's resident memory when it was placed, so allocations a
     test makes in a real process (torch tensors, bytearrays) show up as device memory.
@@ -155,11 +162,12 @@ class SimulatedBackend:
             if gpu.fault == "not_supported":
                 raise NotSupported(f"GPU {uuid} does not report processes (simulated fault)")
             self._adopt_children(uuid)
-            return [
-                ProcessMemory(pid, self._held(pid))
-                for pid, t in sorted(self._tracked.items())
-                if t.uuid == uuid and self._held(pid) is not None
-            ]
+            listed = []
+            for pid, tracked in sorted(self._tracked.items()):
+                held = self._held(pid) if tracked.uuid == uuid else None
+                if held is not None:
+                    listed.append(ProcessMemory(pid, held))
+            return listed
 
     def track(self, pid: int, uuid: str) -> None:
         with self._lock:
@@ -215,10 +223,13 @@ class SimulatedBackend:
         try:
             if not tracked.process.is_running():
                 raise psutil.NoSuchProcess(pid)
-            return tracked.context + max(0, tracked.process.memory_info().rss - tracked.baseline)
+            held = max(0, tracked.process.memory_info().rss - tracked.baseline)
         except psutil.Error:
             del self._tracked[pid]
             return None
+        # What an interpreter's resident memory drifts by is not a use of the device.
+        tracked.using = tracked.using or held >= FIRST_USE
+        return tracked.context + held if tracked.using else None
 
     def _used_locked(self, uuid: str) -> int:
         return sum(

@@ -28,7 +28,7 @@ class FakeNvml(types.ModuleType):
     """Answers like nvidia-ml-py on a node described by a SimulatedBackend.
 
     Knobs: ``no_library`` (no driver), ``mig`` (indexes in MIG mode), ``hide_usage`` (the
-    driver withholds per-process memory), ``no_process_list`` (no v3 call in this driver),
+    driver withholds per-process memory), ``no_process_list`` (no process list in this driver),
     ``no_utilization`` (utilization unsupported).
     """
 
@@ -43,7 +43,7 @@ class FakeNvml(types.ModuleType):
         self.init_calls = 0
         self._initialised = False
         for name in dir(real):
-            if name.startswith("NVMLError") or name.startswith("NVML_") or name == "nvmlMemory_v2":
+            if name.startswith("NVML") or name == "nvmlMemory_v2":
                 setattr(self, name, getattr(real, name))
 
     def _check(self) -> None:
@@ -93,7 +93,7 @@ class FakeNvml(types.ModuleType):
             fields["version"] = version
         return types.SimpleNamespace(**fields)
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[_Process]:
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: _Handle) -> list[_Process]:
         gpu = self._gpu(handle)
         if self.no_process_list:
             raise real.NVMLError_FunctionNotFound()

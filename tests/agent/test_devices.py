@@ -20,7 +20,7 @@ from node_agent.devices import (
     SimulatedBackend,
     open_backend,
 )
-from node_agent.devices.nvml import MIG_UNSUPPORTED
+from node_agent.devices.nvml import MIG_UNSUPPORTED, PROCESS_KINDS, REQUIRED
 from node_agent.devices.simulated import parse_spec
 from node_agent.quantities import GiB, QuantityError
 
@@ -95,6 +95,26 @@ def test_conformance_process_memory_is_what_it_holds(
     wait_for(lambda: h.pid not in {p.pid for p in b.processes(uuid)}, what="dead process gone")
 
 
+def test_a_simulated_context_is_charged_from_the_first_use_of_the_device(
+    holders: Callable[..., Holder]
+) -> None:
+    """As NVML: a process placed on a GPU is not listed and costs nothing until it uses the
+    device; from then on it pays its context, even once it holds nothing else."""
+    sim = SimulatedBackend("1x4GiB:context=300Mi")
+    uuid = sim.gpus()[0].uuid
+    h = holders()
+    sim.track(h.pid, uuid)
+    assert sim.processes(uuid) == [] and sim.gpus()[0].memory_used == 0
+    h.hold(64)
+    [listed] = sim.processes(uuid)
+    assert listed.pid == h.pid and listed.used is not None
+    assert 300 * 2**20 + 60 * 2**20 <= listed.used < 300 * 2**20 + 80 * 2**20
+    h.hold(0)  # freed at once: the blocks are mmapped
+    [listed] = sim.processes(uuid)
+    assert listed.pid == h.pid and listed.used is not None
+    assert 300 * 2**20 <= listed.used < 300 * 2**20 + 16 * 2**20
+
+
 def test_conformance_faults(backend: tuple[GpuBackend, SimulatedBackend | None]) -> None:
     b, sim = backend
     if sim is None:
@@ -121,12 +141,12 @@ def test_nvml_is_lazy_and_explains_a_missing_driver() -> None:
         backend.gpus()
 
 
-def test_nvml_withheld_usage_and_missing_v3() -> None:
+def test_nvml_withheld_usage_and_no_process_list(holders: Callable[..., Holder]) -> None:
     sim = SimulatedBackend("1x1GiB")
     uuid = sim.gpus()[0].uuid
-    import os
-
-    sim.track(os.getpid(), uuid)
+    h = holders()
+    sim.track(h.pid, uuid)
+    h.hold(8)
     hidden = NvmlBackend(FakeNvml(sim, hide_usage=True))
     assert [p.used for p in hidden.processes(uuid)] == [None]
     old = NvmlBackend(FakeNvml(sim, no_process_list=True))
@@ -188,4 +208,9 @@ def test_every_pynvml_call_exists_with_its_arguments() -> None:
         fn = getattr(pynvml, name, None)
         assert fn is not None, f"pynvml.{name} does not exist in nvidia-ml-py {pynvml.__name__}"
         inspect.signature(fn).bind(*range(npos), **dict.fromkeys(keywords))
-    assert hasattr(pynvml, "nvmlMemory_v2") and hasattr(pynvml, "NVML_DEVICE_MIG_ENABLE")
+    # The names NvmlBackend looks up by version, and checks for when it loads pynvml.
+    missing = [name for name in REQUIRED if not hasattr(pynvml, name)]
+    assert not missing, f"nvidia-ml-py lacks {missing}"
+    for symbol in PROCESS_KINDS.values():
+        for version in (2, 3):
+            inspect.signature(getattr(pynvml, f"{symbol}_v{version}")).bind("handle")

@@ -246,3 +246,82 @@ def test_tensors_only_reachable_from_a_bad_variable_are_not_kept(ckdir: Path) ->
     assert list(result.lost) == ["bad"] and result.tensors_bytes == 16
     ck.wait_for_cleanup()
     assert len(tensor_blobs(ckdir)) == 1
+
+
+# A fresh kernel restoring what a GPU kernel saved. torch is imported only by the restore; once
+# it is, torch reports one CUDA device, and moving a tensor there is recorded and kept on the
+# host (this torch has no CUDA). What is checked is where our restore sends the tensors.
+RESTORE_ON_CUDA = """
+import builtins, json, sys
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+assert "torch" not in sys.modules, "the restore must start without torch"
+targets = []
+real_import = builtins.__import__
+
+def give_torch_a_gpu(torch):
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device_count = lambda: 1
+    to = torch.Tensor.to
+    def to_device(self, *args, **kwargs):
+        if args and str(args[0]).startswith("cuda"):
+            targets.append(str(args[0]))
+            return to(self, "cpu").clone()
+        return to(self, *args, **kwargs)
+    torch.Tensor.to = to_device
+
+def watching_import(name, *args, **kwargs):
+    fresh = "torch" not in sys.modules
+    module = real_import(name, *args, **kwargs)
+    if fresh and "torch" in sys.modules and sys.argv[2] == "cuda":
+        give_torch_a_gpu(sys.modules["torch"])
+    return module
+
+builtins.__import__ = watching_import
+ns = {}
+result = Checkpointer(sys.argv[1]).load(ns)
+print(json.dumps({"targets": targets, "moved_to_cpu": result.moved_to_cpu_bytes,
+                  "restored": result.restored, "values": ns["w"].tolist()}))
+"""
+
+
+def gpu_checkpoint(ckdir: Path, monkeypatch: Any) -> None:
+    """Write the checkpoint a CUDA kernel would: its tensors recorded as on ``cuda``."""
+    from jupyter_gpufrac.kernel import pickling
+
+    real = pickling.BlobWriter.record_for
+
+    def on_cuda(self: Any, tensor: Any) -> tuple[str, int, str]:
+        blob, nbytes, _device = real(self, tensor)
+        return blob, nbytes, "cuda"
+
+    monkeypatch.setattr(pickling.BlobWriter, "record_for", on_cuda)
+    Checkpointer(ckdir).take({"w": torch.arange(6.0).reshape(2, 3)})
+
+
+def restore_in_fresh_process(ckdir: Path, torch_sees: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", RESTORE_ON_CUDA, str(ckdir), torch_sees],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_fresh_kernel_restores_gpu_tensors_onto_its_cuda_device(
+    ckdir: Path, monkeypatch: Any
+) -> None:
+    gpu_checkpoint(ckdir, monkeypatch)
+    seen = restore_in_fresh_process(ckdir, "cuda")
+    # The device is asked after torch is loaded, so it is the GPU, not the host.
+    assert seen["targets"] == ["cuda:0"]
+    assert seen["moved_to_cpu"] == 0
+    assert seen["restored"] == ["w"] and seen["values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_a_fresh_kernel_without_cuda_keeps_gpu_tensors_on_the_host_and_says_so(
+    ckdir: Path, monkeypatch: Any
+) -> None:
+    gpu_checkpoint(ckdir, monkeypatch)
+    seen = restore_in_fresh_process(ckdir, "cpu")
+    assert seen["targets"] == [] and seen["moved_to_cpu"] == 24
+    assert seen["values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

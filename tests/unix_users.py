@@ -1,0 +1,57 @@
+"""Real Unix users for attack tests: made by the test run when it is root (CI is), else skipped."""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+VICTIM = "gpufrac-victim"
+ATTACKER = "gpufrac-attacker"
+ADMINS = "gpufrac-admins"
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def popen_args(self) -> dict[str, Any]:
+        """Keyword arguments that make ``subprocess`` run a command as this user."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups),
+                "env": {**os.environ, "HOME": "/tmp", "USER": self.name}}
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("attack tests create Unix users: run them as root (CI does)")
+
+
+def group(name: str) -> int:
+    """The gid of group ``name``, created if missing."""
+    _require_root()
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        subprocess.run(["groupadd", "--system", name], check=True)
+        return grp.getgrnam(name).gr_gid
+
+
+def user(name: str, *groups: str) -> User:
+    """User ``name`` (created if missing, no home, no login shell) with ``groups`` added."""
+    _require_root()
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        "--user-group", name], check=True)
+        entry = pwd.getpwnam(name)
+    return User(name, entry.pw_uid, entry.pw_gid, tuple(group(g) for g in groups))
