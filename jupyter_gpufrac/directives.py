@@ -112,6 +112,13 @@ class DirectiveListener:
         if kernel_id not in self.kernel_manager:
             self.log.info("directive %s for unknown kernel %s ignored", kind, kernel_id)
             return
+        provisioner = self._provisioner(kernel_id)
+        held = (provisioner.lease or {}).get("id") if provisioner is not None else None
+        if held is None or held != directive.get("lease_id"):
+            # Kernel ids show in `ps`: anyone may write one on a lease of their own.
+            self.log.warning("directive %s for kernel %s names lease %s, not the kernel's (%s): "
+                             "ignored", kind, kernel_id, directive.get("lease_id"), held)
+            return
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
         async with lock:
             try:

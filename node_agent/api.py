@@ -2,30 +2,46 @@
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
-import os
+import math
+import resource
 import socket
 import struct
+import time
+from collections.abc import Callable
 from typing import Any
 
-from tornado import httpserver, netutil, web
+from tornado import httpserver, ioloop, iostream, netutil, web
 
-from node_agent import procs
 from node_agent.metrics import render_metrics
-from node_agent.service import Agent, ApiError, Caller
+from node_agent.service import MAX_ID, MAX_TEXT, MAX_WAIT, Agent, ApiError, Caller
 
 log = logging.getLogger("gpufrac.agent")
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python does not name it
+_MAX_GROUPS = 65536
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int, frozenset[int]]:
+    """(pid, uid, gid, supplementary gids) of the peer of a Unix socket, as they were when
+    it connected: the kernel records them then, so nothing a pid later becomes can change them."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
-    return pid, uid, gid
+    size = 64 * 4
+    while True:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ERANGE or size >= _MAX_GROUPS * 4:
+                raise
+            size *= 4
+    groups = frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    return pid, uid, gid, groups | {gid}
 
 
 class BaseHandler(web.RequestHandler):
@@ -44,25 +60,39 @@ class BaseHandler(web.RequestHandler):
         stream = getattr(self.request.connection, "stream", None)
         sock = getattr(stream, "socket", None)
         if sock is not None and sock.family == socket.AF_UNIX:
-            pid, uid, gid = peer_credentials(sock)
-            groups = procs.groups_of(pid) | {gid}
-            admin = uid == 0 or (self._admin_gid is not None and self._admin_gid in groups)
-            return Caller(uid=uid, pid=pid, admin=admin)
+            # Taken once per connection: a connection handed to another process keeps the
+            # identity of the one that opened it, and /proc is never consulted.
+            caller: Caller | None = getattr(stream, "gpufrac_caller", None)
+            if caller is None:
+                pid, uid, _gid, groups = peer_credentials(sock)
+                admin = uid == 0 or (self._admin_gid is not None and self._admin_gid in groups)
+                caller = Caller(uid=uid, pid=pid, admin=admin)
+                stream.gpufrac_caller = caller  # type: ignore[union-attr]
+            return caller
         # TCP exists only when a token is configured; a token holder is an admin.
-        header = self.request.headers.get("Authorization", "")
-        if self._token and hmac.compare_digest(header, f"token {self._token}"):
+        # Bytes: compare_digest refuses str with characters outside ASCII.
+        header = self.request.headers.get("Authorization", "").encode("utf-8", "replace")
+        if self._token and hmac.compare_digest(header, f"token {self._token}".encode()):
             return Caller(uid=-1, admin=True)
         raise ApiError(401, None, "a token is required over TCP: send 'Authorization: token <token>'")
 
     def body(self) -> dict[str, Any]:
+        """The request's JSON object; every field a scalar (no request needs more)."""
         if not self.request.body:
             return {}
+        if len(self.request.body) > MAX_JSON:
+            raise ApiError(413, None, f"body: expected at most {MAX_JSON} bytes of JSON, got "
+                                      f"{len(self.request.body)}")
         try:
             value = json.loads(self.request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, None, f"body: expected a JSON object ({exc})") from exc
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ApiError(400, None, f"body: expected a JSON object ({str(exc)[:200]})") from exc
         if not isinstance(value, dict):
             raise ApiError(400, None, "body: expected a JSON object")
+        for key, item in value.items():
+            if not isinstance(item, str | int | float | bool | type(None)):
+                raise ApiError(400, key[:MAX_ID], "expected a string, number, true/false or null, "
+                                                  f"got {type(item).__name__}")
         return value
 
     def reply(self, value: Any, status: int = 200) -> None:
@@ -88,14 +118,19 @@ class BaseHandler(web.RequestHandler):
         super()._handle_request_exception(e)
 
     def query_number(self, name: str, default: float, kind: type[int] | type[float],
-                     expected: str) -> float:
+                     low: float, high: float) -> float:
+        """Query argument ``name``: a finite number of ``kind`` from ``low`` to ``high``."""
         raw = self.get_query_argument(name, None)
         if raw is None:
             return default
+        expected = f"{'an integer' if kind is int else 'a number'} from {low:g} to {high:g}"
         try:
-            return kind(raw)
+            number = kind(raw[:64])
         except ValueError:
-            raise ApiError(400, name, f"expected {expected}, got {raw!r}") from None
+            raise ApiError(400, name, f"expected {expected}, got {raw[:64]!r}") from None
+        if len(raw) > 64 or not math.isfinite(number) or not low <= number <= high:
+            raise ApiError(400, name, f"expected {expected}, got {raw[:64]!r}")
+        return number
 
 
 class NodeHandler(BaseHandler):
@@ -149,10 +184,13 @@ class DirectivesHandler(BaseHandler):
         lease_id = self.get_query_argument("lease", None)
         if (client is None) == (lease_id is None):
             raise ApiError(400, "client", "give exactly one of client=NAME or lease=ID")
+        for name, value in (("client", client), ("lease", lease_id)):
+            if value is not None and not 0 < len(value) <= MAX_TEXT:
+                raise ApiError(400, name, f"expected 1 to {MAX_TEXT} characters")
         found, last = await self.agent.wait_directives(
             self.caller, client=client, lease_id=lease_id,
-            after=int(self.query_number("after", 0, int, "an integer")),
-            timeout=self.query_number("timeout", 0.0, float, "a number of seconds"),
+            after=int(self.query_number("after", 0, int, -1, 2**63 - 1)),
+            timeout=self.query_number("timeout", 0.0, float, 0, MAX_WAIT),
         )
         self.reply({"directives": [d.to_json() for d in found], "last": last})
 
@@ -196,10 +234,119 @@ def _log_request(handler: web.RequestHandler) -> None:
     log.log(level, "%d %s %s", status, handler.request.method, handler.request.uri)
 
 
-def listen_unix(app: web.Application, path: str) -> httpserver.HTTPServer:
-    """Serve on a Unix socket anyone may connect to: identity comes from SO_PEERCRED."""
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    sock = netutil.bind_unix_socket(path, mode=0o666)
-    server = httpserver.HTTPServer(app)
-    server.add_socket(sock)
+# Requests are small JSON documents: past MAX_JSON the handler answers 413, and past
+# MAX_BODY the connection is closed unread.
+MAX_JSON = 64 * 1024
+MAX_BODY = 1024 * 1024
+MAX_HEADERS = 16 * 1024
+# A connection that has not sent its headers (or its body) by then is closed.
+REQUEST_TIMEOUT = 10.0
+# Connections one uid may hold at once (root is not counted: it runs the system's servers).
+CONNECTIONS_PER_USER = 256
+BACKLOG = 4096
+
+
+class AgentServer(httpserver.HTTPServer):
+    """Tornado's HTTP server with the Unix-socket hygiene the agent needs: a per-uid connection
+    limit, and an accept loop that backs off at the descriptor limit instead of spinning."""
+
+    def initialize(self, *args: Any, connections_per_user: int = CONNECTIONS_PER_USER,
+                   **kwargs: Any) -> None:
+        super().initialize(*args, **kwargs)
+        self._per_user = connections_per_user
+        self._open: dict[int, int] = {}
+        self._uid_of: dict[int, int] = {}  # id(stream) -> uid
+        self._stop_accepting: list[Callable[[], None]] = []
+        self._last_warning = 0.0
+
+    def add_unix_socket(self, sock: socket.socket) -> None:
+        loop = ioloop.IOLoop.current()
+
+        def resume() -> None:
+            loop.add_handler(sock, accept, ioloop.IOLoop.READ)
+
+        def accept(_fd: Any, _events: int) -> None:
+            for _ in range(BACKLOG):
+                try:
+                    conn, address = sock.accept()
+                except BlockingIOError:
+                    return
+                except ConnectionAbortedError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        raise
+                    # Out of descriptors: pause, so that closing connections make room,
+                    # rather than wake up for the same waiting peer again and again.
+                    self._warn("out of file descriptors (%s); not accepting for 0.5 s", exc)
+                    loop.remove_handler(sock)
+                    loop.call_later(0.5, resume)
+                    return
+                self._handle_connection(conn, address)
+
+        loop.add_handler(sock, accept, ioloop.IOLoop.READ)
+        self._stop_accepting.append(lambda: loop.remove_handler(sock))
+
+    def stop(self) -> None:
+        for stop in self._stop_accepting:
+            stop()
+        self._stop_accepting.clear()
+        super().stop()
+
+    def handle_stream(self, stream: iostream.IOStream, address: Any) -> None:
+        sock = stream.socket
+        uid = peer_credentials(sock)[1] if sock.family == socket.AF_UNIX else -1
+        if uid > 0 and self._open.get(uid, 0) >= self._per_user:
+            self._warn("uid %d holds %d connections, the limit; refusing one", uid, self._per_user)
+            body = json.dumps({"error": {"field": None, "message": (
+                f"too many connections from uid {uid} (at most {self._per_user} at once); "
+                "close some and try again")}}).encode()
+            written = stream.write(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
+                + b"\r\n\r\n" + body)
+            written.add_done_callback(lambda done: _close(stream, done))
+            return
+        self._open[uid] = self._open.get(uid, 0) + 1
+        self._uid_of[id(stream)] = uid
+        super().handle_stream(stream, address)
+
+    def on_close(self, server_conn: object) -> None:
+        stream = getattr(server_conn, "stream", None)
+        uid = self._uid_of.pop(id(stream), None)
+        if uid is not None:
+            self._open[uid] -= 1
+            if not self._open[uid]:
+                del self._open[uid]
+        super().on_close(server_conn)
+
+    def _warn(self, message: str, *args: Any) -> None:
+        # At most one line a second: a flood must not turn into a flood of log.
+        now = time.monotonic()
+        if now - self._last_warning >= 1.0:
+            self._last_warning = now
+            log.warning(message, *args)
+
+
+def _close(stream: iostream.IOStream, written: Any) -> None:
+    if not written.cancelled():
+        written.exception()  # a peer that left already is no error worth a log line
+    stream.close()
+
+
+def raise_descriptor_limit() -> None:
+    """Take the hard limit on open files as the soft one: every client holds one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def listen_unix(app: web.Application, path: str) -> AgentServer:
+    """Serve on a Unix socket anyone who can reach its folder may connect to: identity comes
+    from SO_PEERCRED. The folder exists and has been checked (``gpufrac-agent serve``)."""
+    sock = netutil.bind_unix_socket(path, mode=0o666, backlog=BACKLOG)
+    server = AgentServer(app, max_body_size=MAX_BODY, max_header_size=MAX_HEADERS,
+                         idle_connection_timeout=REQUEST_TIMEOUT, body_timeout=REQUEST_TIMEOUT)
+    raise_descriptor_limit()
+    server.add_unix_socket(sock)
     return server

@@ -26,7 +26,9 @@ from node_agent.client import (
     AgentError,
     AgentUnavailable,
     default_socket_path,
+    personal_socket_folders,
     serve_command,
+    socket_folder_problem,
 )
 from node_agent.quantities import QuantityError, format_bytes, parse_quantity
 
@@ -55,6 +57,17 @@ def _lock_state_dir(state_dir: str) -> int:
     return fd
 
 
+def _make_socket_folder(socket_path: str) -> None:
+    """Create the socket's folder if missing: open to all for root's (system) agent, else
+    the user's own (0700, whatever the umask)."""
+    folder = os.path.dirname(os.path.abspath(socket_path))
+    if os.path.isdir(folder):
+        return
+    mode = 0o755 if os.geteuid() == 0 and folder not in personal_socket_folders() else 0o700
+    os.makedirs(folder, mode=mode, exist_ok=True)
+    os.chmod(folder, mode)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     # Imported here: `status` and `run` should start fast and need none of this.
     from node_agent.api import listen_unix, make_app
@@ -65,6 +78,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state_dir = args.state_dir or default_state_dir()
+    _make_socket_folder(args.socket)
+    problem = socket_folder_problem(args.socket)
+    if problem:
+        print(f"gpufrac-agent: refusing --socket {args.socket}: {problem}", file=sys.stderr)
+        return 2
     if AgentClient(args.socket, timeout=2).ping():
         print(f"gpufrac-agent: an agent already answers at {args.socket}", file=sys.stderr)
         return 1
@@ -112,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval, reclaim_grace=args.reclaim_grace,
         migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace, headroom=args.headroom,
         restore_grace=args.restore_grace, kill_window=args.kill_window, context_size=context_size,
-        enforce_limits=args.enforce_limits,
+        enforce_limits=args.enforce_limits, max_leases_per_user=args.max_leases_per_user,
     )
     agent = Agent(backend, ledger, config)
 
@@ -514,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-limits", action=argparse.BooleanOptionalAction, default=None,
                        help="ask a lease above its limit to shrink, then stop it (default: with "
                        "NVML; not on a simulated node, where resident memory counts)")
+    serve.add_argument("--max-leases-per-user", type=int, default=64, metavar="N",
+                       help="leases one user (not an admin) may hold at once")
     serve.add_argument("--admin-group", help="members of this group see and manage all leases")
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also serve TCP (needs --token-file)")
     serve.add_argument("--token-file", help="file holding the TCP token")

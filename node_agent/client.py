@@ -7,11 +7,15 @@ import json
 import os
 import shlex
 import socket
+import stat
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
 SYSTEM_SOCKET = "/run/gpufrac/agent.sock"
+# How long a client waits out an agent whose listen queue is full before it gives up.
+CONNECT_PATIENCE = 5.0
 
 
 def default_socket_path() -> str:
@@ -19,12 +23,51 @@ def default_socket_path() -> str:
     env = os.environ.get("GPUFRAC_AGENT_SOCKET")
     if env:
         return env
-    if os.path.exists(SYSTEM_SOCKET):
+    if os.path.exists(SYSTEM_SOCKET) and os.stat(os.path.dirname(SYSTEM_SOCKET)).st_uid == 0:
         return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return str(Path(runtime) / "gpufrac" / "agent.sock")
     return f"/tmp/gpufrac-{os.getuid()}/agent.sock"
+
+
+def personal_socket_folders() -> set[str]:
+    """The per-user socket folders this user's defaults name."""
+    folders = {f"/tmp/gpufrac-{os.geteuid()}"}
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        folders.add(os.path.join(runtime, "gpufrac"))
+    return folders
+
+
+def socket_folder_problem(socket_path: str) -> str | None:
+    """Why the folder holding ``socket_path`` cannot be trusted, or None.
+
+    Whoever can write the folder can put their own agent there and hear this user's
+    requests; a personal folder must be this user's own with mode 0700, any other the
+    user's or root's and writable by its owner only.
+    """
+    folder = os.path.dirname(os.path.abspath(socket_path))
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return None
+    uid, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a directory (a symbolic link, or a file)"
+    if folder in personal_socket_folders():
+        if st.st_uid != uid or mode != 0o700:
+            return (f"{folder} must be yours with mode 0700, and it belongs to uid {st.st_uid} "
+                    f"with mode {mode:04o}; someone else may have made it to listen in: remove "
+                    "it (or set XDG_RUNTIME_DIR) and try again")
+        return None
+    if st.st_uid not in (uid, 0):
+        return (f"{folder} belongs to uid {st.st_uid}, neither you (uid {uid}) nor root, so "
+                "its owner could answer in the agent's place")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{folder} is writable by group or others (mode {mode:04o}), so anyone could "
+                "answer in the agent's place; use a folder only its owner can write")
+    return None
 
 
 def serve_command(socket_path: str, state_dir: str | None = None) -> str:
@@ -60,6 +103,13 @@ class AgentUnavailable(AgentError):
         self.state_dir = state_dir
 
 
+class UnsafeSocket(AgentError):
+    """The socket's folder is not one this user can trust; the message says why and what to do."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(0, "socket", f"refusing the agent socket {path}: {problem}")
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -93,11 +143,14 @@ class AgentClient:
             payload = None if body is None else json.dumps(body)
             headers = {"Content-Type": "application/json"} if payload is not None else {}
             try:
+                self._connect(conn)
                 conn.request(method, path, body=payload, headers=headers)
                 response = conn.getresponse()
                 raw = response.read()
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 raise self._unavailable(exc.strerror or str(exc)) from exc
+            except BlockingIOError as exc:
+                raise self._unavailable("it is too busy: its listen queue stayed full") from exc
             except TimeoutError as exc:
                 raise self._unavailable("timed out") from exc
             except OSError as exc:
@@ -115,6 +168,24 @@ class AgentClient:
         if response.getheader("Content-Type", "").startswith("application/json"):
             return json.loads(raw)
         return raw.decode()
+
+    def _connect(self, conn: _UnixConnection) -> None:
+        """Connect, waiting out a full listen queue (a busy agent, not an absent one)."""
+        problem = socket_folder_problem(self.socket_path)
+        if problem:
+            raise UnsafeSocket(self.socket_path, problem)
+        delay = 0.01
+        deadline = time.monotonic() + min(self.timeout, CONNECT_PATIENCE)
+        while True:
+            try:
+                conn.connect()
+                return
+            except BlockingIOError:
+                # EAGAIN from connect() on a Unix socket: the backlog is full right now.
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def _unavailable(self, reason: str) -> AgentUnavailable:
         return AgentUnavailable(self.socket_path, reason, self.state_dir)

@@ -58,22 +58,6 @@ def is_alive(pid: int, start_time: int) -> bool:
     return ident is not None and ident.start_time == start_time
 
 
-def groups_of(pid: int) -> set[int]:
-    """Supplementary and primary group ids of a running process."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            status = f.read()
-    except OSError:
-        return set()
-    groups: set[int] = set()
-    for line in status.splitlines():
-        if line.startswith("Groups:"):
-            groups.update(int(g) for g in line.split()[1:])
-        elif line.startswith("Gid:"):
-            groups.add(int(line.split()[1]))
-    return groups
-
-
 def kill(pid: int, start_time: int) -> bool:
     """SIGKILL the process if it is still the one registered; True when a signal was sent.
 

@@ -18,6 +18,7 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*$")
 _MAX_BYTES = 2**50
+_MAX_TEXT = 32
 _EXPECTED = "a fraction 0 < f <= 1 of one GPU, or a memory size like 2500M, 4G, 4Gi or bytes"
 
 
@@ -63,6 +64,9 @@ def parse_quantity(value: object, field: str) -> Quantity:
         text = value.strip()
     else:
         raise QuantityError(field, f"expected {_EXPECTED}, got {type(value).__name__}")
+    # Checked first: converting a number of a million digits takes the process seconds.
+    if len(text) > _MAX_TEXT:
+        raise QuantityError(field, f"expected at most {_MAX_TEXT} characters, got {len(text)}")
     try:
         number = float(text)
     except ValueError:

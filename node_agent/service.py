@@ -15,6 +15,7 @@ from node_agent import policy, procs
 from node_agent.devices import DeviceError, GpuBackend, GpuInfo
 from node_agent.ledger import Directive, Lease, Ledger
 from node_agent.quantities import (
+    MiB,
     Quantity,
     QuantityError,
     check_share,
@@ -52,9 +53,18 @@ class Caller:
     admin: bool = False
 
 
+# Bounds on what a request may carry (an id is a UUID; a name is for people).
+MAX_ID = 128
+MAX_TEXT = 200
+# The smallest share: below it a fraction such as 1e-300 would make a lease of no bytes.
+MIN_SHARE = MiB
+
+
 @dataclass
 class AgentConfig:
     poll_interval: float = 1.0
+    # Leases one (non-admin) user may hold at once.
+    max_leases_per_user: int = 64
     # How long a borrower has to give its loan back after `shrink` before it is killed.
     reclaim_grace: float = 30.0
     # How long a client has to report a move done before the agent kills the process.
@@ -320,10 +330,18 @@ class Agent:
             raise ApiError(400, "kind", f"expected one of {policy.KINDS}, got {kind!r}")
         client = _field(body, "client", str, required=True,
                         expected="a name for the program that holds the lease")
-        if not client.strip() or len(client) > 200:
-            raise ApiError(400, "client", "expected 1 to 200 characters")
+        if not client.strip() or len(client) > MAX_TEXT:
+            raise ApiError(400, "client", f"expected 1 to {MAX_TEXT} characters")
         kernel_id = _field(body, "kernel_id", str, expected="a kernel id string")
-        name = _field(body, "name", str, "", expected="a string")[:200]
+        if kernel_id is not None and not 0 < len(kernel_id) <= MAX_ID:
+            raise ApiError(400, "kernel_id", f"expected 1 to {MAX_ID} characters")
+        name = _field(body, "name", str, "", expected="a string")
+        if len(name) > MAX_TEXT:
+            raise ApiError(400, "name", f"expected at most {MAX_TEXT} characters")
+        held = sum(1 for lease in self.ledger.leases.values() if lease.owner_uid == caller.uid)
+        if not caller.admin and held >= self.config.max_leases_per_user:
+            raise ApiError(429, None, f"you hold {held} leases, the most one user may hold on "
+                           "this node; release some (`gpufrac-agent status`)")
         healthy = [g for g in self.gpus if g.healthy]
         devices = _field(body, "devices", int, 1, expected="a whole number of GPUs")
         if not 1 <= devices <= max(1, len(healthy)):
@@ -365,6 +383,9 @@ class Agent:
             req, lim = check_share(request, limit, min(g.memory_usable for g in healthy))
         except QuantityError as exc:
             raise ApiError(400, exc.field, exc.message) from exc
+        if req < MIN_SHARE:
+            raise ApiError(400, "request", f"{format_bytes(req)} is too small to hold anything; "
+                           f"ask for at least {format_bytes(MIN_SHARE)}")
         context = max(g.context_size for g in healthy)
         if req < context:
             raise ApiError(400, "request", f"{format_bytes(req)} is less than the "
@@ -683,9 +704,11 @@ class Agent:
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_WAIT)
         while True:
             event = self._directive_added
+            # A client name is anyone's to write on a lease, so by name a caller hears only of
+            # its own leases (an admin too); an admin follows another user's lease by its id.
             found = [
                 d for d in self.ledger.directives_after(after, client, lease_id)
-                if caller.admin or d.owner_uid == caller.uid
+                if d.owner_uid == caller.uid or (caller.admin and lease_id is not None)
             ]
             remaining = deadline - time.monotonic()
             if found or remaining <= 0:

@@ -157,3 +157,27 @@ class AgentProcess:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def http_bytes(method: str, target: str, body: bytes = b"", headers: str = "") -> bytes:
+    """One HTTP/1.1 request as bytes (``headers``: extra lines, each ending in CRLF)."""
+    return (f"{method} {target} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n{headers}\r\n").encode() + body
+
+
+def raw_request(path: str, request: bytes, timeout: float = 5.0) -> tuple[int, Any]:
+    """Send ``request`` on a fresh connection to the Unix socket ``path``: (status, the body:
+    parsed when it is JSON, else as text)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    while int(head.split()[1]) < 200:  # interim answers (100 Continue) come first
+        head, _, body = body.partition(b"\r\n\r\n")
+    if b"content-type: application/json" not in head.lower():
+        return int(head.split()[1]), body.decode(errors="replace")
+    return int(head.split()[1]), json.loads(body)

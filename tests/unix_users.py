@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import grp
+import json
 import os
 import pwd
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,3 +57,34 @@ def user(name: str, *groups: str) -> User:
                         "--user-group", name], check=True)
         entry = pwd.getpwnam(name)
     return User(name, entry.pw_uid, entry.pw_gid, tuple(group(g) for g in groups))
+
+
+def as_user(who: User | int, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a forked child that has become ``who`` (a User, or a bare uid with no
+    groups): ``{"ok": result}``, an AgentError as ``{"status", "field", "message"}``, or
+    ``{"crash": repr}``. SO_PEERCRED is taken at connect(), so the agent sees that user."""
+    from node_agent.client import AgentError
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as a second uid")
+    uid, gid, groups = (who, who, ()) if isinstance(who, int) else (who.uid, who.gid, who.groups)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read)
+        try:
+            os.setgroups(list(groups))
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            out: dict[str, Any] = {"ok": fn()}
+        except AgentError as exc:
+            out = {"status": exc.status, "field": exc.field, "message": exc.message}
+        except BaseException as exc:  # report anything, never run pytest on in the child
+            out = {"crash": repr(exc)}
+        os.write(write, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from support import AgentProcess, free_port, nvml_works, wait_for
+from unix_users import as_user
 
 from node_agent import procs
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
@@ -21,35 +22,6 @@ from node_agent.quantities import GiB
 from .conftest import Holder
 
 NOBODY = 65534
-
-
-def as_user(uid: int, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` in a forked child that has dropped to ``uid``; return its result or error.
-
-    SO_PEERCRED is taken at connect(), so the agent sees the child's uid.
-    """
-    if os.getuid() != 0:
-        pytest.skip("needs root to act as a second uid")
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(read)
-        try:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-            out: dict[str, Any] = {"ok": fn()}
-        except AgentError as exc:
-            out = {"status": exc.status, "field": exc.field, "message": exc.message}
-        except BaseException as exc:  # report anything, never run pytest on in the child
-            out = {"crash": repr(exc)}
-        os.write(write, json.dumps(out).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
 
 
 def test_lease_lifecycle(start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]) -> None:
@@ -288,6 +260,8 @@ def test_tcp_with_token(start_agent: Callable[..., AgentProcess], shared_tmp: An
     status, body = get({})
     assert status == 401 and "token" in body["error"]["message"]
     assert get({"Authorization": "token wrong"})[0] == 401
+    # Bytes outside ASCII are a wrong token too, not an error in the agent.
+    assert get({"Authorization": "token s3cret-t\u00f6ken".encode().decode("latin-1")})[0] == 401
     status, body = get({"Authorization": "token s3cret-token-of-some-length"})
     assert status == 200 and len(body["leases"]) == 1
 
