@@ -458,9 +458,15 @@ class Agent:
         ):
             return self.ledger.update(lease.id, **changes, reason="request changed in place")
         logical, physical, moves = self._place(lease.kind, req, len(lease.logical), others)
-        if physical == lease.physical and not moves:
-            return self.ledger.update(lease.id, **changes, logical=logical,
-                                      reason="request changed; it stays where it runs")
+        if physical == lease.physical:
+            # It stays; whatever must make room moves, and it is told nothing (there is
+            # nothing for it to do).
+            with self.ledger.transaction():
+                self._start_moves(moves, f"make room for {self._describe(lease)}")
+                return self.ledger.update(
+                    lease.id, **changes, logical=logical,
+                    reason="request changed; it stays where it runs"
+                    + (f" and {len(moves)} other lease(s) move to make room" if moves else ""))
         reason = (f"moved from {self._labels(lease.physical)} to {self._labels(physical)} "
                   f"because its request changed to {format_bytes(req)}")
         with self.ledger.transaction():

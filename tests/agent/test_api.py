@@ -143,6 +143,24 @@ def test_resize_in_place_or_by_a_move(start_agent: Callable[..., AgentProcess]) 
     assert c.lease(d["id"])["request"] == GiB // 2 and c.lease(d["id"])["state"] == "active"
 
 
+def test_a_resize_that_stays_moves_only_the_others(start_agent: Callable[..., AgentProcess]) -> None:
+    """Growing where it runs by moving a neighbour away: the neighbour is told to move, the
+    lease itself is never sent a move onto its own GPU (and so never killed at its deadline)."""
+    c = start_agent().client()
+    gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
+    c.create_lease(client="t", request="0.5")
+    grows = c.create_lease(client="t", request="0.25")
+    neighbour = c.create_lease(client="t", request="0.25")
+    assert grows["physical_gpu"] == neighbour["physical_gpu"] == gpu1
+    _, cursor = c.directives(client="t", after=-1, timeout=0)
+    grown = c.resize(grows["id"], request="1")
+    assert (grown["state"], grown["physical_gpu"], grown["request"]) == ("active", gpu1, GiB)
+    assert "1 other lease(s) move to make room" in grown["reason"]
+    found, _ = c.directives(client="t", after=cursor, timeout=1)
+    assert [(d["lease_id"], d["kind"], d["to_gpu"]) for d in found] == [
+        (neighbour["id"], "migrate", gpu0)]
+
+
 def test_users_see_only_their_own_leases(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
 ) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,5 +48,41 @@ async def test_listener_reconnects_after_agent_restart(
     own_agent.start()
     try:
         await until(lambda: listener.connected, 20, "the listener to reconnect")
+    finally:
+        await app.stop_extension()
+
+
+async def test_a_directive_for_a_lease_the_kernel_does_not_hold_is_ignored(
+    jp_serverapp: Any, jp_fetch: Any, own_agent: AgentProcess
+) -> None:
+    """Kernel ids show in `ps`: anyone may write one on a lease of their own. What the agent
+    says about that lease never touches the kernel."""
+    await jp_serverapp.extension_manager.start_all_extensions()
+    app = jp_serverapp.web_app.settings["gpufrac_app"]
+    listener = app.listener
+    try:
+        reply = await jp_fetch("api", "kernels", method="POST", body=json.dumps({}))
+        kernel_id = json.loads(reply.body)["id"]
+        provisioner = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner
+        await until(lambda: provisioner.lease is not None, 30, "the kernel's lease")
+        own = provisioner.lease["id"]
+        # Made here by the server's own uid: the agent hands such a lease's directives to the
+        # server's client name, so only the server's own check stands between it and the kernel.
+        forged = own_agent.client().create_lease(
+            client=listener.client_name, kernel_id=kernel_id, request="0.25")
+        seen: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+        listener.log.addHandler(handler)
+        try:
+            listener.dispatch({"kind": "migrate", "seq": 1, "kernel_id": kernel_id,
+                               "lease_id": forged["id"], "from_gpu": forged["physical_gpu"],
+                               "to_gpu": forged["physical_gpu"], "deadline": time.time() + 60})
+            await asyncio.gather(*listener._tasks)
+        finally:
+            listener.log.removeHandler(handler)
+        assert any(f"names lease {forged['id']}, not the kernel's ({own})" in m for m in seen), seen
+        assert provisioner.lease["id"] == own
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
     finally:
         await app.stop_extension()
