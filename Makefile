@@ -38,6 +38,8 @@ bench: $(BIN)/gpufrac-agent
 	$(BIN)/python bench/agent_bench.py
 	$(BIN)/python bench/checkpoint_bench.py
 	$(BIN)/python bench/migration_bench.py
+	$(BIN)/python bench/load_bench.py --seconds 30 --pace 1
+	$(BIN)/python bench/load_bench.py --seconds 30
 
 clean:
 	rm -rf $(VENV)

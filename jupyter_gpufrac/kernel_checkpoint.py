@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
+from pathlib import Path
 from typing import Any
 
+from jupyter_gpufrac.kernel import store
 from node_agent.quantities import format_bytes
 
 CHECKPOINT_CODE = "%gpu checkpoint --quiet"
-RESTORE_REPORT_FILE = "restore-report.json"
 
 
 async def wait_until_idle(kernel: Any, deadline: float) -> bool:
@@ -61,11 +61,11 @@ async def checkpoint(kernel: Any, timeout: float) -> tuple[bool, str]:
 
 def read_restore_report(checkpoint_dir: str, pid: int | None) -> dict[str, Any] | None:
     """The restore report of the kernel process ``pid``; an earlier process's is not its."""
-    path = os.path.join(checkpoint_dir, RESTORE_REPORT_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            report = json.load(f)
-    except (OSError, ValueError):
+        # Read as the kernel reads its checkpoint: a report someone else could have written
+        # (or swapped in) is not believed.
+        report = json.loads(store.read_file(Path(checkpoint_dir), store.RESTORE_FILE))
+    except (OSError, ValueError, store.UnsafeCheckpointError):
         return None
     if not isinstance(report, dict) or (pid is not None and report.get("pid") != pid):
         return None

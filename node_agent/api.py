@@ -64,7 +64,8 @@ class BaseHandler(web.RequestHandler):
             # identity of the one that opened it, and /proc is never consulted.
             caller: Caller | None = getattr(stream, "gpufrac_caller", None)
             if caller is None:
-                pid, uid, _gid, groups = peer_credentials(sock)
+                pid, uid, _gid, groups = getattr(stream, "gpufrac_peer", None) or \
+                    peer_credentials(sock)
                 admin = uid == 0 or (self._admin_gid is not None and self._admin_gid in groups)
                 caller = Caller(uid=uid, pid=pid, admin=admin)
                 stream.gpufrac_caller = caller  # type: ignore[union-attr]
@@ -295,7 +296,10 @@ class AgentServer(httpserver.HTTPServer):
 
     def handle_stream(self, stream: iostream.IOStream, address: Any) -> None:
         sock = stream.socket
-        uid = peer_credentials(sock)[1] if sock.family == socket.AF_UNIX else -1
+        uid = -1
+        if sock.family == socket.AF_UNIX:
+            stream.gpufrac_peer = peer_credentials(sock)  # type: ignore[attr-defined]
+            uid = stream.gpufrac_peer[1]  # type: ignore[attr-defined]
         if uid > 0 and self._open.get(uid, 0) >= self._per_user:
             self._warn("uid %d holds %d connections, the limit; refusing one", uid, self._per_user)
             body = json.dumps({"error": {"field": None, "message": (

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from jupyter_gpufrac.kernel import namespace, pickling, rng, store, tensor_io, torch_adapter
+from jupyter_gpufrac.kernel import namespace, pickling, rng, store, torch_adapter
 
 log = logging.getLogger(__name__)
 
@@ -115,50 +115,50 @@ class Checkpointer:
         started = time.monotonic()
         self.wait_for_cleanup()
         try:
-            store.ensure_private_dir(self.root)
+            folder = store.CheckpointDir.open(self.root, create=True)
         except (OSError, store.UnsafeCheckpointError) as exc:
             raise CheckpointError(f"cannot use checkpoint directory {self.root}: {exc}") from exc
-        store.remove_stale_tmp(self.root)
-        if full:
-            self.cache.clear()
-        selection = namespace.select(ns, hidden)
-        lost: dict[str, str] = {name: "a module object that is not importable"
-                                for name in selection.skipped}
-        blobs = pickling.BlobWriter(self.root, self.cache)
-        groups: list[dict[str, Any]] = []
-        try:
-            for names in group_names(selection.values, blobs, ns):
-                saved = self._save_group(names, selection.values, blobs, ns, lost)
-                if saved is not None:
-                    groups.append(saved)
-            groups += self._carry_deferred(ns, blobs)
-            rng_blob = blobs.group_blob(pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL))
-            # Blobs durable first, then the state file that names them: a kill or crash
-            # in between leaves the previous state whole, and its blobs untouched.
-            tensor_io.sync_files(blobs.new_paths)
-            store.fsync_dir(self.root / store.BLOB_DIR)
-            names = sorted(name for group in groups for name in group["names"])
-            header: dict[str, Any] = {
-                "format": FORMAT,
-                "time": time.time(),
-                "execution_count": execution_count,
-                "names": names,
-                "modules": selection.modules,
-                "lost": lost,
-                "groups": groups,
-                "rng": rng_blob,
-                "matplotlib_backend": _matplotlib_backend(),
-                "blobs": blobs.referenced,
-                "tensors_bytes": blobs.tensor_bytes,
-                "pid": os.getpid(),
-                **dict(extra),
-            }
-            with store.atomic_writer(self.state_path) as fh:
-                fh.write(MAGIC)
-                _write_trailer(fh, header)
-        except OSError as exc:
-            raise CheckpointError(f"writing the checkpoint to {self.root} failed: {exc}") from exc
-        self._collect_garbage(set(blobs.referenced))
+        with folder:
+            folder.remove_stale_tmp()
+            if full:
+                self.cache.clear()
+            selection = namespace.select(ns, hidden)
+            lost: dict[str, str] = {name: "a module object that is not importable"
+                                    for name in selection.skipped}
+            blobs = pickling.BlobWriter(folder, self.cache)
+            groups: list[dict[str, Any]] = []
+            try:
+                for names in group_names(selection.values, blobs, ns):
+                    saved = self._save_group(names, selection.values, blobs, ns, lost)
+                    if saved is not None:
+                        groups.append(saved)
+                groups += self._carry_deferred(ns, blobs)
+                rng_blob = blobs.group_blob(pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL))
+                # Blobs durable first, then the state file that names them: a kill or crash
+                # in between leaves the previous state whole, and its blobs untouched.
+                folder.sync_blobs(blobs.new_blobs)
+                names = sorted(name for group in groups for name in group["names"])
+                header: dict[str, Any] = {
+                    "format": FORMAT,
+                    "time": time.time(),
+                    "execution_count": execution_count,
+                    "names": names,
+                    "modules": selection.modules,
+                    "lost": lost,
+                    "groups": groups,
+                    "rng": rng_blob,
+                    "matplotlib_backend": _matplotlib_backend(),
+                    "blobs": blobs.referenced,
+                    "tensors_bytes": blobs.tensor_bytes,
+                    "pid": os.getpid(),
+                    **dict(extra),
+                }
+                with folder.atomic_writer(store.STATE_FILE) as fh:
+                    fh.write(MAGIC)
+                    _write_trailer(fh, header)
+            except OSError as exc:
+                raise CheckpointError(f"writing the checkpoint to {self.root} failed: {exc}") from exc
+            self._collect_garbage(folder, set(blobs.referenced))
         result = CheckpointResult(
             path=str(self.state_path),
             time=header["time"],
@@ -222,14 +222,14 @@ class Checkpointer:
         self.deferred = carried
         return carried
 
-    def _collect_garbage(self, keep: set[str]) -> None:
+    def _collect_garbage(self, folder: store.CheckpointDir, keep: set[str]) -> None:
         # Replaced blobs are deleted off the critical path: unlinking gigabytes takes a while.
         # The cache forgets them first, so no later checkpoint can name a blob being deleted.
-        stale = store.unreferenced_blobs(self.root, keep)
+        stale = folder.unreferenced_blobs(keep)
         if not stale:
             return
-        self.cache.forget_blobs({p.name for p in stale})
-        self._gc = threading.Thread(target=store.remove_files, args=(stale,),
+        self.cache.forget_blobs(set(stale))
+        self._gc = threading.Thread(target=_remove_blobs, args=(folder.dup(), stale),
                                     name="gpufrac-checkpoint-gc", daemon=True)
         self._gc.start()
 
@@ -250,8 +250,8 @@ class Checkpointer:
         ``bytes``), the largest variables are left on disk until the rest fits; they are
         named in ``deferred`` and :meth:`load_deferred` brings them back.
         """
-        with self._lock:
-            return self._load(ns, device, budget, measure)
+        with self._lock, self._open() as folder:
+            return self._load(folder, ns, device, budget, measure)
 
     def load_deferred(
         self, ns: dict[str, Any], names: Sequence[str] = (), *, device: str | None = None
@@ -265,7 +265,8 @@ class Checkpointer:
             unknown = sorted(set(names) - {n for g in self.deferred for n in g["names"]})
             if unknown:
                 raise CheckpointError(f"not kept on disk: {', '.join(unknown)}")
-            values, lost, tensors, _ = self._load_groups(wanted, ns, device)
+            with self._open() as folder:
+                values, lost, tensors, _ = self._load_groups(folder, wanted, ns, device)
             restored = sorted(name for name in values if name not in ns)
             ns.update({name: values[name] for name in restored})
             for tensor, blob in tensors:
@@ -273,8 +274,18 @@ class Checkpointer:
             self.deferred = [g for g in self.deferred if g not in wanted]
             return restored, lost
 
+    def _open(self) -> store.CheckpointDir:
+        """The checkpoint directory, opened and checked once for one restore."""
+        try:
+            return store.CheckpointDir.open(self.root)
+        except store.UnsafeCheckpointError as exc:
+            raise CheckpointError(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"there is no checkpoint in {self.root}") from exc
+
     def _load_groups(
-        self, groups: list[dict[str, Any]], ns: dict[str, Any], device: str | None
+        self, folder: store.CheckpointDir, groups: list[dict[str, Any]], ns: dict[str, Any],
+        device: str | None,
     ) -> tuple[dict[str, Any], dict[str, str], list[tuple[Any, str]], int]:
         """Unpickle ``groups``: (values, lost with why, restored tensors with blobs, bytes
         moved to the host)."""
@@ -286,9 +297,9 @@ class Checkpointer:
         for group in groups:
             names = [str(name) for name in group.get("names", [])]
             try:
-                data = self._read_blob(str(group["blob"]))
+                data = folder.read_bytes(str(group["blob"]), blob=True)
                 unpickler = pickling.NamespaceUnpickler(
-                    io.BytesIO(data), self.root, ns, device,
+                    io.BytesIO(data), folder, ns, device,
                     lambda t, b: restored_tensors.append((t, b)), storages,
                 )
                 values = unpickler.load()
@@ -309,34 +320,29 @@ class Checkpointer:
         return target, lost, restored_tensors, moved_to_cpu
 
     def _load(
-        self, ns: dict[str, Any], device: str | None, budget: int | None, measure: str
+        self, folder: store.CheckpointDir, ns: dict[str, Any], device: str | None,
+        budget: int | None, measure: str,
     ) -> LoadResult:
-        path = self.state_path
         try:
-            store.check_private(self.root, directory=True)
-            if not path.exists():
-                raise CheckpointError(f"there is no checkpoint in {self.root}")
-            store.check_private(path, directory=False)
-            store.check_private(self.root / store.BLOB_DIR, directory=True)
+            data = folder.read_bytes(store.STATE_FILE)
         except store.UnsafeCheckpointError as exc:
             raise CheckpointError(str(exc)) from exc
         except FileNotFoundError as exc:
             raise CheckpointError(f"there is no checkpoint in {self.root}") from exc
-        with open(path, "rb") as fh:
-            header, _ = _read_trailer(fh, path)
+        header, _ = _read_trailer(io.BytesIO(data), self.state_path)
         if header.get("format") != FORMAT:
             raise CheckpointError(f"the checkpoint in {self.root} has format "
                                   f"{header.get('format')!r}; this version reads {FORMAT}")
         groups = [g for g in header.get("groups", []) if isinstance(g, dict)]
         deferred = defer(groups, budget, measure) if budget is not None else []
         target, lost, restored_tensors, moved_to_cpu = self._load_groups(
-            [g for g in groups if g not in deferred], ns, device)
+            folder, [g for g in groups if g not in deferred], ns, device)
         lost = {**header.get("lost", {}), **lost}
         self.deferred = deferred
         rng_state: dict[str, Any] = {}
         if header.get("rng"):
             try:
-                rng_state = pickle.loads(self._read_blob(str(header["rng"])))
+                rng_state = pickle.loads(folder.read_bytes(str(header["rng"]), blob=True))
             except store.UnsafeCheckpointError as exc:
                 raise CheckpointError(str(exc)) from exc
             except Exception as exc:
@@ -366,19 +372,20 @@ class Checkpointer:
             deferred={name: group_size([g], measure) for g in deferred for name in g["names"]},
         )
 
-    def _read_blob(self, name: str) -> bytes:
-        path = store.blob_path(self.root, name)
-        store.check_private(path, directory=False)
-        with open(path, "rb") as fh:
-            return fh.read()
-
     def read_header(self) -> dict[str, Any] | None:
-        """The committed checkpoint's JSON header (no unpickling), or None when there is none."""
+        """The committed checkpoint's JSON header (no unpickling), or None when there is none
+        or it is not ours alone."""
         try:
-            with open(self.state_path, "rb") as fh:
-                return _read_trailer(fh, self.state_path)[0]
-        except (OSError, CheckpointError):
+            with store.CheckpointDir.open(self.root) as folder:
+                data = folder.read_bytes(store.STATE_FILE)
+            return _read_trailer(io.BytesIO(data), self.state_path)[0]
+        except (OSError, CheckpointError, store.UnsafeCheckpointError):
             return None
+
+
+def _remove_blobs(folder: store.CheckpointDir, names: list[str]) -> None:
+    with folder:
+        folder.remove_blobs(names)
 
 
 def components(items: Iterable[T], joined: Iterable[tuple[T, T]]) -> list[list[T]]:
@@ -448,7 +455,7 @@ def group_names(
     """
     owner: dict[int, str] = {}
     joined: list[tuple[str, str]] = []
-    dry = pickling.BlobWriter(blobs.root, blobs.cache, dry=True)
+    dry = pickling.BlobWriter(blobs.folder, blobs.cache, dry=True)
     # Everything each pickling met stays alive until the grouping is done: a temporary freed
     # after one variable's pickling could lend its id to an object of the next one.
     alive: list[Any] = []

@@ -317,25 +317,16 @@ class GpuFracHook:
         selection = namespace.select(self.ip.user_ns, self._hidden())
         data = {"execution_count": self._execution_count(), "time": time.time(),
                 "names": sorted([*selection.values, *selection.modules]), "running": running}
-        try:
-            if self._dir_ready():
-                store.write_bytes_atomic(self._cells_path, json.dumps(data).encode(),
-                                         durable=False)
-        except OSError:
-            log.debug("gpufrac: writing %s failed", self._cells_path, exc_info=True)
-
-    def _dir_ready(self) -> bool:
         # Our own small files go only into a directory that is ours alone (created if needed).
         try:
-            store.ensure_private_dir(self.env.checkpoint_dir)
+            store.write_file(self.env.checkpoint_dir, store.CELLS_FILE, json.dumps(data).encode(),
+                             durable=False)
         except (OSError, store.UnsafeCheckpointError):
-            return False
-        return True
+            log.debug("gpufrac: writing %s failed", self._cells_path, exc_info=True)
 
     def _read_previous_cells(self) -> dict[str, Any]:
         try:
-            store.check_private(self._cells_path, directory=False)
-            data = json.loads(self._cells_path.read_text())
+            data = json.loads(store.read_file(self.env.checkpoint_dir, store.CELLS_FILE))
         except (OSError, ValueError, store.UnsafeCheckpointError):
             return {}
         return data if isinstance(data, dict) else {}
@@ -419,10 +410,9 @@ class GpuFracHook:
         report["message"] = text
         self.restore_report = report
         try:
-            if self._dir_ready():
-                store.write_bytes_atomic(self.env.checkpoint_dir / store.RESTORE_FILE,
-                                         json.dumps(report, sort_keys=True).encode())
-        except OSError:
+            store.write_file(self.env.checkpoint_dir, store.RESTORE_FILE,
+                             json.dumps(report, sort_keys=True).encode())
+        except (OSError, store.UnsafeCheckpointError):
             log.warning("gpufrac: could not write the restore report", exc_info=True)
         return report
 

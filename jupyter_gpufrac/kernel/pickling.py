@@ -127,7 +127,7 @@ def _no_version(tensor: Any) -> bool:
 class BlobWriter:
     """Writes each storage once per checkpoint and reuses blobs of unchanged tensors."""
 
-    root: Path
+    folder: store.CheckpointDir
     cache: IncrementalCache
     dry: bool = False
     referenced: dict[str, int] = field(default_factory=dict)
@@ -136,7 +136,7 @@ class BlobWriter:
     tensor_bytes: int = 0
     group_bytes_written: int = 0
     groups_written: int = 0
-    new_paths: list[Path] = field(default_factory=list)
+    new_blobs: list[str] = field(default_factory=list)  # written, not yet fsynced
     # Storage blobs the group being pickled reaches: blob -> (nbytes, device type).
     reached: dict[str, tuple[int, str]] = field(default_factory=dict)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
@@ -167,8 +167,8 @@ class BlobWriter:
         return (known[0], known[1], device)
 
     def _write(self, storage: Any) -> tuple[str, int]:
-        blob, nbytes, path = tensor_io.write_storage(self.root, storage)
-        self.new_paths.append(path)
+        blob, nbytes, _path = tensor_io.write_storage(self.folder, storage)
+        self.new_blobs.append(blob)
         self.bytes_written += nbytes
         self.blobs_written += 1
         return blob, nbytes
@@ -176,13 +176,11 @@ class BlobWriter:
     def group_blob(self, data: bytes) -> str:
         """The content-addressed blob holding one group's pickle; written only if new."""
         name = "g-" + hashlib.sha256(data).hexdigest() + ".bin"
-        if not self.dry:
-            path = store.blob_path(self.root, name)
-            if not path.exists():
-                store.write_bytes_atomic(path, data, durable=False)
-                self.new_paths.append(path)
-                self.group_bytes_written += len(data)
-                self.groups_written += 1
+        if not self.dry and not self.folder.exists(name, blob=True):
+            self.folder.write_bytes_atomic(name, data, blob=True, durable=False)
+            self.new_blobs.append(name)
+            self.group_bytes_written += len(data)
+            self.groups_written += 1
         self.referenced[name] = len(data)
         return name
 
@@ -202,7 +200,7 @@ class BlobWriter:
         known = self._by_storage.get(key)
         if known is None:
             blob = self.cache.lookup(tensor)
-            if blob is not None and store.blob_path(self.root, blob).exists():
+            if blob is not None and self.folder.exists(blob, blob=True):
                 known = (blob, int(storage.nbytes()))
             else:
                 known = self._write(storage)
@@ -335,10 +333,12 @@ class NamespaceUnpickler(pickle.Unpickler):
 
     ``storages`` may be shared by the unpicklers of one restore, so tensors of different
     groups that viewed one storage still share it. ``device`` None means the kernel's device.
+    ``root`` is the checkpoint directory held open (a path is opened and checked per blob).
     """
 
     def __init__(
-        self, file: Any, root: Path, user_ns: dict[str, Any], device: str | None,
+        self, file: Any, root: store.CheckpointDir | Path, user_ns: dict[str, Any],
+        device: str | None,
         on_tensor: Callable[[Any, str], None] | None = None,
         storages: dict[tuple[str, str], Any] | None = None,
     ) -> None:
@@ -376,9 +376,8 @@ class NamespaceUnpickler(pickle.Unpickler):
         if storage is None:
             if device != "cpu" and target == "cpu":
                 self.moved_to_cpu_bytes += nbytes
-            path = store.blob_path(self._root, blob)
-            store.check_private(path, directory=False)
-            storage = tensor_io.read_storage(path, nbytes, target)
+            with store.opened(self._root) as folder:
+                storage = tensor_io.read_storage(folder, blob, nbytes, target)
             self._storages[(blob, target)] = storage
         return storage
 
@@ -437,7 +436,7 @@ def unpicklable_reason(
     name: str, value: Any, blobs: BlobWriter, user_ns: dict[str, Any]
 ) -> str | None:
     """Why ``value`` alone cannot be pickled, or None if it can (tensors are not written)."""
-    dry = BlobWriter(blobs.root, blobs.cache, dry=True)
+    dry = BlobWriter(blobs.folder, blobs.cache, dry=True)
     try:
         NamespacePickler(NullSink(), dry, user_ns).dump({name: value})
     except Exception as exc:

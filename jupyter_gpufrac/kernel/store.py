@@ -1,13 +1,16 @@
-"""On-disk checkpoint store: owner-only directories, atomic files and tensor blobs."""
+"""On-disk checkpoint store: owner-only directories held open, atomic files and tensor blobs."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import IO
 
 STATE_FILE = "checkpoint.gfc"
@@ -16,138 +19,272 @@ CELLS_FILE = "cells.json"
 BLOB_DIR = "blobs"
 TMP_SUFFIX = ".tmp"
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO put in place of a file must not hang; it is refused after fstat.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 class UnsafeCheckpointError(Exception):
     """A checkpoint path that another user could have written: loading it would run their code."""
 
 
-def _describe(st: os.stat_result) -> str:
-    return f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
-
-
-def check_private(path: Path, *, directory: bool) -> None:
-    """Refuse a path that is a symlink, is not ours, or is group/other-writable.
+def _check(st: os.stat_result, shown: Path, *, directory: bool) -> None:
+    """Refuse a file or directory that is not ours alone.
 
     Unpickling runs code, so a file that someone else could have put there is never trusted.
     """
-    st = os.lstat(path)
     kind = "directory" if directory else "file"
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafeCheckpointError(f"refusing checkpoint {kind} {path}: it is a symbolic link")
-    if directory != stat.S_ISDIR(st.st_mode) or (not directory and not stat.S_ISREG(st.st_mode)):
-        raise UnsafeCheckpointError(f"refusing checkpoint {kind} {path}: not a regular {kind}")
+    if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
+        raise UnsafeCheckpointError(f"refusing checkpoint {kind} {shown}: not a regular {kind}")
     uid = os.geteuid()
     if st.st_uid != uid:
         raise UnsafeCheckpointError(
-            f"refusing checkpoint {kind} {path}: it belongs to uid {st.st_uid}, not to you "
+            f"refusing checkpoint {kind} {shown}: it belongs to uid {st.st_uid}, not to you "
             f"(uid {uid}); unpickling it would run code that another user could have written"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafeCheckpointError(
-            f"refusing checkpoint {kind} {path}: it is writable by group or others "
-            f"({_describe(st)}); fix it with `chmod go-w {path}` if you trust its contents"
+            f"refusing checkpoint {kind} {shown}: it is writable by group or others "
+            f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); fix it with "
+            f"`chmod go-w {shown}` if you trust its contents"
         )
+
+
+def _open_checked(name: str | Path, flags: int, dir_fd: int | None, shown: Path, *,
+                  directory: bool) -> int:
+    """Open ``name`` without following a symbolic link in its last component, then check it."""
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EACCES):
+            raise
+        # A link (ELOOP from O_NOFOLLOW, ENOTDIR from O_DIRECTORY) is refused, and so is another
+        # user's file we may not open (EACCES). The lstat only words why: it opens nothing.
+        kind = "directory" if directory else "file"
+        try:
+            st: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise UnsafeCheckpointError(
+                f"refusing checkpoint {kind} {shown}: it is a symbolic link") from exc
+        if st is not None:
+            _check(st, shown, directory=directory)
+        if exc.errno == errno.EACCES:
+            raise  # our own file, unreadable: not an attack
+        raise UnsafeCheckpointError(
+            f"refusing checkpoint {kind} {shown}: it was a symbolic link or not a {kind} when "
+            f"opened (was it replaced just then?)") from exc
+    try:
+        # On the descriptor: what is checked is what is read, whatever is renamed meanwhile.
+        _check(os.fstat(fd), shown, directory=directory)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _blob_name(name: str) -> str:
+    # Names come from the state file: none may leave the blob folder or hit a temporary.
+    if "/" in name or name.startswith(".") or not name.endswith(".bin"):
+        raise UnsafeCheckpointError(f"refusing blob name {name!r} in the checkpoint")
+    return name
+
+
+def _mkdir_private(name: str | Path, dir_fd: int | None) -> bool:
+    """Create a 0700 directory; False when it was there already."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        return False
+    return True
+
+
+class CheckpointDir:
+    """A checked checkpoint directory and its blob folder, held open.
+
+    Everything below the root is reached through these descriptors, never by path again: an
+    attacker who can rename the root's parents can at most make the open refuse, not redirect a
+    read or write that follows a check. Open one per checkpoint or restore, and close it.
+    """
+
+    def __init__(self, path: Path, root_fd: int, blobs_fd: int) -> None:
+        self.path = path
+        self.root_fd = root_fd
+        self.blobs_fd = blobs_fd
+
+    @classmethod
+    def open(cls, path: Path, *, create: bool = False) -> CheckpointDir:
+        """Open and check ``path`` and its blob folder; ``create`` makes missing ones 0700.
+
+        Raises UnsafeCheckpointError for a directory that is a link, not ours or writable by
+        others, FileNotFoundError for a missing one.
+        """
+        path = Path(path)
+        created = False
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            created = _mkdir_private(path, None)
+        root = _open_checked(path, _DIR_FLAGS, None, path, directory=True)
+        try:
+            if created:
+                # mkdir's mode is filtered by the umask; say exactly what we want.
+                os.fchmod(root, 0o700)
+            blobs_created = create and _mkdir_private(BLOB_DIR, root)
+            blobs = _open_checked(BLOB_DIR, _DIR_FLAGS, root, path / BLOB_DIR, directory=True)
+            if blobs_created:
+                os.fchmod(blobs, 0o700)
+        except BaseException:
+            os.close(root)
+            raise
+        return cls(path, root, blobs)
+
+    def dup(self) -> CheckpointDir:
+        """The same directories under descriptors of their own (for another thread to close)."""
+        root = os.dup(self.root_fd)
+        try:
+            return CheckpointDir(self.path, root, os.dup(self.blobs_fd))
+        except BaseException:
+            os.close(root)
+            raise
+
+    def close(self) -> None:
+        """Close both descriptors."""
+        for fd in (self.blobs_fd, self.root_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.root_fd = self.blobs_fd = -1
+
+    def __enter__(self) -> CheckpointDir:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+    def _where(self, name: str, blob: bool) -> tuple[int, Path]:
+        if blob:
+            return self.blobs_fd, self.path / BLOB_DIR / _blob_name(name)
+        return self.root_fd, self.path / name
+
+    def open_read(self, name: str, *, blob: bool = False) -> io.FileIO:
+        """``name`` (a blob with ``blob``) opened for reading, checked before any byte is read."""
+        dir_fd, shown = self._where(name, blob)
+        fd = _open_checked(name, _READ_FLAGS, dir_fd, shown, directory=False)
+        return os.fdopen(fd, "rb", buffering=0)
+
+    def read_bytes(self, name: str, *, blob: bool = False) -> bytes:
+        """The whole of ``name``, checked first."""
+        with self.open_read(name, blob=blob) as fh:
+            return fh.readall()
+
+    def create(self, name: str, *, blob: bool = False) -> io.FileIO:
+        """A new file ``name`` (0600) open for writing; fails if anything has that name."""
+        dir_fd, _ = self._where(name, blob)
+        return os.fdopen(os.open(name, _CREATE_FLAGS, 0o600, dir_fd=dir_fd), "wb", buffering=0)
+
+    def exists(self, name: str, *, blob: bool = False) -> bool:
+        """Whether something is named ``name`` (a link is not followed)."""
+        dir_fd, _ = self._where(name, blob)
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def atomic_writer(self, name: str, *, blob: bool = False,
+                      durable: bool = True) -> Iterator[IO[bytes]]:
+        """Write to a temporary sibling, then rename over ``name``: readers see old or new.
+
+        A kill mid-write leaves only a ``*.tmp`` file behind, which :meth:`remove_stale_tmp`
+        cleans.
+        """
+        dir_fd, _ = self._where(name, blob)
+        tmp = f"{name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+        fd = os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb", buffering=1024 * 1024) as fh:
+                yield fh
+                fh.flush()
+                if durable:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        if durable:
+            os.fsync(dir_fd)
+
+    def write_bytes_atomic(self, name: str, data: bytes, *, blob: bool = False,
+                           durable: bool = True) -> None:
+        """Replace ``name`` with ``data`` atomically."""
+        with self.atomic_writer(name, blob=blob, durable=durable) as fh:
+            fh.write(data)
+
+    def sync_blobs(self, names: Iterable[str]) -> None:
+        """fsync blobs written earlier, then the blob folder (the kernel flushes their dirty
+        pages in one go: one flush of many files beats a flush per file)."""
+        for name in names:
+            fd = os.open(_blob_name(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=self.blobs_fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.fsync(self.blobs_fd)
+
+    def remove_stale_tmp(self) -> None:
+        """Delete temporaries left by a writer that was killed."""
+        for dir_fd in (self.root_fd, self.blobs_fd):
+            for name in os.listdir(dir_fd):
+                if name.endswith(TMP_SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dir_fd)
+
+    def unreferenced_blobs(self, keep: set[str]) -> list[str]:
+        """Blobs that the committed checkpoint does not name (replaced, or left by a killed
+        writer)."""
+        return [name for name in os.listdir(self.blobs_fd)
+                if name.endswith(".bin") and name not in keep]
+
+    def remove_blobs(self, names: Iterable[str]) -> None:
+        """Unlink blobs ``names``, ignoring those already gone."""
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_blob_name(name), dir_fd=self.blobs_fd)
+
+
+@contextlib.contextmanager
+def opened(root: Path | CheckpointDir) -> Iterator[CheckpointDir]:
+    """``root`` when it is open already, else ``root`` opened and checked for the block."""
+    if isinstance(root, CheckpointDir):
+        yield root
+        return
+    with CheckpointDir.open(root) as folder:
+        yield folder
 
 
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` (and the blob folder) owner-only (0700) or check an existing one."""
-    created = False
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            path.mkdir(mode=0o700)
-            created = True
-    if created:
-        # mkdir's mode is filtered by the umask; say exactly what we want.
-        os.chmod(path, 0o700)
-    check_private(path, directory=True)
-    blobs = path / BLOB_DIR
-    if not blobs.exists():
-        with contextlib.suppress(FileExistsError):
-            blobs.mkdir(mode=0o700)
-            os.chmod(blobs, 0o700)
-    check_private(blobs, directory=True)
+    CheckpointDir.open(path, create=True).close()
     return path
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def read_file(root: Path, name: str) -> bytes:
+    """File ``name`` of checkpoint directory ``root``, refused unless both are ours alone."""
+    with CheckpointDir.open(root) as folder:
+        return folder.read_bytes(name)
 
 
-@contextlib.contextmanager
-def atomic_writer(
-    path: Path, *, durable: bool = True, sync_dir: bool = True
-) -> Iterator[IO[bytes]]:
-    """Write to a temporary sibling, then rename over ``path``: readers see old or new, never half.
-
-    A kill mid-write leaves only a ``*.tmp`` file behind, which :func:`remove_stale_tmp` cleans.
-    ``sync_dir=False`` lets a caller writing many files fsync their folder once at the end.
-    """
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb", buffering=1024 * 1024) as fh:
-            yield fh
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if durable and sync_dir:
-        fsync_dir(path.parent)
-
-
-def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically."""
-    with atomic_writer(path, durable=durable) as fh:
-        fh.write(data)
+def write_file(root: Path, name: str, data: bytes, *, durable: bool = True) -> None:
+    """Replace file ``name`` of ``root`` (created owner-only if missing) atomically."""
+    with CheckpointDir.open(root, create=True) as folder:
+        folder.write_bytes_atomic(name, data, durable=durable)
 
 
 def new_blob_name() -> str:
     """A fresh blob name; blobs are immutable once named, so names are never reused."""
     return uuid.uuid4().hex + ".bin"
-
-
-def blob_path(root: Path, name: str) -> Path:
-    """Where blob ``name`` lives; rejects names that would escape the blob folder."""
-    if "/" in name or name.startswith(".") or not name.endswith(".bin"):
-        raise UnsafeCheckpointError(f"refusing blob name {name!r} in the checkpoint")
-    return root / BLOB_DIR / name
-
-
-def remove_stale_tmp(root: Path) -> None:
-    """Delete temporaries left by a writer that was killed."""
-    for folder in (root, root / BLOB_DIR):
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(folder):
-                if entry.name.endswith(TMP_SUFFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-
-
-def unreferenced_blobs(root: Path, keep: set[str]) -> list[Path]:
-    """Blobs that the committed checkpoint does not name (replaced, or left by a killed writer)."""
-    stale: list[Path] = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(root / BLOB_DIR):
-            if entry.name.endswith(".bin") and entry.name not in keep:
-                stale.append(Path(entry.path))
-    return stale
-
-
-def remove_files(paths: list[Path]) -> int:
-    """Unlink ``paths``, ignoring those already gone; returns how many were removed."""
-    removed = 0
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed += 1
-    return removed

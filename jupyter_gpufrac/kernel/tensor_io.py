@@ -17,56 +17,44 @@ def _host_view(storage: Any) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def write_storage(root: Path, storage: Any) -> tuple[str, int, Path]:
+def write_storage(root: store.CheckpointDir | Path, storage: Any) -> tuple[str, int, Path]:
     """Write an untyped storage's bytes as a new blob; returns (blob name, bytes, path).
 
     No fsync here: the caller syncs all new blobs at once before it commits the checkpoint
-    that names them (one flush of many files beats a flush per file). A blob is written under
-    its final, fresh name: until a committed checkpoint names it, a half-written one is garbage
-    that the next checkpoint deletes (:func:`store.unreferenced_blobs`).
+    that names them (:meth:`store.CheckpointDir.sync_blobs`). A blob is written under its
+    final, fresh name: until a committed checkpoint names it, a half-written one is garbage
+    that the next checkpoint deletes (:meth:`store.CheckpointDir.unreferenced_blobs`).
     """
     if storage.device.type != "cpu":
         storage = storage.cpu()
     nbytes = int(storage.nbytes())
     name = store.new_blob_name()
-    path = store.blob_path(root, name)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb", buffering=0) as fh:
+    with store.opened(root) as folder, folder.create(name, blob=True) as fh:
         if nbytes:
             view = _host_view(storage)
             done = 0
             while done < nbytes:
                 done += fh.write(view[done:]) or 0
-    return name, nbytes, path
+    return name, nbytes, folder.path / store.BLOB_DIR / name
 
 
-def sync_files(paths: list[Path]) -> None:
-    """fsync files written earlier (the kernel flushes their dirty pages in one go)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def read_storage(path: Path, nbytes: int, device: str) -> Any:
-    """Read a blob into a fresh untyped storage on ``device``."""
+def read_storage(folder: store.CheckpointDir, name: str, nbytes: int, device: str) -> Any:
+    """Read blob ``name`` of ``folder`` into a fresh untyped storage on ``device``."""
     import torch
 
-    size = os.path.getsize(path)
-    if size != nbytes:
-        raise OSError(f"blob {path.name} holds {size} bytes, the checkpoint expects {nbytes}")
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    storage = buffer.untyped_storage()
-    if nbytes:
-        view = _host_view(storage)
-        with open(path, "rb", buffering=0) as fh:
+    with folder.open_read(name, blob=True) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size != nbytes:
+            raise OSError(f"blob {name} holds {size} bytes, the checkpoint expects {nbytes}")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        storage = buffer.untyped_storage()
+        if nbytes:
+            view = _host_view(storage)
             done = 0
             while done < nbytes:
                 got = fh.readinto(view[done:])
                 if not got:
-                    raise OSError(f"blob {path.name} ended after {done} of {nbytes} bytes")
+                    raise OSError(f"blob {name} ended after {done} of {nbytes} bytes")
                 done += got
     if device != "cpu":
         return buffer.to(device).untyped_storage()

@@ -8,6 +8,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -110,6 +111,32 @@ def test_malformed_transport_and_full_node(start_agent: Callable[..., AgentProce
 def test_unavailable_agent_says_what_to_do(tmp_path: Any) -> None:
     with pytest.raises(AgentUnavailable, match="gpufrac-agent serve"):
         AgentClient(str(tmp_path / "none.sock")).node()
+
+
+def test_a_client_waits_out_a_full_listen_queue_then_says_the_agent_is_busy(
+    tmp_path: Any,
+) -> None:
+    path = str(tmp_path / "busy.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen(0)
+        queued = []
+        while True:  # fill the queue: the next connect() answers EAGAIN
+            sock = socket.socket(socket.AF_UNIX)
+            sock.setblocking(False)
+            try:
+                sock.connect(path)
+            except BlockingIOError:
+                sock.close()
+                break
+            queued.append(sock)
+        started = time.monotonic()
+        with pytest.raises(AgentUnavailable, match="too busy: its listen queue stayed full"):
+            AgentClient(path, timeout=1.0).node()
+        # It kept trying for its timeout (with backoff) before it gave up.
+        assert time.monotonic() - started >= 0.5
+        for sock in queued:
+            sock.close()
 
 
 def test_resize_in_place_or_by_a_move(start_agent: Callable[..., AgentProcess]) -> None:

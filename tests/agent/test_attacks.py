@@ -19,6 +19,7 @@ import pytest
 from support import AgentProcess, http_bytes, raw_request, wait_for
 from unix_users import ADMINS, ATTACKER, VICTIM, User, as_user, group, user
 
+from node_agent.api import REQUEST_TIMEOUT
 from node_agent.cli import main as cli_main
 from node_agent.client import AgentClient, AgentError
 
@@ -227,6 +228,10 @@ def test_idle_half_sent_connections_neither_starve_others_nor_spin_the_agent(
         assert busy < 50, f"the agent spun at {busy:.0f} % CPU at its descriptor limit"
         grown = agent.log.stat().st_size - log_before
         assert grown < 20_000, f"{grown} bytes of log in 2 s"
+        # A connection that never finishes its headers is closed when its time is up.
+        first = hogs[0]
+        first.settimeout(REQUEST_TIMEOUT + 5)
+        assert first.recv(1) == b""
     finally:
         for sock in hogs:
             sock.close()
