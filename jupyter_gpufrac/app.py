@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Float, TraitError, Unicode, default, validate
+from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 
 from jupyter_gpufrac.agent_link import (
     AgentError,
@@ -89,6 +89,21 @@ class GpuFrac(ExtensionApp):
         True,
         help="Whether the embedded agent tries NVML first. False: it always runs the simulated "
         "node of embedded_agent_simulate (a demo, or tests, on a machine with a GPU).",
+    ).tag(config=True)
+
+    node_scheduler = Bool(
+        True,
+        help="The embedded agent's node scheduler: spread burstable kernels (limit above "
+        "request) over idle GPUs and move them back when room is needed. False: every kernel "
+        "runs where it is planned; memory is still taken back from borrowers.",
+    ).tag(config=True)
+
+    max_workloads_per_gpu = Int(
+        None,
+        allow_none=True,
+        min=1,
+        help="How many leases one GPU may run at once under the embedded agent (Run:ai's "
+        "workloads per GPU). None: not enforced.",
     ).tag(config=True)
 
     embedded_agent_timeout = Float(
@@ -272,7 +287,8 @@ class GpuFrac(ExtensionApp):
                 return
         agent = EmbeddedAgent(
             self.agent_socket, self.agent_state_dir, self.embedded_agent_simulate, self.log,
-            use_nvml=self.embedded_agent_nvml,
+            use_nvml=self.embedded_agent_nvml, node_scheduler=self.node_scheduler,
+            max_workloads_per_gpu=self.max_workloads_per_gpu,
         )
         try:
             await agent.start(self.embedded_agent_timeout)

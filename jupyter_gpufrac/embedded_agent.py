@@ -21,12 +21,15 @@ class EmbeddedAgent:
 
     def __init__(
         self, socket_path: str, state_dir: str, fallback_simulate: str, log: logging.Logger,
-        *, use_nvml: bool = True,
+        *, use_nvml: bool = True, node_scheduler: bool = True,
+        max_workloads_per_gpu: int | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.state_dir = state_dir
         self.fallback_simulate = fallback_simulate
         self.use_nvml = use_nvml
+        self.node_scheduler = node_scheduler
+        self.max_workloads_per_gpu = max_workloads_per_gpu
         self.log = log
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(state_dir, "agent.log")
@@ -38,6 +41,10 @@ class EmbeddedAgent:
         if self.fallback_simulate:
             option = "--fallback-simulate" if self.use_nvml else "--simulate"
             command += [option, self.fallback_simulate]
+        if not self.node_scheduler:
+            command.append("--no-node-scheduler")
+        if self.max_workloads_per_gpu is not None:
+            command += ["--max-workloads-per-gpu", str(self.max_workloads_per_gpu)]
         return command
 
     async def start(self, deadline_s: float = 30.0) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from node_agent.caps import FRAMEWORK_CAPS, framework_caps
-from node_agent.quantities import QuantityError, parse_quantity
+from node_agent.quantities import QuantityError, parse_kai_gpu_memory, parse_quantity
 
 KERNEL_EXTENSION = "jupyter_gpufrac.kernel"
 EXT_ARGUMENT = f"--ext={KERNEL_EXTENSION}"
@@ -50,6 +50,49 @@ def _spec_text(value: object) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
+# Run:ai's and KAI's names for a share, each family on its own: a fraction with an optional
+# fraction limit, or memory (KAI: whole MiB) with an optional memory limit.
+OURS = ("request", "limit")
+FRACTION = ("gpu-fraction", "gpu-fraction-limit")
+MEMORY = ("gpu-memory", "gpu-memory-limit")
+
+
+def _fraction(value: object, field: str) -> str:
+    quantity = parse_quantity(value, field)
+    if quantity.fraction is None:
+        raise QuantityError(field, f"expected a fraction 0 < f <= 1 of one GPU, got {value!r}")
+    return _spec_text(value)
+
+
+def kernelspec_share(gpufrac: Mapping[str, Any], environ: Mapping[str, str]
+                     ) -> tuple[object, object]:
+    """(request, limit) from ``metadata.gpufrac`` in our names or Run:ai's; the families
+    cannot be mixed, and a limit said twice (also by RUNAI_GPU_MEMORY_LIMIT) is refused."""
+    given = [family for family in (OURS, FRACTION, MEMORY) if set(family) & set(gpufrac)]
+    if len(given) > 1:
+        names = " and ".join("/".join(family) for family in given)
+        raise QuantityError("metadata.gpufrac", f"{names} may not be mixed: use one family")
+    if not given or given[0] == OURS:
+        return gpufrac.get("request"), gpufrac.get("limit")
+    request_name, limit_name = given[0]
+    field = f"metadata.gpufrac.{request_name}"
+    if request_name not in gpufrac:
+        raise QuantityError(f"metadata.gpufrac.{limit_name}",
+                            f"needs {request_name} beside it (a limit of what request?)")
+    if limit_name in gpufrac and environ.get(RUNAI_LIMIT_VARIABLE):
+        raise QuantityError(f"metadata.gpufrac.{limit_name}",
+                            f"{RUNAI_LIMIT_VARIABLE} also sets the limit; say it once")
+    if given[0] == FRACTION:
+        limit = gpufrac.get(limit_name)
+        return (_fraction(gpufrac[request_name], field),
+                None if limit is None else _fraction(limit, f"metadata.gpufrac.{limit_name}"))
+    request = str(parse_kai_gpu_memory(gpufrac[request_name], field).nbytes)
+    limit = gpufrac.get(limit_name)
+    if limit is not None:
+        limit = str(parse_kai_gpu_memory(limit, f"metadata.gpufrac.{limit_name}").nbytes)
+    return request, limit
+
+
 def resolve_share(
     kernelspec_metadata: Mapping[str, Any] | None,
     last_request: Mapping[str, Any] | None,
@@ -66,13 +109,14 @@ def resolve_share(
     gpufrac = (kernelspec_metadata or {}).get("gpufrac") or {}
     if not isinstance(gpufrac, Mapping):
         raise QuantityError("metadata.gpufrac", f"expected a mapping, got {gpufrac!r}")
+    spec_request, spec_limit = kernelspec_share(gpufrac, environ)
     last = last_request or {}
     runai_limit = environ.get(RUNAI_LIMIT_VARIABLE) or None
     if runai_limit is not None:
         parse_quantity(runai_limit, RUNAI_LIMIT_VARIABLE)
     # (source, request, limit, the field names an error should show), first wins
     sources: list[tuple[str, object, object, str, str]] = [
-        ("kernelspec", gpufrac.get("request"), gpufrac.get("limit"),
+        ("kernelspec", spec_request, spec_limit,
          "metadata.gpufrac.request", "metadata.gpufrac.limit"),
         ("last %gpu request", last.get("request"), last.get("limit"),
          "%gpu request", "%gpu request --limit"),

@@ -57,6 +57,13 @@ def _lock_state_dir(state_dir: str) -> int:
     return fd
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
+    return value
+
+
 def _make_socket_folder(socket_path: str) -> None:
     """Create the socket's folder if missing: open to all for root's (system) agent, else
     the user's own (0700, whatever the umask)."""
@@ -131,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace, headroom=args.headroom,
         restore_grace=args.restore_grace, kill_window=args.kill_window, context_size=context_size,
         enforce_limits=args.enforce_limits, max_leases_per_user=args.max_leases_per_user,
+        node_scheduler=args.node_scheduler, max_workloads_per_gpu=args.max_workloads_per_gpu,
     )
     agent = Agent(backend, ledger, config)
 
@@ -532,7 +540,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-limits", action=argparse.BooleanOptionalAction, default=None,
                        help="ask a lease above its limit to shrink, then stop it (default: with "
                        "NVML; not on a simulated node, where resident memory counts)")
-    serve.add_argument("--max-leases-per-user", type=int, default=64, metavar="N",
+    serve.add_argument("--node-scheduler", action=argparse.BooleanOptionalAction, default=True,
+                       help="spread burstable notebooks (limit > request) over idle GPUs and "
+                            "move them back when room is needed (default on; reclaim works "
+                            "either way)")
+    serve.add_argument("--max-workloads-per-gpu", type=_positive_int, metavar="N",
+                       help="how many leases one GPU may run at once (default: not enforced)")
+    serve.add_argument("--max-leases-per-user", type=_positive_int, default=64, metavar="N",
                        help="leases one user (not an admin) may hold at once")
     serve.add_argument("--admin-group", help="members of this group see and manage all leases")
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also serve TCP (needs --token-file)")

@@ -47,6 +47,24 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Rules:
+    """The node scheduler's settings, as Run:ai names them.
+
+    ``spread``: burstable notebooks run spread over the emptiest GPUs and move back when room
+    is needed (off: every lease runs where the logical plan puts it, and nothing moves to
+    make room). ``max_per_gpu``: how many leases one GPU may run at once (None: not enforced).
+    """
+
+    spread: bool = True
+    max_per_gpu: int | None = None
+
+
+def burstable(request: int, limit: int) -> bool:
+    """Only a lease that may grow past its request is rerouted by the node scheduler."""
+    return limit > request
+
+
+@dataclass(frozen=True)
 class Move:
     """Compaction: send lease ``lease_id`` from its physical GPUs back to its logical ones."""
 
@@ -74,6 +92,19 @@ def _requests(leases: Iterable[Placement], where: str) -> dict[str, int]:
     return load
 
 
+def _counts(leases: Iterable[Placement], where: str) -> dict[str, int]:
+    count: dict[str, int] = {}
+    for lease in leases:
+        for uuid in getattr(lease, where):
+            count[uuid] = count.get(uuid, 0) + 1
+    return count
+
+
+def physical_count(leases: Iterable[Placement]) -> dict[str, int]:
+    """How many leases run on each GPU."""
+    return _counts(leases, "physical")
+
+
 def logical_load(leases: Iterable[Placement]) -> dict[str, int]:
     """Sum of requests per GPU in the logical (bin-packed) plan."""
     return _requests(leases, "logical")
@@ -85,10 +116,12 @@ def physical_load(leases: Iterable[Placement]) -> dict[str, int]:
 
 
 def _pick(
-    devices: Sequence[Device], load: Mapping[str, int], request: int, count: int, *, spread: bool
+    devices: Sequence[Device], load: Mapping[str, int], request: int, count: int, *, spread: bool,
+    counts: Mapping[str, int], max_per_gpu: int | None,
 ) -> tuple[str, ...] | None:
     fitting = [
         d for d in devices if d.healthy and d.total - load.get(d.uuid, 0) >= request
+        and (max_per_gpu is None or counts.get(d.uuid, 0) < max_per_gpu)
     ]
     if len(fitting) < count:
         return None
@@ -103,10 +136,14 @@ def _pick(
 
 
 def plan_logical(
-    devices: Sequence[Device], leases: Iterable[Placement], request: int, count: int = 1
+    devices: Sequence[Device], leases: Iterable[Placement], request: int, count: int = 1,
+    rules: Rules = Rules(),
 ) -> tuple[str, ...] | None:
-    """Where a new lease goes in the logical plan (binpack), or None when no GPU has room."""
-    return _pick(devices, logical_load(leases), request, count, spread=False)
+    """Where a new lease goes in the logical plan (binpack), or None when no GPU has room
+    (or every GPU already holds ``rules.max_per_gpu`` leases)."""
+    leases = list(leases)
+    return _pick(devices, logical_load(leases), request, count, spread=False,
+                 counts=_counts(leases, "logical"), max_per_gpu=rules.max_per_gpu)
 
 
 def plan_physical(
@@ -115,46 +152,69 @@ def plan_physical(
     kind: str,
     request: int,
     logical: tuple[str, ...],
+    limit: int = 0,
+    rules: Rules = Rules(),
 ) -> tuple[str, ...]:
-    """Where a new lease runs: notebooks spread over the emptiest GPUs; jobs on their logical GPUs.
+    """Where a new lease runs: burstable notebooks spread over the emptiest GPUs (while the
+    node scheduler is on); everything else on its logical GPUs.
 
     A notebook falls back to its logical GPUs when no GPU has physical room (compaction then
     makes room there).
     """
-    if kind == JOB:
+    if kind == JOB or not rules.spread or not burstable(request, limit):
         return logical
-    chosen = _pick(devices, physical_load(leases), request, len(logical), spread=True)
+    leases = list(leases)
+    chosen = _pick(devices, physical_load(leases), request, len(logical), spread=True,
+                   counts=physical_count(leases), max_per_gpu=rules.max_per_gpu)
     return chosen if chosen is not None else logical
 
 
-def _overloaded(devices: Sequence[Device], load: Mapping[str, int]) -> list[Device]:
-    return [d for d in devices if load.get(d.uuid, 0) > d.total]
+@dataclass
+class _Load:
+    """Requested bytes and lease counts per GPU, where leases run."""
+
+    bytes: dict[str, int]
+    count: dict[str, int]
+
+    def copy(self) -> _Load:
+        return _Load(dict(self.bytes), dict(self.count))
+
+    def apply(self, lease: Placement) -> None:
+        """``lease`` goes home: from its physical GPUs to its logical ones."""
+        for uuid in lease.physical:
+            self.bytes[uuid] = self.bytes.get(uuid, 0) - lease.request
+            self.count[uuid] = self.count.get(uuid, 0) - 1
+        for uuid in lease.logical:
+            self.bytes[uuid] = self.bytes.get(uuid, 0) + lease.request
+            self.count[uuid] = self.count.get(uuid, 0) + 1
+
+    def excess(self, device: Device, max_per_gpu: int | None) -> tuple[int, int]:
+        """(bytes, leases) over what ``device`` may hold."""
+        extra = 0 if max_per_gpu is None else self.count.get(device.uuid, 0) - max_per_gpu
+        return self.bytes.get(device.uuid, 0) - device.total, extra
+
+    def overloaded(self, devices: Sequence[Device], max_per_gpu: int | None) -> list[Device]:
+        return [d for d in devices if max(self.excess(d, max_per_gpu)) > 0]
 
 
-def _apply(load: dict[str, int], lease: Placement) -> None:
-    for uuid in lease.physical:
-        load[uuid] = load.get(uuid, 0) - lease.request
-    for uuid in lease.logical:
-        load[uuid] = load.get(uuid, 0) + lease.request
-
-
-def _feasible(
-    devices: Sequence[Device], base: Mapping[str, int], leases: Iterable[Placement]
-) -> bool:
-    load = dict(base)
+def _feasible(devices: Sequence[Device], base: _Load, leases: Iterable[Placement],
+              max_per_gpu: int | None) -> bool:
+    load = base.copy()
     for lease in leases:
-        _apply(load, lease)
-    return not _overloaded(devices, load)
+        load.apply(lease)
+    return not load.overloaded(devices, max_per_gpu)
 
 
-def _cheapest_subset(candidates: Sequence[Placement], need: int) -> list[Placement] | None:
-    """The candidates whose requests free ``need`` bytes with the least memory moved."""
-    if sum(c.request for c in candidates) < need:
+def _cheapest_subset(candidates: Sequence[Placement], need: int,
+                     need_count: int = 0) -> list[Placement] | None:
+    """The candidates whose requests free ``need`` bytes (and that number at least
+    ``need_count`` leases) with the least memory moved."""
+    if sum(c.request for c in candidates) < need or len(candidates) < need_count:
         return None
     if len(candidates) <= _EXACT_LIMIT:
         best: tuple[int, int, tuple[str, ...]] | None = None
         best_set: list[Placement] = []
-        for size in range(1, len(candidates) + 1):
+        for size in range(max(1, need_count), len(candidates) + 1):
             for combo in itertools.combinations(candidates, size):
                 if sum(c.request for c in combo) < need:
                     continue
@@ -168,45 +228,50 @@ def _cheapest_subset(candidates: Sequence[Placement], need: int) -> list[Placeme
     for c in sorted(candidates, key=lambda c: (c.usage / max(c.request, 1), c.id)):
         chosen.append(c)
         freed += c.request
-        if freed >= need:
+        if freed >= need and len(chosen) >= need_count:
             return chosen
     return None
 
 
 def plan_compaction(
-    devices: Sequence[Device], leases: Sequence[Placement], incoming: Mapping[str, int]
+    devices: Sequence[Device], leases: Sequence[Placement], incoming: Mapping[str, int],
+    rules: Rules = Rules(),
 ) -> list[Move] | None:
-    """The moves that make room for ``incoming`` request bytes per GPU, moving the least memory.
+    """The moves that make room for a lease of ``incoming`` request bytes per GPU, moving the
+    least memory.
 
-    Only notebooks away from their logical GPUs move, and only back to them. Returns [] when
-    everything already fits, None when no set of moves makes it fit. The result is
-    irredundant: dropping any single move leaves some GPU over its capacity.
+    Only notebooks away from their logical GPUs move, and only back to them. A GPU is full
+    past its capacity or past ``rules.max_per_gpu`` leases. Returns [] when everything
+    already fits, None when no set of moves makes it fit. The result is irredundant: dropping
+    any single move leaves some GPU full past its bounds.
     """
     leases = sorted(leases, key=lambda p: p.id)
-    base = physical_load(leases)
+    base = _Load(physical_load(leases), physical_count(leases))
     for uuid, extra in incoming.items():
-        base[uuid] = base.get(uuid, 0) + extra
-    load = dict(base)
+        base.bytes[uuid] = base.bytes.get(uuid, 0) + extra
+        base.count[uuid] = base.count.get(uuid, 0) + 1
+    load = base.copy()
     movable = {
         p.id: p for p in leases if p.kind == NOTEBOOK and set(p.physical) != set(p.logical)
     }
     moved: dict[str, Placement] = {}
-    while over := _overloaded(devices, load):
+    while over := load.overloaded(devices, rules.max_per_gpu):
         gpu = over[0]
         candidates = [
             p for p in movable.values()
             if p.id not in moved and gpu.uuid in p.physical and gpu.uuid not in p.logical
         ]
-        subset = _cheapest_subset(candidates, load[gpu.uuid] - gpu.total)
+        need, need_count = load.excess(gpu, rules.max_per_gpu)
+        subset = _cheapest_subset(candidates, need, need_count)
         if subset is None:
             return None
         for p in subset:
             moved[p.id] = p
-            _apply(load, p)
+            load.apply(p)
     # Drop moves that later moves made unnecessary, largest first.
     for p in sorted(moved.values(), key=lambda p: (-p.usage, p.id)):
         rest = [q for q in moved.values() if q.id != p.id]
-        if _feasible(devices, base, rest):
+        if _feasible(devices, base, rest, rules.max_per_gpu):
             del moved[p.id]
     return [
         Move(p.id, p.physical, p.logical, p.usage * p.devices)

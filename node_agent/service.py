@@ -65,6 +65,14 @@ class AgentConfig:
     poll_interval: float = 1.0
     # Leases one (non-admin) user may hold at once.
     max_leases_per_user: int = 64
+    # The node scheduler (Run:ai's): spread burstable notebooks and move them back for room.
+    node_scheduler: bool = True
+    # How many leases one GPU may run at once (None: not enforced).
+    max_workloads_per_gpu: int | None = None
+
+    @property
+    def rules(self) -> policy.Rules:
+        return policy.Rules(spread=self.node_scheduler, max_per_gpu=self.max_workloads_per_gpu)
     # How long a borrower has to give its loan back after `shrink` before it is killed.
     reclaim_grace: float = 30.0
     # How long a client has to report a move done before the agent kills the process.
@@ -356,7 +364,7 @@ class Agent:
         limit = _quantity(body, "limit") or request
         req, lim = self._resolve_share(request, limit)
 
-        logical, physical, moves = self._place(kind, req, devices, self.planning_view())
+        logical, physical, moves = self._place(kind, req, lim, devices, self.planning_view())
         now = time.time()
         lease = Lease(
             id="l-" + secrets.token_hex(6), kind=kind, owner_uid=caller.uid, client=client,
@@ -393,11 +401,18 @@ class Agent:
                            f"ask for at least {format_bytes(context)} (a share counts its context)")
         return req, lim
 
-    def _place(self, kind: str, req: int, count: int, others: list[policy.Placement]
+    def _place(self, kind: str, req: int, lim: int, count: int, others: list[policy.Placement]
                ) -> tuple[tuple[str, ...], tuple[str, ...], list[policy.Move]]:
         devices = self.devices()
-        logical = policy.plan_logical(devices, others, req, count)
+        rules = self.config.rules
+        logical = policy.plan_logical(devices, others, req, count, rules)
         if logical is None:
+            if policy.plan_logical(devices, others, req, count) is not None:
+                raise ApiError(
+                    409, "request",
+                    f"every GPU with room already runs {rules.max_per_gpu} lease(s), the most "
+                    "this node allows (--max-workloads-per-gpu); wait for leases to end "
+                    "(gpufrac-agent status shows them)")
             load = policy.logical_load(others)
             best = max((d.total - load.get(d.uuid, 0) for d in devices if d.healthy), default=0)
             raise ApiError(
@@ -406,8 +421,8 @@ class Agent:
                 f"guarantee is {format_bytes(best)}. Ask for less, or wait for leases to end "
                 "(gpufrac-agent status shows them)",
             )
-        physical = policy.plan_physical(devices, others, kind, req, logical)
-        moves = policy.plan_compaction(devices, others, {u: req for u in physical})
+        physical = policy.plan_physical(devices, others, kind, req, logical, lim, rules)
+        moves = policy.plan_compaction(devices, others, {u: req for u in physical}, rules)
         if moves is None:
             raise ApiError(409, "request", "no set of moves makes room; try again shortly")
         return logical, physical, moves
@@ -457,7 +472,7 @@ class Agent:
             physical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.physical
         ):
             return self.ledger.update(lease.id, **changes, reason="request changed in place")
-        logical, physical, moves = self._place(lease.kind, req, len(lease.logical), others)
+        logical, physical, moves = self._place(lease.kind, req, lim, len(lease.logical), others)
         if physical == lease.physical:
             # It stays; whatever must make room moves, and it is told nothing (there is
             # nothing for it to do).
@@ -682,11 +697,14 @@ class Agent:
         return over_limit
 
     def _activate_pending(self) -> None:
-        load = policy.physical_load(lease.placement() for lease in self.ledger.leases.values())
+        placements = [lease.placement() for lease in self.ledger.leases.values()]
+        load, count = policy.physical_load(placements), policy.physical_count(placements)
+        bound = self.config.max_workloads_per_gpu
         totals = {g.uuid: g.memory_usable for g in self.gpus}
         for lease in list(self.ledger.leases.values()):
             if lease.state == "pending" and all(
-                load.get(u, 0) <= totals.get(u, 0) for u in lease.physical
+                load.get(u, 0) <= totals.get(u, 0) and (bound is None or count.get(u, 0) <= bound)
+                for u in lease.physical
             ):
                 self.ledger.update(lease.id, state="active", reason="placed after compaction")
 

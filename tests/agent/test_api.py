@@ -176,8 +176,8 @@ def test_a_resize_that_stays_moves_only_the_others(start_agent: Callable[..., Ag
     c = start_agent().client()
     gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
     c.create_lease(client="t", request="0.5")
-    grows = c.create_lease(client="t", request="0.25")
-    neighbour = c.create_lease(client="t", request="0.25")
+    grows = c.create_lease(client="t", request="0.25", limit="1")
+    neighbour = c.create_lease(client="t", request="0.25", limit="1")
     assert grows["physical_gpu"] == neighbour["physical_gpu"] == gpu1
     _, cursor = c.directives(client="t", after=-1, timeout=0)
     grown = c.resize(grows["id"], request="1")

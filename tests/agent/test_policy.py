@@ -14,6 +14,7 @@ from node_agent.policy import JOB, NOTEBOOK, Device, Placement
 
 GB = 1 << 30
 MB = 1 << 20
+DEFAULT_RULES = policy.Rules()
 
 
 @st.composite
@@ -24,29 +25,86 @@ def nodes(draw: st.DrawFn) -> list[Device]:
 
 
 @st.composite
-def placed(draw: st.DrawFn) -> tuple[list[Device], list[Placement]]:
-    """A node and a set of leases that the agent could have produced: logical plan by binpack,
-    notebooks spread physically."""
+def placed(draw: st.DrawFn, rules: policy.Rules = DEFAULT_RULES
+           ) -> tuple[list[Device], list[Placement]]:
+    """A node and a set of leases that the agent could have produced under ``rules``: logical
+    plan by binpack, burstable notebooks spread physically."""
     devices = draw(nodes())
     leases: list[Placement] = []
     for i in range(draw(st.integers(min_value=0, max_value=14))):
         kind = draw(st.sampled_from([NOTEBOOK, NOTEBOOK, JOB]))
         request = draw(st.sampled_from([1, 2, 4, 8])) * devices[0].total // 8
-        logical = policy.plan_logical(devices, leases, request)
+        limit = draw(st.sampled_from([request, request, devices[0].total]))
+        logical = policy.plan_logical(devices, leases, request, 1, rules)
         if logical is None:
             continue
-        physical = policy.plan_physical(devices, leases, kind, request, logical)
-        moves = policy.plan_compaction(devices, leases, {u: request for u in physical})
+        physical = policy.plan_physical(devices, leases, kind, request, logical, limit, rules)
+        moves = policy.plan_compaction(devices, leases, {u: request for u in physical}, rules)
         assert moves is not None
         moved = {m.lease_id: m for m in moves}
-        leases = [
-            Placement(p.id, p.kind, p.request, p.logical, moved[p.id].to_gpus, p.usage, p.created)
-            if p.id in moved else p
-            for p in leases
-        ]
+        leases = [replace(p, physical=moved[p.id].to_gpus) if p.id in moved else p
+                  for p in leases]
         usage = draw(st.integers(min_value=0, max_value=devices[0].total // 4))
-        leases.append(Placement(f"l-{i:02d}", kind, request, logical, physical, usage, float(i)))
+        leases.append(Placement(f"l-{i:02d}", kind, request, logical, physical, usage, float(i),
+                                limit))
     return devices, leases
+
+
+rule_sets = st.builds(policy.Rules, spread=st.booleans(),
+                      max_per_gpu=st.sampled_from([None, 1, 2, 3, 4]))
+
+
+@st.composite
+def placed_under_rules(draw: st.DrawFn
+                       ) -> tuple[policy.Rules, list[Device], list[Placement]]:
+    rules = draw(rule_sets)
+    return (rules, *draw(placed(rules)))
+
+
+@given(placed_under_rules())
+def test_only_burstable_notebooks_are_rerouted(
+    case: tuple[policy.Rules, list[Device], list[Placement]]
+) -> None:
+    """Run:ai: a workload is considered for rerouting only when its limit exceeds its
+    request; with the node scheduler off, nothing is."""
+    rules, _, leases = case
+    for p in leases:
+        if p.physical != p.logical:
+            assert rules.spread and p.kind == NOTEBOOK and p.limit > p.request, p
+
+
+@given(placed_under_rules())
+def test_no_gpu_runs_more_leases_than_the_rules_allow(
+    case: tuple[policy.Rules, list[Device], list[Placement]]
+) -> None:
+    rules, devices, leases = case
+    assert _capacity_ok(devices, policy.physical_load(leases))
+    if rules.max_per_gpu is not None:
+        assert max(policy.physical_count(leases).values(), default=0) <= rules.max_per_gpu
+        logical_count: dict[str, int] = {}
+        for p in leases:
+            for u in p.logical:
+                logical_count[u] = logical_count.get(u, 0) + 1
+        assert max(logical_count.values(), default=0) <= rules.max_per_gpu
+
+
+@given(placed_under_rules(), st.integers(min_value=1, max_value=8))
+def test_compaction_under_a_workload_bound_makes_room_within_it(
+    case: tuple[policy.Rules, list[Device], list[Placement]], eighths: int
+) -> None:
+    rules, devices, leases = case
+    request = eighths * devices[0].total // 8
+    logical = policy.plan_logical(devices, leases, request, 1, rules)
+    if logical is None:
+        return
+    moves = policy.plan_compaction(devices, leases, {u: request for u in logical}, rules)
+    assert moves is not None, "a lease the logical plan admits can always be made room for"
+    moved = {m.lease_id: m.to_gpus for m in moves}
+    after = [replace(p, physical=moved.get(p.id, p.physical)) for p in leases]
+    after.append(Placement("new", JOB, request, logical, logical))
+    assert _capacity_ok(devices, policy.physical_load(after))
+    if rules.max_per_gpu is not None:
+        assert max(policy.physical_count(after).values()) <= rules.max_per_gpu
 
 
 def _capacity_ok(devices: list[Device], load: dict[str, int]) -> bool:
@@ -159,8 +217,20 @@ def test_binpack_logical_and_spread_physical() -> None:
     devices = [Device("GPU-0", 0, 16 * GB), Device("GPU-1", 1, 16 * GB)]
     a = Placement("a", NOTEBOOK, 4 * GB, ("GPU-0",), ("GPU-0",))
     assert policy.plan_logical(devices, [a], 4 * GB) == ("GPU-0",)  # fullest that fits
-    assert policy.plan_physical(devices, [a], NOTEBOOK, 4 * GB, ("GPU-0",)) == ("GPU-1",)
-    assert policy.plan_physical(devices, [a], JOB, 4 * GB, ("GPU-0",)) == ("GPU-0",)
+    here = ("GPU-0",)
+    assert policy.plan_physical(devices, [a], NOTEBOOK, 4 * GB, here, 8 * GB) == ("GPU-1",)
+    # Not burstable, a job, or the node scheduler off: it runs where the plan puts it.
+    assert policy.plan_physical(devices, [a], NOTEBOOK, 4 * GB, here, 4 * GB) == here
+    assert policy.plan_physical(devices, [a], JOB, 4 * GB, here, 8 * GB) == here
+    off = policy.Rules(spread=False)
+    assert policy.plan_physical(devices, [a], NOTEBOOK, 4 * GB, here, 8 * GB, off) == here
+    # Two per GPU: a third lease goes where there is a free slot, or nowhere.
+    two = policy.Rules(max_per_gpu=2)
+    b = Placement("b", NOTEBOOK, 4 * GB, ("GPU-0",), ("GPU-0",))
+    assert policy.plan_logical(devices, [a, b], 4 * GB, 1, two) == ("GPU-1",)
+    c = Placement("c", NOTEBOOK, 4 * GB, ("GPU-1",), ("GPU-1",))
+    d = Placement("d", NOTEBOOK, 4 * GB, ("GPU-1",), ("GPU-1",))
+    assert policy.plan_logical(devices, [a, b, c, d], 1 * GB, 1, two) is None
 
 
 def test_whole_gpu_job_moves_the_spread_notebook_home() -> None:

@@ -113,9 +113,9 @@ def test_a_client_that_does_not_move_is_stopped_after_the_grace(
 
 
 def _reclaim_setup(
-    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], *args: str
 ) -> tuple[AgentProcess, dict, Holder, dict, Holder, dict, Holder]:
-    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", spec="1x1GiB")
+    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", *args, spec="1x1GiB")
     owner, owner_proc = _notebook(agent, holders, "512Mi", "512Mi", 100)
     borrower, borrower_proc = _notebook(agent, holders, "128Mi", "1", 450)
     quiet, quiet_proc = _notebook(agent, holders, "128Mi", "1", 1)
@@ -125,11 +125,13 @@ def _reclaim_setup(
     return agent, owner, owner_proc, borrower, borrower_proc, quiet, quiet_proc
 
 
+@pytest.mark.parametrize("scheduler", ["--node-scheduler", "--no-node-scheduler"])
 def test_reclaim_shrinks_then_kills_a_borrower(
-    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], scheduler: str
 ) -> None:
+    """Reclaim is the same whether the node scheduler spreads notebooks or not."""
     agent, owner, owner_proc, borrower, borrower_proc, quiet, quiet_proc = _reclaim_setup(
-        start_agent, holders)
+        start_agent, holders, scheduler)
     c = agent.client()
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     owner_proc.hold(300)  # the owner grows into memory the borrower holds
@@ -452,3 +454,37 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def test_the_node_scheduler_reroutes_only_burstable_notebooks_and_can_be_off(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Run:ai's rules: only a lease whose limit exceeds its request is spread to an idle GPU;
+    with the node scheduler off, every lease runs where the binpacked plan puts it."""
+    c = start_agent().client()
+    gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
+    first = c.create_lease(client="t", request="0.25", limit="1")
+    assert first["physical_gpu"] == gpu0
+    assert c.create_lease(client="t", request="0.25", limit="1")["physical_gpu"] == gpu1
+    fixed = c.create_lease(client="t", request="0.25")  # limit = request: not burstable
+    assert fixed["physical_gpu"] == fixed["logical_gpu"] == gpu0
+    off = start_agent("--no-node-scheduler").client()
+    placed = [off.create_lease(client="t", request="0.25", limit="1") for _ in range(4)]
+    assert {(p["logical_gpu"], p["physical_gpu"]) for p in placed} == {(gpu0, gpu0)}
+
+
+def test_workloads_per_gpu_bound_placement_and_say_so_when_full(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    c = start_agent("--max-workloads-per-gpu", "2").client()
+    leases = [c.create_lease(client="t", request="64Mi", limit="1") for _ in range(4)]
+    per_gpu: dict[str, int] = {}
+    for lease in leases:
+        per_gpu[lease["physical_gpu"]] = per_gpu.get(lease["physical_gpu"], 0) + 1
+    assert sorted(per_gpu.values()) == [2, 2]
+    with pytest.raises(AgentError) as full:
+        c.create_lease(client="t", request="64Mi")
+    assert full.value.status == 409 and "--max-workloads-per-gpu" in full.value.message
+    assert "already runs 2 lease(s)" in full.value.message
+    c.release(leases[0]["id"])
+    assert c.create_lease(client="t", request="64Mi")["physical_gpu"] == leases[0]["physical_gpu"]

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from pathlib import Path
+
 import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
 from jupyter_gpufrac.app import GpuFrac
+from jupyter_gpufrac.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.launch import resolve_share
+from node_agent.client import AgentClient, AgentError
 from node_agent.quantities import QuantityError
 
 
@@ -109,3 +115,60 @@ def test_bad_share_names_its_source(metadata: dict[str, object], environ: dict[s
     with pytest.raises(QuantityError) as info:
         resolve_share(metadata, None, environ, "0.25", "1")
     assert info.value.field == field
+
+
+def test_runai_and_kai_names_in_the_kernelspec() -> None:
+    fraction = resolve_share({"gpufrac": {"gpu-fraction": 0.5, "gpu-fraction-limit": "0.75"}},
+                             None, {}, "0.25", "1")
+    assert (fraction.request, fraction.limit, fraction.request_source) == (
+        "0.5", "0.75", "kernelspec")
+    # KAI's gpu-memory is whole MiB; its limit can come from the platform's variable.
+    memory = resolve_share({"gpufrac": {"gpu-memory": "4096"}}, None,
+                           {"RUNAI_GPU_MEMORY_LIMIT": "8Gi"}, "0.25", "1")
+    assert (memory.request, memory.limit) == (str(4096 * 2**20), "8Gi")
+    both = resolve_share({"gpufrac": {"gpu-memory": 1024, "gpu-memory-limit": 2048}}, None, {},
+                         "0.25", "1")
+    assert (both.request, both.limit) == (str(2**30), str(2**31))
+
+
+@pytest.mark.parametrize(
+    ("gpufrac", "environ", "field", "words"),
+    [
+        ({"gpu-fraction": 0.5, "gpu-memory": 1024}, {}, "metadata.gpufrac",
+         "gpu-fraction/gpu-fraction-limit and gpu-memory/gpu-memory-limit may not be mixed"),
+        ({"request": "0.5", "gpu-fraction-limit": 0.8}, {}, "metadata.gpufrac",
+         "request/limit and gpu-fraction/gpu-fraction-limit may not be mixed"),
+        ({"gpu-fraction-limit": 0.8}, {}, "metadata.gpufrac.gpu-fraction-limit",
+         "needs gpu-fraction"),
+        ({"gpu-fraction": 0.5, "gpu-fraction-limit": 0.8}, {"RUNAI_GPU_MEMORY_LIMIT": "0.9"},
+         "metadata.gpufrac.gpu-fraction-limit", "say it once"),
+        ({"gpu-fraction": "4Gi"}, {}, "metadata.gpufrac.gpu-fraction", "a fraction"),
+        ({"gpu-memory": "4Gi"}, {}, "metadata.gpufrac.gpu-memory", "whole number of MiB"),
+    ],
+)
+def test_mixed_or_wrong_runai_names_are_refused_with_the_reason(
+    gpufrac: dict[str, object], environ: dict[str, str], field: str, words: str
+) -> None:
+    with pytest.raises(QuantityError) as info:
+        resolve_share({"gpufrac": gpufrac}, None, environ, "0.25", "1")
+    assert info.value.field == field and words in info.value.message
+
+
+def test_the_embedded_agent_runs_with_the_servers_scheduler_settings(tmp_path: Path) -> None:
+    app = make_app(node_scheduler=False, max_workloads_per_gpu=1)
+    agent = EmbeddedAgent(str(tmp_path / "agent.sock"), str(tmp_path / "state"), "2x1GiB",
+                          logging.getLogger("test"), use_nvml=False,
+                          node_scheduler=app.node_scheduler,
+                          max_workloads_per_gpu=app.max_workloads_per_gpu)
+    asyncio.run(agent.start())
+    try:
+        c = AgentClient(agent.socket_path)
+        first = c.create_lease(client="t", request="0.25", limit="1")
+        second = c.create_lease(client="t", request="0.25", limit="1")
+        # One lease per GPU, and nothing spread: each runs where it is planned.
+        assert first["physical_gpu"] != second["physical_gpu"]
+        assert all(x["physical_gpu"] == x["logical_gpu"] for x in (first, second))
+        with pytest.raises(AgentError, match="max-workloads-per-gpu"):
+            c.create_lease(client="t", request="0.25")
+    finally:
+        asyncio.run(agent.stop())
