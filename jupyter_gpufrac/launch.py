@@ -215,7 +215,8 @@ def build_kernel_env(
         if gpu.get("context_size"):
             env["GPUFRAC_CONTEXT"] = str(int(gpu["context_size"]))
         env.update(framework_caps(int(lease["limit"]), int(gpu.get("context_size") or 0),
-                                  gpu.get("memory_total"), len(uuids)))
+                                  gpu.get("memory_total"), len(uuids),
+                                  lease.get("compute_limit")))
     if simulated:
         env["GPUFRAC_SIMULATED"] = "1"
     if restart_reason is not None:

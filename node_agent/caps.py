@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 # What caps GPU memory in frameworks other than PyTorch (capped by the kernel hook), set from
 # the lease: JAX allocates as it goes up to a fraction, CuPy's pool has a byte limit,
 # TensorFlow grows as it goes (the hook adds its limit), CUDA MPS pins a per-client limit.
@@ -11,12 +14,15 @@ FRAMEWORK_CAPS = (
     "CUPY_GPU_MEMORY_LIMIT",
     "TF_FORCE_GPU_ALLOW_GROWTH",
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
 )
 
 
-def framework_caps(limit: int, context: int, total: int | None, devices: int) -> dict[str, str]:
+def framework_caps(limit: int, context: int, total: int | None, devices: int,
+                   compute_limit: float | None = None) -> dict[str, str]:
     """Each framework's cap at the lease's limit: its allocator gets the limit less the CUDA
-    context, which the share counts (MPS limits the whole client, context included)."""
+    context, which the share counts (MPS limits the whole client, context included). A compute
+    limit becomes MPS's active-thread percentage (read by CUDA only where MPS runs)."""
     allocator = max(0, limit - context)
     caps = {
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
@@ -25,6 +31,14 @@ def framework_caps(limit: int, context: int, total: int | None, devices: int) ->
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ",".join(
             f"{index}={max(1, limit // 2**20)}M" for index in range(devices)),
     }
+    if compute_limit is not None:
+        caps["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, math.ceil(compute_limit * 100)))
     if total:
         caps["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(1.0, allocator / total):.4f}"
     return caps
+
+
+def mps_running() -> bool:
+    """Whether a CUDA MPS control daemon listens on this machine (its pipe directory)."""
+    folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(folder, "control"))

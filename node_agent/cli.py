@@ -210,8 +210,8 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
     if not leases:
         out.append("no leases")
         return "\n".join(out)
-    lease_rows = [["LEASE", "OWNER", "KIND", "REQUEST", "LIMIT", "USAGE", "LOGICAL", "PHYSICAL",
-                   "STATE"]]
+    lease_rows = [["LEASE", "OWNER", "KIND", "REQUEST", "LIMIT", "USAGE", "COMPUTE", "LOGICAL",
+                   "PHYSICAL", "STATE"]]
     for lease in leases:
         state = lease["state"]
         if state == "active" and lease["bursting"]:
@@ -221,11 +221,26 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
             physical += " -> " + ",".join(gpu(u) for u in lease["target_gpus"])
         lease_rows.append([
             lease["id"], str(lease["owner_uid"]), lease["kind"], format_bytes(lease["request"]),
-            format_bytes(lease["limit"]), format_bytes(lease["usage"]),
+            format_bytes(lease["limit"]), format_bytes(lease["usage"]), compute_text(lease),
             ",".join(gpu(u) for u in lease["logical_gpus"]), physical, state,
         ])
     out.append(_table(lease_rows))
+    if any(lease.get("compute_request") is not None for lease in leases):
+        out.append("compute shares: " + ("held by CUDA MPS (active-thread percentage)"
+                                         if node.get("mps") else
+                                         "recorded, not enforced (no CUDA MPS on this node)"))
     return "\n".join(out)
+
+
+def compute_text(lease: dict[str, Any]) -> str:
+    """``37% of 0.25-0.5``: sampled SM utilization against the compute share asked for."""
+    used = lease.get("compute_usage")
+    text = "-" if used is None else f"{used}%"
+    request, limit = lease.get("compute_request"), lease.get("compute_limit")
+    if request is not None:
+        share = f"{request:g}" if limit in (None, request) else f"{request:g}-{limit:g}"
+        text += f" of {share}"
+    return text
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -312,7 +327,8 @@ class _Lease:
         while True:
             lease = self.through_restarts(lambda: self.client.create_lease(
                 client=f"gpufrac-run-{os.getpid()}", kind="job", request=self.request,
-                limit=self.args.limit, devices=self.args.gpus, name=self.name),
+                limit=self.args.limit, devices=self.args.gpus, name=self.name,
+                compute_request=self.args.compute),
                 "asking for a lease")
             self.id = lease_id = str(lease["id"])
             try:
@@ -407,7 +423,7 @@ def _caps(client: AgentClient, lease: dict[str, Any]) -> dict[str, str]:
     with contextlib.suppress(AgentError):  # without the GPU's size, fewer caps; it still runs
         gpu = next((g for g in client.node()["gpus"] if g["uuid"] in uuids), {})
     return framework_caps(int(lease["limit"]), int(gpu.get("context_size") or 0),
-                          gpu.get("memory_total"), len(uuids))
+                          gpu.get("memory_total"), len(uuids), lease.get("compute_limit"))
 
 
 # The command waits for one byte on a pipe before it execs: its pid is registered first (one
@@ -562,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gpus", type=int, default=1, help="how many GPUs (default 1)")
     run.add_argument("--request", help="per-GPU request for a fractional job (default: whole GPU)")
     run.add_argument("--limit", help="per-GPU limit (default: the request)")
+    run.add_argument("--compute", metavar="FRACTION",
+                     help="share of each GPU's compute (held by CUDA MPS where it runs)")
     run.add_argument("--timeout", type=float, default=600.0,
                      help="seconds to wait for the GPUs, through agent restarts "
                      "(default %(default)s)")

@@ -207,10 +207,12 @@ class AgentClient:
     def create_lease(self, *, client: str, request: str | float | int | None = None,
                      limit: str | float | int | None = None, kind: str = "notebook",
                      devices: int = 1, kernel_id: str | None = None,
-                     name: str | None = None) -> dict[str, Any]:
+                     name: str | None = None, compute_request: str | float | None = None,
+                     compute_limit: str | float | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"kind": kind, "client": client, "devices": devices}
         for key, value in (("request", request), ("limit", limit), ("kernel_id", kernel_id),
-                           ("name", name)):
+                           ("name", name), ("compute_request", compute_request),
+                           ("compute_limit", compute_limit)):
             if value is not None:
                 body[key] = value
         return self.request("POST", "/v1/leases", body)

@@ -41,6 +41,8 @@ CREATE TABLE IF NOT EXISTS leases (
     restore_until REAL,
     orphan_deadline REAL,
     registered REAL,
+    compute_request REAL,
+    compute_limit REAL,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -68,7 +70,8 @@ CREATE INDEX IF NOT EXISTS kills_by_lease ON kills (lease_id, at);
 """
 
 # Columns added after the first release: (name, SQL type), added to older ledgers on open.
-_ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("registered", "REAL"))
+_ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("registered", "REAL"),
+                  ("compute_request", "REAL"), ("compute_limit", "REAL"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ class Lease:
     registered: float | None = None
     pids: tuple[tuple[int, int], ...] = ()  # (pid, start time in clock ticks)
     usage: int = 0
+    # Share of the GPU's compute (fractions; None: not asked for), and the measured SM
+    # utilization of its processes in percent (None: not sampled).
+    compute_request: float | None = None
+    compute_limit: float | None = None
+    compute_usage: int | None = None
 
     def placement(self) -> Placement:
         return Placement(
@@ -129,6 +137,9 @@ class Lease:
             "pids": [pid for pid, _ in self.pids],
             "usage": self.usage,
             "bursting": self.usage > self.request,
+            "compute_request": self.compute_request,
+            "compute_limit": self.compute_limit,
+            "compute_usage": self.compute_usage,
             "state": self.state,
             "reason": self.reason,
             "deadline": self.deadline,
@@ -196,7 +207,7 @@ class Ledger:
             "SELECT lease_id, pid, start_time FROM pids ORDER BY pid"
         ):
             pids.setdefault(lease_id, []).append((pid, start))
-        usage = {k: v.usage for k, v in self.leases.items()}
+        usage = {k: (v.usage, v.compute_usage) for k, v in self.leases.items()}
         self.leases = {}
         cursor = self._db.execute("SELECT * FROM leases ORDER BY created, id")
         columns = [c[0] for c in cursor.description]
@@ -211,7 +222,9 @@ class Ledger:
                 deadline=r["deadline"], restore_until=r["restore_until"],
                 orphan_deadline=r["orphan_deadline"], registered=r["registered"],
                 created=r["created"], updated=r["updated"],
-                pids=tuple(pids.get(r["id"], ())), usage=usage.get(r["id"], 0),
+                pids=tuple(pids.get(r["id"], ())), usage=usage.get(r["id"], (0, None))[0],
+                compute_usage=usage.get(r["id"], (0, None))[1],
+                compute_request=r["compute_request"], compute_limit=r["compute_limit"],
             )
 
     def directives_after(self, seq: int, client: str | None = None,
@@ -271,14 +284,16 @@ class Ledger:
             self._db.execute(
                 "INSERT INTO leases (id, kind, owner_uid, client, kernel_id, name, request, lim,"
                 " request_spec, limit_spec, logical, physical, target, state, reason, deadline,"
-                " restore_until, orphan_deadline, registered, created, updated)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " restore_until, orphan_deadline, registered, compute_request, compute_limit,"
+                " created, updated)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     lease.id, lease.kind, lease.owner_uid, lease.client, lease.kernel_id,
                     lease.name, lease.request, lease.limit, lease.request_spec, lease.limit_spec,
                     json.dumps(lease.logical), json.dumps(lease.physical), json.dumps(lease.target),
                     lease.state, lease.reason, lease.deadline, lease.restore_until,
-                    lease.orphan_deadline, lease.registered, lease.created, lease.updated,
+                    lease.orphan_deadline, lease.registered, lease.compute_request,
+                    lease.compute_limit, lease.created, lease.updated,
                 ),
             )
             self.leases[lease.id] = lease
@@ -289,6 +304,7 @@ class Ledger:
         "logical": "logical", "target": "target", "request": "request", "limit": "lim",
         "request_spec": "request_spec", "limit_spec": "limit_spec",
         "restore_until": "restore_until", "orphan_deadline": "orphan_deadline",
+        "compute_request": "compute_request", "compute_limit": "compute_limit",
         "registered": "registered",
     }
 
@@ -330,11 +346,11 @@ class Ledger:
             self.leases[lease_id] = lease
         return lease
 
-    def set_usage(self, lease_id: str, usage: int) -> None:
+    def set_usage(self, lease_id: str, usage: int, compute: int | None = None) -> None:
         """Measured usage lives in memory only: it is re-measured after a restart."""
         lease = self.leases.get(lease_id)
-        if lease is not None and lease.usage != usage:
-            self.leases[lease_id] = replace(lease, usage=usage)
+        if lease is not None and (lease.usage, lease.compute_usage) != (usage, compute):
+            self.leases[lease_id] = replace(lease, usage=usage, compute_usage=compute)
 
     def add_kill(self, lease_id: str, at: float, cause: str) -> None:
         """Remember a kill: counting them must survive an agent restart."""

@@ -45,6 +45,22 @@ def render_metrics(agent: Agent, caller: Caller) -> str:
                 labels = _labels(lease=lease.id, gpu=gpu, kind=lease.kind, state=lease.state,
                                  owner_uid=lease.owner_uid)
                 lines.append(f"{metric}{labels} {getattr(lease, attr)}")
+    for metric, attr, help_text in (
+        ("gpufrac_lease_compute_request_ratio", "compute_request",
+         "Share of the GPU's compute the lease asked for (0-1)."),
+        ("gpufrac_lease_compute_limit_ratio", "compute_limit",
+         "Most of the GPU's compute the lease may use (0-1; enforced only under CUDA MPS)."),
+        ("gpufrac_lease_compute_usage_ratio", "compute_usage",
+         "SM utilization of the lease's processes, as sampled by the driver (0-1)."),
+    ):
+        family(metric, "gauge", help_text)
+        for lease in leases:
+            value = getattr(lease, attr)
+            if value is None:
+                continue  # not asked for, or not sampled: no series rather than a false 0
+            ratio = value / 100 if attr == "compute_usage" else value
+            for gpu in lease.physical:
+                lines.append(f"{metric}{_labels(lease=lease.id, gpu=gpu)} {ratio:g}")
     family("gpufrac_actions_total", "counter", "Directives and kills issued by the agent.")
     for action in ("migrations", "shrinks", "kills"):
         lines.append(f"gpufrac_actions_total{_labels(action=action)} {agent.counters[action]}")

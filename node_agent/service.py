@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from node_agent import policy, procs
+from node_agent.caps import mps_running
 from node_agent.devices import DeviceError, GpuBackend, GpuInfo
 from node_agent.ledger import Directive, Lease, Ledger
 from node_agent.quantities import (
@@ -101,6 +102,8 @@ class Measurement:
     gpus: list[GpuInfo]
     # uuid -> pid -> bytes (None: the driver would not say); uuid absent: no process list.
     processes: dict[str, dict[int, int | None]]
+    # uuid -> pid -> SM utilization in percent; uuid absent: the driver does not sample.
+    utilization: dict[str, dict[int, int]]
 
 
 def _field(body: dict[str, Any], name: str, kind: type, default: Any = None, *,
@@ -122,6 +125,33 @@ def _reject_unknown(body: dict[str, Any], allowed: Iterable[str]) -> None:
             raise ApiError(400, key, "not accepted: the caller is the socket's peer (SO_PEERCRED)")
         if key not in allowed:
             raise ApiError(400, key, f"unknown field; expected one of {sorted(allowed)}")
+
+
+def _compute_share(body: dict[str, Any], current: tuple[float | None, float | None] = (None, None)
+                   ) -> tuple[float | None, float | None]:
+    """``compute_request`` and ``compute_limit``: fractions of the GPU's compute; the limit
+    defaults to the request, and must not be below it."""
+    values = list(current)
+    for i, name in enumerate(("compute_request", "compute_limit")):
+        if body.get(name) is None:
+            continue
+        try:
+            quantity = parse_quantity(body[name], name)
+        except QuantityError as exc:
+            raise ApiError(400, name, exc.message) from exc
+        if quantity.fraction is None:
+            raise ApiError(400, name, f"expected a fraction 0 < f <= 1 of the GPU's compute, "
+                                      f"got {body[name]!r}")
+        values[i] = quantity.fraction
+    request, limit = values
+    if body.get("compute_request") is not None and body.get("compute_limit") is None:
+        limit = request
+    if limit is not None and request is None:
+        raise ApiError(400, "compute_limit", "needs compute_request beside it")
+    if request is not None and limit is not None and limit < request:
+        raise ApiError(400, "compute_limit",
+                       f"must be at least compute_request ({request:g}), got {limit:g}")
+    return request, limit
 
 
 def _quantity(body: dict[str, Any], name: str) -> Quantity | None:
@@ -178,6 +208,7 @@ class Agent:
         """All blocking backend calls of one tick, run in a worker thread."""
         gpus = self.backend.gpus()
         processes: dict[str, dict[int, int | None]] = {}
+        utilization: dict[str, dict[int, int]] = {}
         for gpu in gpus:
             if not gpu.healthy:
                 continue
@@ -185,7 +216,11 @@ class Agent:
                 processes[gpu.uuid] = {p.pid: p.used for p in self.backend.processes(gpu.uuid)}
             except DeviceError as exc:
                 log.debug("no process list for %s: %s", gpu.uuid, exc)
-        return Measurement(gpus, processes)
+            try:
+                utilization[gpu.uuid] = self.backend.process_utilization(gpu.uuid)
+            except DeviceError as exc:
+                log.debug("no process utilization for %s: %s", gpu.uuid, exc)
+        return Measurement(gpus, processes, utilization)
 
     async def tick(self) -> None:
         """One poll: measure, forget dead processes, release orphans, reclaim, enforce deadlines."""
@@ -221,6 +256,7 @@ class Agent:
         for lease in list(self.ledger.leases.values()):
             usage = 0
             seen = False
+            compute: int | None = None
             registered = {pid for pid, _ in lease.pids}
             started = {p for pids in members.get(lease.id, {}).values() for p in pids} - registered
             # Pinned by start time when seen: a kill later never hits a reused pid.
@@ -235,9 +271,14 @@ class Agent:
                 if held and all(h is not None for h in held):
                     seen = True
                     usage = max(usage, sum(h or 0 for h in held))
+                sampled = m.utilization.get(uuid)
+                if sampled is not None:
+                    mine = members.get(lease.id, {}).get(uuid, [])
+                    busy = min(100, sum(sampled.get(pid, 0) for pid in mine))
+                    compute = busy if compute is None else max(compute, busy)
             if not seen and lease.id in self._reported:
                 usage = self._reported[lease.id]
-            self.ledger.set_usage(lease.id, usage)
+            self.ledger.set_usage(lease.id, usage, compute)
 
     def _forget_dead(self, now: float) -> None:
         for lease in list(self.ledger.leases.values()):
@@ -292,6 +333,8 @@ class Agent:
             "gpus": [{**g.to_json(), "shares": [share(lease) for lease in self.ledger.leases.values()
                                                 if g.uuid in lease.physical]}
                      for g in self.gpus],
+            # Compute shares hold only where CUDA MPS runs; elsewhere they are recorded.
+            "mps": mps_running(),
         }
 
     def visible(self, caller: Caller) -> list[Lease]:
@@ -332,7 +375,8 @@ class Agent:
 
     # --- leases ----------------------------------------------------------------------
     def create_lease(self, caller: Caller, body: dict[str, Any]) -> Lease:
-        _reject_unknown(body, ("kind", "request", "limit", "devices", "client", "kernel_id", "name"))
+        _reject_unknown(body, ("kind", "request", "limit", "devices", "client", "kernel_id", "name",
+                               "compute_request", "compute_limit"))
         kind = _field(body, "kind", str, policy.NOTEBOOK, expected=f"one of {policy.KINDS}")
         if kind not in policy.KINDS:
             raise ApiError(400, "kind", f"expected one of {policy.KINDS}, got {kind!r}")
@@ -363,6 +407,7 @@ class Agent:
             raise ApiError(400, "request", "is required: a fraction like 0.25 or a size like 4Gi")
         limit = _quantity(body, "limit") or request
         req, lim = self._resolve_share(request, limit)
+        compute_request, compute_limit = _compute_share(body)
 
         logical, physical, moves = self._place(kind, req, lim, devices, self.planning_view())
         now = time.time()
@@ -372,6 +417,7 @@ class Agent:
             request_spec=str(request), limit_spec=str(limit), logical=logical,
             physical=physical, state="pending" if moves else "active", created=now, updated=now,
             reason=self._waiting_reason(moves) if moves else "placed",
+            compute_request=compute_request, compute_limit=compute_limit,
         )
         with self.ledger.transaction():
             self.ledger.insert(lease)
@@ -455,7 +501,7 @@ class Agent:
 
     def resize(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> Lease:
         lease = self.lease(caller, lease_id)
-        _reject_unknown(body, ("request", "limit"))
+        _reject_unknown(body, ("request", "limit", "compute_request", "compute_limit"))
         if lease.state not in ("active", "shrinking"):
             raise ApiError(409, "lease", f"lease is {lease.state}; change it once it is active")
         request = _quantity(body, "request") or parse_quantity(lease.request_spec, "request")
@@ -464,8 +510,11 @@ class Agent:
         )
         req, lim = self._resolve_share(request, limit)
         others = self.planning_view(exclude=lease.id)
+        compute_request, compute_limit = _compute_share(
+            body, (lease.compute_request, lease.compute_limit))
         changes = {"request": req, "limit": lim, "request_spec": str(request),
-                   "limit_spec": str(limit)}
+                   "limit_spec": str(limit), "compute_request": compute_request,
+                   "compute_limit": compute_limit}
         totals = {g.uuid: g.memory_usable for g in self.gpus if g.healthy}
         logical_load, physical_load = policy.logical_load(others), policy.physical_load(others)
         if all(logical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.logical) and all(

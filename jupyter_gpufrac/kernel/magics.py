@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from jupyter_gpufrac.kernel import messages, torch_adapter
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
+from node_agent.caps import mps_running
 
 SUBCOMMANDS = ("status", "request", "checkpoint", "restore", "reload", "release")
 
@@ -126,6 +127,9 @@ class GpuMagic:
                 usage, source = lease.get("usage"), "measured by the agent"
             if usage is not None:
                 lines.append(f"  usage:   {messages.fmt_share(int(usage), total)} ({source})")
+            if lease is not None and (lease.get("compute_request") is not None
+                                      or lease.get("compute_usage") is not None):
+                lines.append("  compute: " + messages.compute_text(lease, mps_running()))
             lines.append(f"  state:   {self._state_text(usage, lease)}")
         lines.append(self._torch_line(s))
         if hook.offloaded:

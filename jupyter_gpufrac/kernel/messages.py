@@ -243,3 +243,16 @@ def oom_explanation(
             lines.append("  - wait until the other notebook is done, then `%gpu reload`.")
     lines.append("  `%gpu` shows this kernel's share and the node's GPUs.")
     return "\n".join(lines)
+
+
+def compute_text(lease: Mapping[str, object], mps: bool) -> str:
+    """The lease's sampled SM utilization against its compute share, and whether the share
+    holds (only CUDA MPS enforces one)."""
+    used = lease.get("compute_usage")
+    text = "not sampled by the driver" if used is None else f"{used}% of the GPU's SMs"
+    request, limit = lease.get("compute_request"), lease.get("compute_limit")
+    if request is None:
+        return text
+    share = f"{request:g}" if limit in (None, request) else f"{request:g} to {limit:g}"
+    held = "held by CUDA MPS" if mps else "not enforced: no CUDA MPS on this node"
+    return f"{text}; share {share} of the GPU's compute ({held})"

@@ -79,6 +79,11 @@ class GpuBackend(Protocol):
         """Processes with device memory on the GPU ``uuid``. Raises GpuLost, NotSupported."""
         ...
 
+    def process_utilization(self, uuid: str) -> dict[int, int]:
+        """SM utilization (0-100) of each process sampled on ``uuid`` since the last call;
+        processes not sampled are absent. Raises NotSupported where the driver does not say."""
+        ...
+
     def track(self, pid: int, uuid: str) -> None:
         """The agent placed ``pid`` on ``uuid``. Real drivers know this already and ignore it."""
         ...

@@ -46,6 +46,7 @@ REQUIRED = (
     "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
     "nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2",
     "nvmlDeviceGetMPSComputeRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+    "nvmlDeviceGetProcessUtilization", "NVMLError_NotFound",
 )
 
 # The C name of each kind of process list without a version suffix: the first record layout,
@@ -118,6 +119,8 @@ class NvmlBackend:
         # Per kind of process list, the versions this driver has (probed on first use).
         self._versions: dict[str, list[int]] = {kind: [3, 2, 1] for kind in PROCESS_KINDS}
         self._unhealthy: set[str] = set()
+        # Per GPU, the newest utilization sample read: the next read asks only for newer ones.
+        self._sampled: dict[str, int] = {}
 
     def start(self) -> None:
         """Initialise NVML now; raises BackendUnavailable with what to do when it cannot."""
@@ -150,6 +153,20 @@ class NvmlBackend:
                     known = used.get(pid)
                     used[pid] = nbytes if known is None else max(known, nbytes or 0)
             return [ProcessMemory(pid, nbytes) for pid, nbytes in used.items()]
+
+    def process_utilization(self, uuid: str) -> dict[int, int]:
+        with self._lock:
+            self._init_locked()
+            handle = self._handle(uuid)
+            samples = self._call(_samples_since, self._nvml, handle, self._sampled.get(uuid, 0))
+            latest: dict[int, tuple[int, int]] = {}
+            for sample in samples:
+                stamp, pid = int(sample.timeStamp), int(sample.pid)
+                if stamp >= latest.get(pid, (-1, 0))[0]:
+                    latest[pid] = (stamp, min(100, int(sample.smUtil)))
+            if latest:
+                self._sampled[uuid] = max(stamp for stamp, _ in latest.values())
+            return {pid: util for pid, (_, util) in latest.items()}
 
     def track(self, pid: int, uuid: str) -> None:
         """NVML sees processes by itself."""
@@ -283,6 +300,14 @@ class NvmlBackend:
 
 class _Missing(NotSupported):
     """The driver lacks the function: an older generation than nvidia-ml-py's."""
+
+
+def _samples_since(nvml: Any, handle: Any, since: int) -> list[Any]:
+    """Per-process utilization samples newer than ``since`` (µs); none is not an error."""
+    try:
+        return list(nvml.nvmlDeviceGetProcessUtilization(handle, since))
+    except nvml.NVMLError_NotFound:
+        return []
 
 
 def processes_v1(nvml: Any, symbol: str, handle: Any) -> list[_ProcessInfoV1]:

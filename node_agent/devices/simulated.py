@@ -169,6 +169,25 @@ class SimulatedBackend:
                     listed.append(ProcessMemory(pid, held))
             return listed
 
+    def process_utilization(self, uuid: str) -> dict[int, int]:
+        """A process's CPU use since the last call stands in for its SM utilization: busy
+        processes look busy, as on a GPU."""
+        with self._lock:
+            gpu = self._gpus.get(uuid)
+            if gpu is None or gpu.fault == "lost":
+                raise GpuLost(f"no GPU {uuid} on this simulated node")
+            if gpu.fault == "not_supported":
+                raise NotSupported(f"GPU {uuid} does not sample processes (simulated fault)")
+            out = {}
+            for pid, tracked in list(self._tracked.items()):
+                if tracked.uuid != uuid or not tracked.using:
+                    continue
+                try:
+                    out[pid] = min(100, round(tracked.process.cpu_percent(None)))
+                except psutil.Error:
+                    continue
+            return out
+
     def track(self, pid: int, uuid: str) -> None:
         with self._lock:
             if uuid not in self._gpus:

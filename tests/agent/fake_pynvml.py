@@ -117,3 +117,7 @@ class FakeNvml(types.ModuleType):
         self._gpu(handle)
         mode = real.NVML_DEVICE_MIG_ENABLE if handle.index in self.mig else real.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
+
+    def nvmlDeviceGetProcessUtilization(self, handle: _Handle, since: int) -> list[Any]:
+        self._gpu(handle)
+        raise real.NVMLError_NotSupported()

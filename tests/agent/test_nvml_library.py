@@ -16,7 +16,7 @@ from support import ROOT, AgentProcess, wait_for
 
 from node_agent.devices.nvml import MIG_UNSUPPORTED
 
-from .fake_nvml import DRIVER, VARIANTS, FakeNode, Gpu, Proc, build
+from .fake_nvml import DRIVER, VARIANTS, FakeNode, Gpu, Proc, Sample, build
 
 MiB, GiB = 2**20, 2**30
 UUIDS = [f"GPU-5ca1ab1e-0000-4000-8000-00000000000{i}" for i in range(5)]
@@ -37,8 +37,14 @@ for node in sys.argv[2:]:
             procs[gpu.uuid] = sorted([p.pid, p.used] for p in backend.processes(gpu.uuid))
         except DeviceError as exc:
             procs[gpu.uuid] = f"{type(exc).__name__}: {exc}"
+    utilization = {}
+    for gpu in gpus:
+        try:
+            utilization[gpu.uuid] = backend.process_utilization(gpu.uuid)
+        except DeviceError as exc:
+            utilization[gpu.uuid] = f"{type(exc).__name__}: {exc}"
     looks.append({"gpus": [g.to_json() for g in gpus], "procs": procs,
-                  "versions": backend._versions})
+                  "versions": backend._versions, "utilization": utilization})
 backend.close()
 print(json.dumps(looks))
 """
@@ -228,3 +234,16 @@ def test_a_legacy_pynvml_package_shadowing_nvidia_ml_py_is_named(
     done = serve_with(tmp_path, legacy.parent, libraries["r550"])
     assert done.returncode == 2
     assert "pip uninstall pynvml" in done.stderr and str(legacy) in done.stderr
+
+
+def test_process_utilization_is_read_once_per_sample(
+    look: Callable[..., list[dict[str, Any]]]
+) -> None:
+    """The newest sample of each process, then only newer ones: a second look at the same
+    samples finds none (the driver's NOT_FOUND), and a GPU never sampled gives nothing."""
+    node = busy_node()
+    node.samples = [Sample(0, 4101, 10, 30), Sample(0, 4101, 20, 55), Sample(0, 4102, 15, 5)]
+    first, second = look("r550", node, node)
+    assert first["utilization"][UUIDS[0]] == {"4101": 55, "4102": 5}
+    assert first["utilization"][UUIDS[1]] == {}
+    assert second["utilization"][UUIDS[0]] == {}

@@ -488,3 +488,52 @@ def test_workloads_per_gpu_bound_placement_and_say_so_when_full(
     assert "already runs 2 lease(s)" in full.value.message
     c.release(leases[0]["id"])
     assert c.create_lease(client="t", request="64Mi")["physical_gpu"] == leases[0]["physical_gpu"]
+
+
+def test_a_compute_share_is_recorded_measured_and_shown(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], tmp_path: Path
+) -> None:
+    """Run:ai's dynamic fractions cover compute too: the share is kept with the lease, the
+    processes' utilization is measured against it (the simulated node samples CPU use), and
+    status, metrics and `run` carry it; without CUDA MPS it is said to be unenforced."""
+    agent = start_agent()
+    c = agent.client()
+    lease = c.create_lease(client="t", request="0.25", limit="0.5", compute_request="0.25",
+                           compute_limit="0.5")
+    assert (lease["compute_request"], lease["compute_limit"]) == (0.25, 0.5)
+    # Registered first, then it touches the device (8 MiB) and keeps it busy.
+    busy = subprocess.Popen([sys.executable, "-c", "import sys\nsys.stdin.readline()\n"
+                             "x = bytearray(8 << 20)\nx[::4096] = b'x' * len(x[::4096])\n"
+                             "while True: x[0] = (x[0] + 1) % 256"],
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        c.register_pid(lease["id"], busy.pid)
+        assert busy.stdin is not None
+        busy.stdin.write("go\n")
+        busy.stdin.flush()
+        wait_for(lambda: (c.lease(lease["id"])["compute_usage"] or 0) >= 50,
+                 what="the busy process's utilization to be measured")
+    finally:
+        busy.kill()
+        busy.wait()
+    status = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket,
+                             "status"], capture_output=True, text=True, check=True).stdout
+    assert "% of 0.25-0.5" in status
+    assert "compute shares: recorded, not enforced (no CUDA MPS on this node)" in status
+    metrics = c.metrics()
+    assert f'gpufrac_lease_compute_limit_ratio{{lease="{lease["id"]}"' in metrics
+    # A compute share is a fraction, whole, with its limit not below its request.
+    for body, field in (({"compute_request": "4Gi"}, "compute_request"),
+                        ({"compute_request": "0.5", "compute_limit": "0.25"}, "compute_limit"),
+                        ({"compute_limit": "0.5"}, "compute_limit")):
+        with pytest.raises(AgentError) as bad:
+            c.create_lease(client="t", request="0.25", **body)
+        assert (bad.value.status, bad.value.field) == (400, field)
+    # `run` hands the compute limit to CUDA MPS.
+    out = tmp_path / "env"
+    subprocess.run(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
+         "--compute", "0.3", "--", sys.executable, "-c",
+         f"import os, pathlib; pathlib.Path({str(out)!r}).write_text("
+         "os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'])"], check=True, timeout=60)
+    assert out.read_text() == "30"

@@ -168,3 +168,13 @@ def test_oom_forms_and_whose_memory_ran_out() -> None:
 def test_parser_errors_are_usage_errors(line: list[str], message: str) -> None:
     with pytest.raises(UsageError, match=message):
         build_parser().parse_args(line)
+
+
+def test_compute_is_shown_against_its_share_and_says_whether_it_holds() -> None:
+    lease = {"compute_usage": 37, "compute_request": 0.25, "compute_limit": 0.5}
+    assert messages.compute_text(lease, mps=False) == (
+        "37% of the GPU's SMs; share 0.25 to 0.5 of the GPU's compute "
+        "(not enforced: no CUDA MPS on this node)")
+    assert messages.compute_text({**lease, "compute_limit": 0.25}, mps=True).endswith(
+        "share 0.25 of the GPU's compute (held by CUDA MPS)")
+    assert messages.compute_text({"compute_usage": None}, mps=False) == "not sampled by the driver"

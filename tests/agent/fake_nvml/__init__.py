@@ -50,6 +50,14 @@ class Proc:
 
 
 @dataclass
+class Sample:
+    gpu: int
+    pid: int
+    stamp: int  # µs
+    sm: int  # SM utilization, percent
+
+
+@dataclass
 class FakeNode:
     """The node the library answers for, in the file FAKE_NVML_NODE names."""
 
@@ -57,6 +65,7 @@ class FakeNode:
     driver: str = DRIVER["r550"]
     gpus: list[Gpu] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
 
     def write(self) -> None:
         """Write atomically: the library re-reads the file on every call."""
@@ -65,6 +74,7 @@ class FakeNode:
                   f"{g.state} {g.name}" for g in self.gpus]
         lines += [f"proc {p.gpu} {p.kind} {p.pid} {-1 if p.used is None else p.used}"
                   for p in self.procs]
+        lines += [f"sample {u.gpu} {u.pid} {u.stamp} {u.sm}" for u in self.samples]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         os.replace(tmp, self.path)

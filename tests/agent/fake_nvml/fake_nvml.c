@@ -12,6 +12,7 @@
  *   driver <version>
  *   gpu <uuid> <total> <reserved> <used> <utilization|-1> <mig 0|1> <state> <name...>
  *   proc <gpu index> <compute|graphics|mps> <pid> <used bytes|-1>
+ *   sample <gpu index> <pid> <timestamp µs> <SM utilization %>
  * state: ok; lost (every query answers GPU_IS_LOST); nohandle (the handle cannot be had);
  * noperm (the handle is refused for permissions).
  */
@@ -24,6 +25,7 @@
 #define ERROR_INVALID_ARGUMENT 2
 #define ERROR_NOT_SUPPORTED 3
 #define ERROR_NO_PERMISSION 4
+#define ERROR_NOT_FOUND 6
 #define ERROR_INSUFFICIENT_SIZE 7
 #define ERROR_LIBRARY_NOT_FOUND 12
 #define ERROR_GPU_IS_LOST 15
@@ -67,6 +69,21 @@ typedef struct { unsigned int gpu, memory; } utilization_t;
 
 #define MEMORY_V2_VERSION ((unsigned int)(sizeof(memory_v2_t) | (2 << 24)))
 
+typedef struct {
+    int gpu;
+    unsigned int pid;
+    unsigned long long stamp;
+    unsigned int sm;
+} sample_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long stamp;
+    unsigned int sm, mem, enc, dec;
+} utilization_sample_t;
+
+static sample_t samples[MAX_PROCS];
+static int sample_count;
 static device_t devices[MAX_GPUS];
 static gpu_t gpus[MAX_GPUS];
 static proc_t procs[MAX_PROCS];
@@ -77,14 +94,20 @@ static int load(void) {
     const char *path = getenv("FAKE_NVML_NODE");
     FILE *f = path ? fopen(path, "r") : NULL;
     char line[512];
-    gpu_count = proc_count = 0;
+    gpu_count = proc_count = sample_count = 0;
     if (!f) return ERROR_LIBRARY_NOT_FOUND;
     while (fgets(line, sizeof line, f)) {
         gpu_t g;
         proc_t p;
         long long used;
         int offset = 0;
+        sample_t u;
         if (sscanf(line, "driver %31s", driver) == 1) continue;
+        if (sample_count < MAX_PROCS &&
+            sscanf(line, "sample %d %u %llu %u", &u.gpu, &u.pid, &u.stamp, &u.sm) == 4) {
+            samples[sample_count++] = u;
+            continue;
+        }
         if (gpu_count < MAX_GPUS &&
             sscanf(line, "gpu %95s %llu %llu %llu %d %d %15s %n", g.uuid, &g.total, &g.reserved,
                    &g.used, &g.utilization, &g.mig, g.state, &offset) == 7 && offset) {
@@ -301,3 +324,30 @@ PROCESS_CALLS_V2(nvmlDeviceGetComputeRunningProcesses_v3, "compute")
 PROCESS_CALLS_V2(nvmlDeviceGetGraphicsRunningProcesses_v3, "graphics")
 PROCESS_CALLS_V2(nvmlDeviceGetMPSComputeRunningProcesses_v3, "mps")
 #endif
+
+/* Samples newer than lastSeen; none at all is NOT_FOUND, as on a real driver. */
+int nvmlDeviceGetProcessUtilization(const device_t *handle, utilization_sample_t *out,
+                                    unsigned int *count, unsigned long long lastSeen) {
+    gpu_t *g;
+    int ret = device(handle, &g);
+    unsigned int found = 0, n = 0;
+    if (ret != SUCCESS) return ret;
+    if (!count) return ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < sample_count; i++)
+        if (samples[i].gpu == handle->index && samples[i].stamp > lastSeen) found++;
+    if (found == 0) return ERROR_NOT_FOUND;
+    if (!out || *count < found) {
+        *count = found;
+        return ERROR_INSUFFICIENT_SIZE;
+    }
+    for (int i = 0; i < sample_count; i++) {
+        if (samples[i].gpu != handle->index || samples[i].stamp <= lastSeen) continue;
+        out[n].pid = samples[i].pid;
+        out[n].stamp = samples[i].stamp;
+        out[n].sm = samples[i].sm;
+        out[n].mem = out[n].enc = out[n].dec = 0;
+        n++;
+    }
+    *count = n;
+    return SUCCESS;
+}
