@@ -123,7 +123,8 @@ def node_model(
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/node``: the GPUs, which of this user's leases sit on each, the agent."""
     if node is None:
-        return {"simulated": False, "backend": None, "agent": agent, "gpus": [], "leases": []}
+        return {"simulated": False, "backend": None, "mps": False, "agent": agent, "gpus": [],
+                "leases": []}
     simulated = bool(node.get("simulated"))
     gpus = []
     for gpu in node.get("gpus", []):
@@ -142,6 +143,7 @@ def node_model(
     return {
         "simulated": simulated,
         "backend": node.get("backend"),
+        "mps": bool(node.get("mps")),
         "agent": agent,
         "gpus": gpus,
         "leases": leases,

@@ -62,6 +62,11 @@ export interface ILease {
   target_gpus?: string[];
   usage?: number;
   bursting?: boolean;
+  /** Share of the GPU's compute (0-1), held only where CUDA MPS runs. */
+  compute_request?: number | null;
+  compute_limit?: number | null;
+  /** SM utilization of the lease's processes, percent; null where not sampled. */
+  compute_usage?: number | null;
   state: string;
   reason?: string;
   created?: number;
@@ -140,6 +145,8 @@ export interface INodeGpu extends IGpuRef {
 export interface INodeInfo {
   simulated: boolean;
   backend: string | null;
+  /** Whether CUDA MPS runs on the node: only then are compute shares held. */
+  mps?: boolean;
   agent?: {
     socket?: string;
     embedded?: boolean;

@@ -13,6 +13,7 @@ import { GpuFracModel } from './model';
 import { usageBar } from './usageBar';
 import {
   cellLabel,
+  computeLine,
   notebookName,
   restoreAdvice,
   restoreFactsOf,
@@ -219,6 +220,10 @@ export class GpuFracPanel extends Widget {
       const placement = this._placement(lease);
       if (placement) {
         rows.push(['Placement', placement]);
+      }
+      const compute = computeLine(lease, !!this._model.node?.mps);
+      if (compute) {
+        rows.push(['Compute', compute]);
       }
     }
     rows.push(['Kernel', status.kernel_id]);

@@ -4,7 +4,7 @@
  * No DOM, no JupyterLab: `npm test` runs it under Node.
  */
 import { formatBytes } from './format';
-import { IGpuFracEvent, IKernelStatus, IRestore } from './api';
+import { IGpuFracEvent, IKernelStatus, ILease, IRestore } from './api';
 
 /** JupyterLab cuts notification messages longer than this (mid-word). */
 export const MAX_NOTICE = 140;
@@ -483,4 +483,27 @@ export function eventNotice(
   max: number = MAX_NOTICE
 ): string {
   return fitWords(withPrefix(notebookName(notebook), text), max);
+}
+
+/**
+ * The lease's SM utilization against its compute share, and whether the share
+ * holds (only CUDA MPS holds one); null when the lease has neither.
+ */
+export function computeLine(lease: ILease, mps: boolean): string | null {
+  const used = lease.compute_usage;
+  const request = lease.compute_request;
+  const usedText =
+    used === null || used === undefined
+      ? 'not sampled'
+      : `${used}% of the GPU's SMs`;
+  if (request === null || request === undefined) {
+    return used === null || used === undefined ? null : usedText;
+  }
+  const limit = lease.compute_limit;
+  const share =
+    limit === null || limit === undefined || limit === request
+      ? `${request}`
+      : `${request}–${limit}`;
+  const held = mps ? 'held by CUDA MPS' : 'not enforced: no CUDA MPS';
+  return `${usedText}; share ${share} of the compute (${held})`;
 }

@@ -6,8 +6,9 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { IGpuFracEvent, IKernelStatus } from '../src/api';
+import { IGpuFracEvent, IKernelStatus, ILease } from '../src/api';
 import {
+  computeLine,
   countdownLabel,
   eventNotice,
   fitWords,
@@ -312,5 +313,30 @@ test('variables kept on disk are named with their size, never as a success', () 
   assert.match(
     restoreAdvice(facts),
     /^Run %gpu restore once there is room on the GPU to load big\.$/
+  );
+});
+
+test('compute is shown against its share and says whether it holds', () => {
+  const lease: ILease = {
+    id: 'l-1',
+    kind: 'notebook',
+    request: 1,
+    limit: 2,
+    state: 'active',
+    compute_request: 0.25,
+    compute_limit: 0.5,
+    compute_usage: 37
+  };
+  assert.equal(
+    computeLine(lease, false),
+    "37% of the GPU's SMs; share 0.25–0.5 of the compute (not enforced: no CUDA MPS)"
+  );
+  assert.equal(
+    computeLine({ ...lease, compute_limit: 0.25, compute_usage: null }, true),
+    'not sampled; share 0.25 of the compute (held by CUDA MPS)'
+  );
+  assert.equal(
+    computeLine({ ...lease, compute_request: null, compute_usage: null }, true),
+    null
   );
 });
