@@ -67,7 +67,8 @@ class AgentLink:
         return result
 
     async def create_notebook_lease(
-        self, *, request: str, limit: str | None, client: str, kernel_id: str, name: str
+        self, *, request: str, limit: str | None, client: str, kernel_id: str, name: str,
+        compute_request: str | None = None, compute_limit: str | None = None,
     ) -> dict[str, Any]:
         """A burstable, movable lease for a kernel."""
         result: dict[str, Any] = await self._run(
@@ -78,6 +79,8 @@ class AgentLink:
             client=client,
             kernel_id=kernel_id,
             name=name,
+            compute_request=compute_request,
+            compute_limit=compute_limit,
         )
         return result
 

@@ -44,6 +44,9 @@ class ShareSpec:
     limit: str | None
     request_source: str
     limit_source: str | None
+    # A share of the GPU's compute, from the kernelspec only (fractions; None: not asked).
+    compute_request: str | None = None
+    compute_limit: str | None = None
 
 
 def _spec_text(value: object) -> str:
@@ -55,6 +58,7 @@ def _spec_text(value: object) -> str:
 OURS = ("request", "limit")
 FRACTION = ("gpu-fraction", "gpu-fraction-limit")
 MEMORY = ("gpu-memory", "gpu-memory-limit")
+COMPUTE = (("compute_request", "compute_limit"), ("gpu-compute-request", "gpu-compute-limit"))
 
 
 def _fraction(value: object, field: str) -> str:
@@ -62,6 +66,23 @@ def _fraction(value: object, field: str) -> str:
     if quantity.fraction is None:
         raise QuantityError(field, f"expected a fraction 0 < f <= 1 of one GPU, got {value!r}")
     return _spec_text(value)
+
+
+def kernelspec_compute(gpufrac: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(compute request, compute limit) from ``metadata.gpufrac``, ours or Run:ai's names."""
+    given = [family for family in COMPUTE if set(family) & set(gpufrac)]
+    if len(given) > 1:
+        raise QuantityError("metadata.gpufrac", "compute_request/compute_limit and "
+                            "gpu-compute-request/gpu-compute-limit may not be mixed")
+    if not given:
+        return None, None
+    request_name, limit_name = given[0]
+    if request_name not in gpufrac:
+        raise QuantityError(f"metadata.gpufrac.{limit_name}",
+                            f"needs {request_name} beside it (a limit of what request?)")
+    limit = gpufrac.get(limit_name)
+    return (_fraction(gpufrac[request_name], f"metadata.gpufrac.{request_name}"),
+            None if limit is None else _fraction(limit, f"metadata.gpufrac.{limit_name}"))
 
 
 def kernelspec_share(gpufrac: Mapping[str, Any], environ: Mapping[str, str]
@@ -110,6 +131,7 @@ def resolve_share(
     if not isinstance(gpufrac, Mapping):
         raise QuantityError("metadata.gpufrac", f"expected a mapping, got {gpufrac!r}")
     spec_request, spec_limit = kernelspec_share(gpufrac, environ)
+    compute = kernelspec_compute(gpufrac)
     last = last_request or {}
     runai_limit = environ.get(RUNAI_LIMIT_VARIABLE) or None
     if runai_limit is not None:
@@ -141,8 +163,9 @@ def resolve_share(
     limits = [runai, own] if request_source == "c.GpuFrac" else [own, runai, *later]
     for limit_source, limit in limits:
         if limit is not None:
-            return ShareSpec(_spec_text(request), _spec_text(limit), request_source, limit_source)
-    return ShareSpec(_spec_text(request), None, request_source, None)
+            return ShareSpec(_spec_text(request), _spec_text(limit), request_source, limit_source,
+                             *compute)
+    return ShareSpec(_spec_text(request), None, request_source, None, *compute)
 
 
 def lease_gpus(lease: Mapping[str, Any]) -> list[str]:

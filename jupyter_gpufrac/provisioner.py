@@ -262,6 +262,8 @@ class GpuFracProvisioner(LocalProvisioner):
             client=settings.client_name,
             kernel_id=str(self.kernel_id),
             name=env.get("JPY_SESSION_NAME", ""),
+            compute_request=share.compute_request,
+            compute_limit=share.compute_limit,
         )
 
     async def acquire_lease(self) -> dict[str, Any] | None:

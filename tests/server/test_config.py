@@ -172,3 +172,18 @@ def test_the_embedded_agent_runs_with_the_servers_scheduler_settings(tmp_path: P
             c.create_lease(client="t", request="0.25")
     finally:
         asyncio.run(agent.stop())
+
+
+def test_a_compute_share_comes_from_the_kernelspec_in_either_name() -> None:
+    ours = resolve_share({"gpufrac": {"request": "0.25", "compute_request": 0.3}}, None, {},
+                         "0.25", "1")
+    assert (ours.compute_request, ours.compute_limit) == ("0.3", None)
+    runai = resolve_share({"gpufrac": {"gpu-fraction": 0.5, "gpu-compute-request": "0.2",
+                                       "gpu-compute-limit": "0.6"}}, None, {}, "0.25", "1")
+    assert (runai.request, runai.compute_request, runai.compute_limit) == ("0.5", "0.2", "0.6")
+    for gpufrac, field in (({"compute_request": 0.3, "gpu-compute-limit": 0.5}, "metadata.gpufrac"),
+                           ({"gpu-compute-limit": 0.5}, "metadata.gpufrac.gpu-compute-limit"),
+                           ({"compute_request": "2Gi"}, "metadata.gpufrac.compute_request")):
+        with pytest.raises(QuantityError) as info:
+            resolve_share({"gpufrac": gpufrac}, None, {}, "0.25", "1")
+        assert info.value.field == field

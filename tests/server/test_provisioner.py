@@ -104,7 +104,8 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, agent: AgentProces
 
 
 async def test_lease_env_and_arguments_across_restarts(isolated: Path, no_leases: AgentProcess) -> None:
-    ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25", "limit": "0.5"}})
+    ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25", "limit": "0.5",
+                                                  "gpu-compute-request": "0.4"}})
     km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
     await km.start_kernel()
     try:
@@ -112,6 +113,7 @@ async def test_lease_env_and_arguments_across_restarts(isolated: Path, no_leases
         assert isinstance(provisioner, GpuFracProvisioner)
         lease = no_leases.client().lease(provisioner.lease["id"])
         assert lease["kernel_id"] == km.kernel_id and lease["request_spec"] == "0.25"
+        assert (lease["compute_request"], lease["compute_limit"]) == (0.4, 0.4)
         assert lease["pids"] == [provisioner.pid]
         gpu = lease["physical_gpu"]
         for launch in range(3):
@@ -122,6 +124,7 @@ async def test_lease_env_and_arguments_across_restarts(isolated: Path, no_leases
             assert env["GPUFRAC_REQUEST"] == str(lease["request"])
             assert env["GPUFRAC_KERNEL_ID"] == km.kernel_id
             assert env["GPUFRAC_SIMULATED"] == "1"
+            assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
             checkpoint_dir = Path(env["GPUFRAC_CHECKPOINT_DIR"])
             assert checkpoint_dir.is_dir() and checkpoint_dir.stat().st_mode & 0o777 == 0o700
             if launch == 1:
