@@ -24,7 +24,7 @@ with warnings.catch_warnings():
     import torch
 
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
-from jupyter_gpufrac.kernel.tensor_io import _host_view
+from jupyter_gpufrac.kernel.tensor_io import host_view
 
 MiB = 1024**2
 
@@ -43,13 +43,13 @@ def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
     """The floor: the same bytes into one file, one fsync."""
     with open(path, "wb", buffering=0) as fh:
         for t in tensors:
-            fh.write(_host_view(t.untyped_storage()))
+            fh.write(host_view(t.untyped_storage()))
         os.fsync(fh.fileno())
 
 
 def raw_read(path: Path, total: int) -> None:
     buffer = torch.empty(total, dtype=torch.uint8)
-    view = _host_view(buffer.untyped_storage())
+    view = host_view(buffer.untyped_storage())
     with open(path, "rb", buffering=0) as fh:
         done = 0
         while done < total:

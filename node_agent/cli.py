@@ -30,7 +30,8 @@ from node_agent.client import (
     serve_command,
     socket_folder_problem,
 )
-from node_agent.quantities import QuantityError, format_bytes, parse_quantity
+from node_agent.quantities import QuantityError, parse_quantity
+from node_agent.status import render_status, status_document
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -173,76 +174,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # --- status -----------------------------------------------------------------------------
-STATUS_GPU_KEYS = ("uuid", "index", "name", "memory_total", "memory_used")
-STATUS_LEASE_KEYS = ("id", "kind", "owner_uid", "request", "limit", "usage", "logical_gpu",
-                     "physical_gpu", "state")
-
-
-def status_document(client: AgentClient) -> dict[str, Any]:
-    """The stable `status --json` document: only the documented keys, bytes as integers."""
-    node = client.node()
-    leases = client.leases()
-    return {
-        "gpus": [{k: g[k] for k in STATUS_GPU_KEYS} for g in node["gpus"]],
-        "leases": [{k: lease[k] for k in STATUS_LEASE_KEYS} for lease in leases],
-    }
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)
-
-
-def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
-    index = {g["uuid"]: g["index"] for g in node["gpus"]}
-
-    def gpu(uuid: str | None) -> str:
-        return "-" if uuid is None else str(index.get(uuid, uuid))
-
-    title = "simulated node" if node["simulated"] else "node (NVML)"
-    gpu_rows = [["GPU", "NAME", "USED", "TOTAL", "UUID"]] + [
-        [str(g["index"]), g["name"], format_bytes(g["memory_used"]),
-         format_bytes(g["memory_total"]), g["uuid"] + ("" if g["healthy"] else f"  ({g['error']})")]
-        for g in node["gpus"]
-    ]
-    out = [f"{title}: {len(node['gpus'])} GPU(s)", _table(gpu_rows), ""]
-    if not leases:
-        out.append("no leases")
-        return "\n".join(out)
-    lease_rows = [["LEASE", "OWNER", "KIND", "REQUEST", "LIMIT", "USAGE", "COMPUTE", "LOGICAL",
-                   "PHYSICAL", "STATE"]]
-    for lease in leases:
-        state = lease["state"]
-        if state == "active" and lease["bursting"]:
-            state = "active, bursting"
-        physical = ",".join(gpu(u) for u in lease["physical_gpus"])
-        if lease["target_gpus"]:
-            physical += " -> " + ",".join(gpu(u) for u in lease["target_gpus"])
-        lease_rows.append([
-            lease["id"], str(lease["owner_uid"]), lease["kind"], format_bytes(lease["request"]),
-            format_bytes(lease["limit"]), format_bytes(lease["usage"]), compute_text(lease),
-            ",".join(gpu(u) for u in lease["logical_gpus"]), physical, state,
-        ])
-    out.append(_table(lease_rows))
-    if any(lease.get("compute_request") is not None for lease in leases):
-        out.append("compute shares: " + ("held by CUDA MPS (active-thread percentage)"
-                                         if node.get("mps") else
-                                         "recorded, not enforced (no CUDA MPS on this node)"))
-    return "\n".join(out)
-
-
-def compute_text(lease: dict[str, Any]) -> str:
-    """``37% of 0.25-0.5``: sampled SM utilization against the compute share asked for."""
-    used = lease.get("compute_usage")
-    text = "-" if used is None else f"{used}%"
-    request, limit = lease.get("compute_request"), lease.get("compute_limit")
-    if request is not None:
-        share = f"{request:g}" if limit in (None, request) else f"{request:g}-{limit:g}"
-        text += f" of {share}"
-    return text
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     client = AgentClient(args.socket, state_dir=args.state_dir)
     if args.json:

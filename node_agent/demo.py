@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node_agent.cli import render_status
 from node_agent.client import AgentClient
+from node_agent.status import render_status
 
 # A stand-in for a notebook kernel: holds some memory (simulated device memory) until killed.
 _WORKER = (

@@ -101,11 +101,6 @@ def parse_kai_gpu_memory(value: object, field: str = "gpu-memory") -> Quantity:
     return Quantity(nbytes=int(text) * MiB)
 
 
-def parse_runai_limit(value: object) -> Quantity:
-    """Run:ai's ``RUNAI_GPU_MEMORY_LIMIT``: a fraction (``0.8``) or a quantity (``2500M``)."""
-    return parse_quantity(value, "RUNAI_GPU_MEMORY_LIMIT")
-
-
 def check_share(request: Quantity, limit: Quantity, total: int) -> tuple[int, int]:
     """Resolve request and limit on a GPU of ``total`` bytes; enforce ``request <= limit <= total``."""
     req, lim = request.bytes_of(total), limit.bytes_of(total)

@@ -62,8 +62,3 @@ def summary() -> dict[str, Any]:
     if _hook is None:
         return {"loaded": False}
     return {"loaded": True, **_hook.summary()}
-
-
-def restore_report() -> dict[str, Any] | None:
-    """The report of the last restore (also in ``<checkpoint dir>/restore-report.json``)."""
-    return None if _hook is None else _hook.restore_report

@@ -10,7 +10,8 @@ from typing import Any
 from jupyter_gpufrac.kernel import store
 
 
-def _host_view(storage: Any) -> memoryview:
+def host_view(storage: Any) -> memoryview:
+    """The bytes of a host storage, without a copy (raw I/O reads and writes through it)."""
     # The storage must outlive the view: callers keep a reference while the view is in use.
     nbytes = int(storage.nbytes())
     array = (ctypes.c_ubyte * nbytes).from_address(int(storage.data_ptr()))
@@ -31,7 +32,7 @@ def write_storage(root: store.CheckpointDir | Path, storage: Any) -> tuple[str, 
     name = store.new_blob_name()
     with store.opened(root) as folder, folder.create(name, blob=True) as fh:
         if nbytes:
-            view = _host_view(storage)
+            view = host_view(storage)
             done = 0
             while done < nbytes:
                 done += fh.write(view[done:]) or 0
@@ -49,7 +50,7 @@ def read_storage(folder: store.CheckpointDir, name: str, nbytes: int, device: st
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         storage = buffer.untyped_storage()
         if nbytes:
-            view = _host_view(storage)
+            view = host_view(storage)
             done = 0
             while done < nbytes:
                 got = fh.readinto(view[done:])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid as uuidlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import psutil
@@ -100,9 +100,6 @@ class _Tracked:
 class _Gpu:
     info: GpuInfo
     fault: str | None = None
-    # Memory held by something other than a tracked process (e.g. a test's "foreign" user).
-    extra_used: int = 0
-    pids: set[int] = field(default_factory=set)
 
 
 # Growth above the baseline that counts as a tracked process's first use of its GPU.
@@ -141,7 +138,7 @@ class SimulatedBackend:
                     continue
                 # As NVML's v2 memory info: total = reserved + used + free.
                 usable = gpu.info.memory_total - gpu.info.memory_reserved
-                used = min(usable, gpu.extra_used + self._used_locked(uuid))
+                used = min(usable, self._used_locked(uuid))
                 out.append(
                     GpuInfo(
                         uuid, gpu.info.index, gpu.info.name, gpu.info.memory_total,
@@ -224,16 +221,12 @@ class SimulatedBackend:
         with self._lock:
             self._tracked.clear()
 
-    # Scripted faults and foreign load, for tests and demos.
+    # Scripted faults, for tests and demos.
     def set_fault(self, uuid: str, fault: str | None) -> None:
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fault: expected one of {FAULTS} or None, got {fault!r}")
         with self._lock:
             self._gpus[uuid].fault = fault
-
-    def set_foreign_usage(self, uuid: str, nbytes: int) -> None:
-        with self._lock:
-            self._gpus[uuid].extra_used = nbytes
 
     def _held(self, pid: int) -> int | None:
         tracked = self._tracked.get(pid)

@@ -53,7 +53,8 @@ NOT_A_PROCESS = 4_194_305  # above the largest pid Linux hands out
 def _harmless(body: dict[str, Any]) -> dict[str, Any]:
     # The fuzzer runs as root: a registered pid must never be a real process the agent
     # might one day stop.
-    if isinstance(body.get("pid"), int) and psutil.pid_exists(body["pid"]):
+    pid = body.get("pid")
+    if isinstance(pid, int) and 0 <= pid < 2**31 and psutil.pid_exists(pid):
         body["pid"] = NOT_A_PROCESS
     return body
 

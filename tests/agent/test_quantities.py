@@ -14,7 +14,6 @@ from node_agent.quantities import (
     check_share,
     parse_kai_gpu_memory,
     parse_quantity,
-    parse_runai_limit,
 )
 
 
@@ -52,13 +51,6 @@ def test_kai_gpu_memory_is_mib() -> None:
     assert parse_kai_gpu_memory("2048") == Quantity(nbytes=2048 * MiB)
     with pytest.raises(QuantityError, match="gpu-memory: expected a whole number of MiB"):
         parse_kai_gpu_memory("2G")
-
-
-def test_runai_limit_fraction_or_quantity() -> None:
-    assert parse_runai_limit("0.8") == Quantity(fraction=0.8)
-    assert parse_runai_limit("2500M") == Quantity(nbytes=2_500_000_000)
-    with pytest.raises(QuantityError, match="RUNAI_GPU_MEMORY_LIMIT"):
-        parse_runai_limit("lots")
 
 
 def test_limit_below_request_refused() -> None:
