@@ -51,7 +51,7 @@ const HELP: Record<string, string> = {
   'restore-incomplete':
     'Restarted by jupyter-gpufrac, but not everything came back: see what was lost and re-run the cells that make it.',
   'oom-killed':
-    'Stopped to give GPU memory back; it restarts from the state after its last completed cell.',
+    'Stopped by the GPU agent, to give memory back or because a move did not finish in time (the reason says which); it restarts from the state after its last completed cell.',
   'agent-unreachable':
     "The GPU agent does not answer, so this kernel's GPU share cannot be verified. Cells still run.",
   'no-gpu': 'This kernel holds no GPU lease.',
@@ -62,7 +62,8 @@ const HELP: Record<string, string> = {
 const LABEL: Record<string, string> = {
   'move-pending': 'moving soon — cell still running',
   'restore-incomplete': 'restored with losses',
-  'oom-killed': 'OOM-killed',
+  // Not "OOM-killed": the agent also stops a kernel whose move ran out of time.
+  'oom-killed': 'stopped',
   'agent-unreachable': 'agent unreachable',
   'no-gpu': 'no GPU',
   unknown: '…'
