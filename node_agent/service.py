@@ -70,10 +70,6 @@ class AgentConfig:
     node_scheduler: bool = True
     # How many leases one GPU may run at once (None: not enforced).
     max_workloads_per_gpu: int | None = None
-
-    @property
-    def rules(self) -> policy.Rules:
-        return policy.Rules(spread=self.node_scheduler, max_per_gpu=self.max_workloads_per_gpu)
     # How long a borrower has to give its loan back after `shrink` before it is killed.
     reclaim_grace: float = 30.0
     # How long a client has to report a move done before the agent kills the process.
@@ -91,6 +87,10 @@ class AgentConfig:
     # Stop leases that stay above their limit. None: with NVML only; a simulated node counts
     # resident memory, which an `import torch` alone takes past a tight limit.
     enforce_limits: bool | None = None
+
+    @property
+    def rules(self) -> policy.Rules:
+        return policy.Rules(spread=self.node_scheduler, max_per_gpu=self.max_workloads_per_gpu)
 
 
 # A CUDA 12 context on a recent data-centre GPU; NVML does not report it on its own.
