@@ -6,8 +6,11 @@ import grp
 import json
 import os
 import pwd
+import select
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,10 +62,11 @@ def user(name: str, *groups: str) -> User:
     return User(name, entry.pw_uid, entry.pw_gid, tuple(group(g) for g in groups))
 
 
-def as_user(who: User | int, fn: Callable[[], Any]) -> Any:
+def spawn(who: User | int, fn: Callable[[], Any]) -> tuple[int, int]:
     """Run ``fn`` in a forked child that has become ``who`` (a User, or a bare uid with no
-    groups): ``{"ok": result}``, an AgentError as ``{"status", "field", "message"}``, or
-    ``{"crash": repr}``. SO_PEERCRED is taken at connect(), so the agent sees that user."""
+    groups): (pid, pipe with its answer for :func:`collect`). Forked, not exec'd: this
+    Python's own files may be unreadable to other users. SO_PEERCRED is taken at connect(),
+    so the agent sees that user."""
     from node_agent.client import AgentError
 
     if os.getuid() != 0:
@@ -70,21 +74,45 @@ def as_user(who: User | int, fn: Callable[[], Any]) -> Any:
     uid, gid, groups = (who, who, ()) if isinstance(who, int) else (who.uid, who.gid, who.groups)
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # child
-        os.close(read)
+    if pid == 0:  # child: never return into pytest
         try:
+            os.close(read)
             os.setgroups(list(groups))
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
             out: dict[str, Any] = {"ok": fn()}
         except AgentError as exc:
             out = {"status": exc.status, "field": exc.field, "message": exc.message}
-        except BaseException as exc:  # report anything, never run pytest on in the child
+        except BaseException as exc:  # report anything
             out = {"crash": repr(exc)}
-        os.write(write, json.dumps(out).encode())
-        os._exit(0)
+        try:
+            os.write(write, json.dumps(out).encode())
+        finally:
+            os._exit(0)
     os.close(write)
-    with os.fdopen(read) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
+    return pid, read
+
+
+def collect(pid: int, read: int, timeout: float = 30.0) -> Any:
+    """The answer of a child from :func:`spawn`: ``{"ok": result}``, an AgentError as
+    ``{"status", "field", "message"}``, or ``{"crash": repr}``. Killed if it overruns."""
+    deadline = time.monotonic() + timeout
+    chunks: list[bytes] = []
+    try:
+        while time.monotonic() < deadline:
+            if select.select([read], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                chunk = os.read(read, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks) or b'{"crash": "timed out"}')
+
+
+def as_user(who: User | int, fn: Callable[[], Any]) -> Any:
+    """:func:`spawn` then :func:`collect`."""
+    return collect(*spawn(who, fn))

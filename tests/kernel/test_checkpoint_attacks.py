@@ -8,7 +8,6 @@ import os
 import pickle
 import select
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from unix_users import ATTACKER, VICTIM, User, user
+from unix_users import ATTACKER, VICTIM, User, as_user, collect, spawn, user
 
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
@@ -79,53 +78,14 @@ def arena() -> Iterator[Arena]:
         shutil.rmtree(root)
 
 
-def spawn(who: User, fn: Callable[[], Any]) -> tuple[int, int]:
-    """Run ``fn`` in a forked child that has become ``who``; (pid, pipe with its JSON answer).
-
-    Forked, not exec'd: the interpreter may live where other users cannot read it.
-    """
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        try:
-            os.close(read)
-            os.setgroups(list(who.groups))
-            os.setresgid(who.gid, who.gid, who.gid)
-            os.setresuid(who.uid, who.uid, who.uid)
-            out: dict[str, Any] = {"ok": fn()}
-        except BaseException as exc:
-            out = {"crash": repr(exc)}
-        try:
-            os.write(write, json.dumps(out).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    return pid, read
+def run_as(who: User, fn: Callable[[], Any]) -> Any:
+    """What ``fn`` returned as ``who``; anything else fails the test with the child's answer."""
+    return ok(as_user(who, fn))
 
 
-def collect(pid: int, read: int, timeout: float = 30.0) -> Any:
-    """The answer of a child from :func:`spawn`; it is killed if it overruns ``timeout``."""
-    deadline = time.monotonic() + timeout
-    chunks: list[bytes] = []
-    try:
-        while time.monotonic() < deadline:
-            if select.select([read], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                chunk = os.read(read, 65536)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        os.close(read)
-        os.waitpid(pid, 0)
-    answer = json.loads(b"".join(chunks) or b'{"crash": "timed out"}')
+def ok(answer: dict[str, Any]) -> Any:
     assert "ok" in answer, answer
     return answer["ok"]
-
-
-def run_as(who: User, fn: Callable[[], Any]) -> Any:
-    return collect(*spawn(who, fn))
 
 
 def victim_takes(ckdir: Path) -> list[str]:
@@ -222,7 +182,7 @@ def test_swapping_the_directory_during_loads_never_runs_the_attackers_pickle(
         outcomes = run_as(arena.victim, victim_loads)
     finally:
         os.close(stop_write)
-        swaps = collect(*attacker)
+        swaps = ok(collect(*attacker))
     # The code that checked paths with lstat and then opened them by path failed 6 runs of 6
     # (both decoys, 2 cores): the attacker's pickle ran some 400 to 1,800 times in 3 seconds.
     assert not arena.marker.exists(), f"the attacker's pickle ran: {outcomes}"
