@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jupyter_gpufrac import contract
+
 
 @dataclass(frozen=True)
 class RestartReason:
@@ -114,9 +116,9 @@ def default_checkpoint_dir(kernel_id: str | None, home: Path | None = None) -> P
 def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelEnv:
     """Read the kernel's environment; never raises (malformed values land in ``problems``)."""
     problems: list[str] = []
-    kernel_id = env.get("GPUFRAC_KERNEL_ID") or kernel_id_from_connection_file(connection_file)
-    request = _int(env, "GPUFRAC_REQUEST", problems)
-    limit = _int(env, "GPUFRAC_LIMIT", problems)
+    kernel_id = env.get(contract.KERNEL_ID) or kernel_id_from_connection_file(connection_file)
+    request = _int(env, contract.REQUEST, problems)
+    limit = _int(env, contract.LIMIT, problems)
     if request is not None and limit is not None and limit < request:
         problems.append(f"GPUFRAC_LIMIT ({limit}) is below GPUFRAC_REQUEST ({request}); "
                         "using the request as the limit")
@@ -126,22 +128,22 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     if env.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "").strip() not in ("", "0"):
         problems.append("PYTORCH_NO_CUDA_MEMORY_CACHING is set: PyTorch's allocator cap does not "
                         "apply, so only the agent's measurements enforce the limit")
-    raw_dir = env.get("GPUFRAC_CHECKPOINT_DIR", "").strip()
+    raw_dir = env.get(contract.CHECKPOINT_DIR, "").strip()
     checkpoint_dir = Path(raw_dir).expanduser() if raw_dir else default_checkpoint_dir(kernel_id)
-    raw_reason = env.get("GPUFRAC_RESTART_REASON", "").strip()
-    restore = env.get("GPUFRAC_RESTORE", "").strip().lower() not in ("", "0", "false", "no")
+    raw_reason = env.get(contract.RESTART_REASON, "").strip()
+    restore = env.get(contract.RESTORE, "").strip().lower() not in ("", "0", "false", "no")
     return KernelEnv(
-        lease_id=env.get("GPUFRAC_LEASE_ID", "").strip() or None,
-        agent_socket=env.get("GPUFRAC_AGENT_SOCKET", "").strip() or None,
+        lease_id=env.get(contract.LEASE_ID, "").strip() or None,
+        agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
         kernel_id=kernel_id,
         request=request,
         limit=limit,
-        gpu_uuid=env.get("GPUFRAC_GPU_UUID") or None,
-        gpu_index=_int(env, "GPUFRAC_GPU_INDEX", problems),
-        gpu_name=env.get("GPUFRAC_GPU_NAME") or None,
-        gpu_total=_int(env, "GPUFRAC_GPU_TOTAL", problems),
-        context=_int(env, "GPUFRAC_CONTEXT", problems) or 0,
-        simulated=env.get("GPUFRAC_SIMULATED", "") == "1",
+        gpu_uuid=env.get(contract.GPU_UUID) or None,
+        gpu_index=_int(env, contract.GPU_INDEX, problems),
+        gpu_name=env.get(contract.GPU_NAME) or None,
+        gpu_total=_int(env, contract.GPU_TOTAL, problems),
+        context=_int(env, contract.CONTEXT, problems) or 0,
+        simulated=env.get(contract.SIMULATED, "") == "1",
         checkpoint_dir=checkpoint_dir,
         checkpoint_dir_stable=bool(raw_dir or kernel_id),
         restore=restore,

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import env as kenv
 from jupyter_gpufrac.kernel import (
     frameworks,
@@ -410,7 +411,7 @@ class GpuFracHook:
         report["message"] = text
         self.restore_report = report
         try:
-            store.write_file(self.env.checkpoint_dir, store.RESTORE_FILE,
+            store.write_file(self.env.checkpoint_dir, contract.RESTORE_REPORT_FILE,
                              json.dumps(report, sort_keys=True).encode())
         except (OSError, store.UnsafeCheckpointError):
             log.warning("gpufrac: could not write the restore report", exc_info=True)

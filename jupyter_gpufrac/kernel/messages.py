@@ -6,6 +6,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel.env import RestartReason
 from node_agent.quantities import format_bytes
 
@@ -51,22 +52,22 @@ def restart_cause(reason: RestartReason | None) -> str:
     if reason is None:
         return "This kernel was restarted by jupyter-gpufrac."
     detail = reason.message.strip().rstrip(".")
-    if reason.cause == "migrated" and detail.lower().startswith("moved "):
+    if reason.cause == contract.CAUSE_MIGRATED and detail.lower().startswith("moved "):
         # The server's sentence already says from where to where, by index.
         return f"This kernel was {detail[0].lower()}{detail[1:]}."
     src = _gpu(reason.from_gpu) if reason.from_gpu else None
     dst = _gpu(reason.to_gpu) if reason.to_gpu else None
     gpus = f" from {src} to {dst}" if src and dst else f" to {dst}" if dst else ""
-    if reason.cause == "migrated":
+    if reason.cause == contract.CAUSE_MIGRATED:
         head = f"This kernel was moved{gpus}"
-    elif reason.cause == "oom_killed":
+    elif reason.cause == contract.CAUSE_OOM_KILLED:
         head = ("This kernel was stopped by the GPU memory reclaimer: it held GPU memory "
                 "beyond its guaranteed request that another notebook needed back")
-    elif reason.cause == "request_changed":
+    elif reason.cause == contract.CAUSE_REQUEST_CHANGED:
         head = f"This kernel was restarted{gpus} because its GPU request or limit changed"
-    elif reason.cause == "died":
+    elif reason.cause == contract.CAUSE_DIED:
         head = "This kernel's process ended unexpectedly and was restarted"
-    elif reason.cause == "placed":
+    elif reason.cause == contract.CAUSE_PLACED:
         head = f"This kernel was restarted{gpus} because a GPU share became free for it"
     else:
         head = "This kernel was restarted by jupyter-gpufrac"

@@ -14,7 +14,6 @@ from types import TracebackType
 from typing import IO
 
 STATE_FILE = "checkpoint.gfc"
-RESTORE_FILE = "restore-report.json"  # the server reads it (kernel_checkpoint.py)
 CELLS_FILE = "cells.json"
 BLOB_DIR = "blobs"
 TMP_SUFFIX = ".tmp"

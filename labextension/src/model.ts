@@ -29,6 +29,12 @@ import {
   IKernelStatus,
   INodeInfo
 } from './api';
+import {
+  AGENT_SILENT_STATES,
+  EVENT_STATE,
+  KERNEL_STATES,
+  RESTORE_INCOMPLETE
+} from './contract';
 import { eventKey } from './format';
 import { IAgentHealth, isTransitional, IStateView, stateView } from './view';
 
@@ -41,30 +47,10 @@ export type LocalState = 'unknown' | 'unavailable';
  * means migrating, and `restored` is a success only when `ok` says so.
  */
 function stateAfterEvent(event: IGpuFracEvent): string | undefined {
-  switch (event.event) {
-    case 'placed':
-    case 'agent_reachable':
-      return 'guaranteed';
-    case 'bursting':
-      return 'bursting';
-    case 'shrink_requested':
-      return 'shrinking';
-    case 'move_pending':
-      return 'move-pending';
-    case 'migrating':
-    case 'migrated':
-      return 'migrating';
-    case 'oom_killed':
-      return 'oom-killed';
-    case 'restored':
-      return event.ok === true ? 'restored' : 'restore-incomplete';
-    case 'no_gpu':
-      return 'no-gpu';
-    case 'agent_unreachable':
-      return 'agent-unreachable';
-    default:
-      return undefined;
+  if (event.event === 'restored' && event.ok !== true) {
+    return RESTORE_INCOMPLETE;
   }
+  return EVENT_STATE[event.event];
 }
 
 /**
@@ -76,16 +62,11 @@ const SETTLED_MS = 5000;
 const TRANSITION_MS = 1000;
 
 /** Kernel states that tell the agent answered (every lease state but one). */
-const AGENT_ANSWERED = new Set([
-  'guaranteed',
-  'bursting',
-  'move-pending',
-  'migrating',
-  'shrinking',
-  'oom-killed',
-  'restored',
-  'restore-incomplete'
-]);
+const AGENT_ANSWERED = new Set<string>(
+  KERNEL_STATES.filter(
+    state => !(AGENT_SILENT_STATES as readonly string[]).includes(state)
+  )
+);
 
 /** How many event keys to remember; far more than the server keeps (50). */
 const SEEN_LIMIT = 1000;

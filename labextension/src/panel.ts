@@ -7,6 +7,7 @@ import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
 import { IGpuFracEvent, ILease } from './api';
+import { LEASE_STATE_WORDS } from './contract';
 import { h, replaceChildren } from './dom';
 import { describeEvent, formatBytes, formatTime, gpuLabel } from './format';
 import { GpuFracModel } from './model';
@@ -207,10 +208,7 @@ export class GpuFracPanel extends Widget {
     }
     const lease = status.lease;
     if (lease) {
-      rows.push([
-        'Lease',
-        `${lease.id} (${lease.kind}, ${view.verified ? lease.state : `last known ${lease.state}`})`
-      ]);
+      rows.push(['Lease', `${lease.id} (${lease.kind})`]);
       if (lease.request_spec || lease.limit_spec) {
         rows.push([
           'Asked for',
@@ -388,7 +386,7 @@ export class GpuFracPanel extends Widget {
       lease.kernel_id && lease.kernel_id === this._model.kernelId
         ? ' (this kernel)'
         : '';
-    return `${who}${current}: ${formatBytes(lease.usage)} of ${formatBytes(lease.request)}–${formatBytes(lease.limit)}, ${lease.state}`;
+    return `${who}${current}: ${formatBytes(lease.usage)} of ${formatBytes(lease.request)}–${formatBytes(lease.limit)}, ${LEASE_STATE_WORDS[lease.state] ?? lease.state}`;
   }
 
   private _historySection(): HTMLElement {

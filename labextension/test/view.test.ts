@@ -7,6 +7,7 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
 import { IGpuFracEvent, IKernelStatus, ILease } from '../src/api';
+import { KERNEL_STATES } from '../src/contract';
 import {
   computeLine,
   countdownLabel,
@@ -339,4 +340,15 @@ test('compute is shown against its share and says whether it holds', () => {
     computeLine({ ...lease, compute_request: null, compute_usage: null }, true),
     null
   );
+});
+
+test('every kernel state of the contract has words and help; one is a success', () => {
+  for (const state of KERNEL_STATES) {
+    const view = stateView(state, status(state), null, NOW);
+    assert.equal(view.state, state);
+    assert.ok(view.label.length > 0, state);
+    assert.ok(view.help.length > 0, `no help for ${state}`);
+    // Only a restore the kernel verified may look like a success.
+    assert.equal(view.success, state === 'restored', state);
+  }
 });

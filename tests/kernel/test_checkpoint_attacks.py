@@ -19,6 +19,7 @@ import pytest
 import torch
 from unix_users import ATTACKER, VICTIM, User, as_user, collect, spawn, user
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
 
@@ -275,11 +276,11 @@ def test_the_server_believes_only_a_restore_report_the_kernel_could_have_written
     tmp_path: Path,
 ) -> None:
     """The report tells the notebook what came back: a linked or writable-by-others one lies."""
-    from jupyter_gpufrac.kernel_checkpoint import read_restore_report
+    from jupyter_gpufrac.server.checkpoint_request import read_restore_report
 
     ckdir = store.ensure_private_dir(tmp_path / "ck")
-    report = ckdir / store.RESTORE_FILE
-    store.write_file(ckdir, store.RESTORE_FILE, json.dumps({"pid": 7, "restored": ["x"]}).encode())
+    report = ckdir / contract.RESTORE_REPORT_FILE
+    store.write_file(ckdir, contract.RESTORE_REPORT_FILE, json.dumps({"pid": 7, "restored": ["x"]}).encode())
     assert read_restore_report(str(ckdir), 7) == {"pid": 7, "restored": ["x"]}
     assert read_restore_report(str(ckdir), 8) is None  # an earlier process's report
     forged = tmp_path / "forged.json"

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from support import AgentProcess, wait_for
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
-from jupyter_gpufrac.launch import build_kernel_env
+from jupyter_gpufrac.server.launch import build_kernel_env
 
 from .kernels import running_kernel
 from .test_directives import spread_lease
@@ -158,7 +159,7 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
         assert stepped.stdout.strip() == "False"  # the optimizer drives the restored model
         assert "last restore:" in k.run("%gpu").stdout
 
-    report = json.loads((ckdir / store.RESTORE_FILE).read_text())
+    report = json.loads((ckdir / contract.RESTORE_REPORT_FILE).read_text())
     # One variable could not be saved: the report does not call the restore a success.
     assert report["ok"] is False and report["error"] is None and report["cause"] == "migrated"
     assert {"model", "opt", "torch", "late", "later"} <= set(report["restored"])
@@ -174,7 +175,7 @@ def test_restore_without_a_checkpoint_says_so(tmp_path: Path) -> None:
         first = k.run("1 + 1")
         assert "stopped by the GPU memory reclaimer" in first.stdout
         assert "No variables were restored: there is no checkpoint" in first.stdout
-    report = json.loads((tmp_path / "ck" / store.RESTORE_FILE).read_text())
+    report = json.loads((tmp_path / "ck" / contract.RESTORE_REPORT_FILE).read_text())
     assert not report["ok"] and report["cause"] == "oom_killed"
     assert "there is no checkpoint" in report["error"]
 

@@ -10,9 +10,9 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from jupyter_gpufrac.app import GpuFrac
-from jupyter_gpufrac.embedded_agent import EmbeddedAgent
-from jupyter_gpufrac.launch import resolve_share
+from jupyter_gpufrac.server.app import GpuFrac
+from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
+from jupyter_gpufrac.server.launch import resolve_share
 from node_agent.client import AgentClient, AgentError
 from node_agent.quantities import QuantityError
 

@@ -9,7 +9,10 @@ import sys
 import pytest
 from jupyter_events import EventLogger
 
-from jupyter_gpufrac.kernel_events import EVENT_KINDS, SCHEMA_ID, SCHEMA_PATH, KernelEventLog, make_event
+from jupyter_gpufrac.contract import EVENT_KINDS
+from jupyter_gpufrac.contract import EVENT_SCHEMA_ID as SCHEMA_ID
+from jupyter_gpufrac.contract import EVENT_SCHEMA_PATH as SCHEMA_PATH
+from jupyter_gpufrac.server.events import KernelEventLog, make_event
 
 
 def test_schema_and_every_kind_validate() -> None:
@@ -52,7 +55,7 @@ def test_importing_the_extension_touches_neither_nvml_nor_agent() -> None:
         "import sys, jupyter_gpufrac\n"
         "points = jupyter_gpufrac._jupyter_server_extension_points()\n"
         "assert points[0]['app'].__name__ == 'GpuFrac'\n"
-        "import jupyter_gpufrac.provisioner\n"
+        "import jupyter_gpufrac.server.provisioner\n"
         "assert not {'pynvml', 'torch'} & set(sys.modules), sorted({'pynvml', 'torch'} & set(sys.modules))\n"
     )
     env_socket = "/nonexistent/agent.sock"
@@ -66,7 +69,7 @@ def test_importing_the_extension_touches_neither_nvml_nor_agent() -> None:
 def test_a_bursting_notice_does_not_hide_what_a_restore_lost() -> None:
     from types import SimpleNamespace
 
-    from jupyter_gpufrac.kernel_status import kernel_state
+    from jupyter_gpufrac.server.rest_models import kernel_state
 
     lease = {"state": "active", "bursting": True}
     restored = {"event": "restored", "ok": False, "time": 100.0,

@@ -11,8 +11,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from support import AgentProcess
 
-from jupyter_gpufrac.launch import EXT_ARGUMENT, build_kernel_env, kernel_arguments
-from jupyter_gpufrac.provisioner import GpuFracProvisioner
+from jupyter_gpufrac.server.launch import EXT_ARGUMENT, build_kernel_env, kernel_arguments
+from jupyter_gpufrac.server.provisioner import GpuFracProvisioner
 
 LEASE = {
     "id": "l-1", "request": 100, "limit": 200, "state": "active",

@@ -10,7 +10,7 @@ import pytest
 from support import AgentProcess
 from tornado.httpclient import HTTPClientError
 
-from jupyter_gpufrac.kernel_events import SCHEMA_ID
+from jupyter_gpufrac.contract import EVENT_SCHEMA_ID as SCHEMA_ID
 
 from .conftest import gpufrac_config
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from jupyter_gpufrac.agent_link import AgentLink, AgentUnavailable
+from jupyter_gpufrac.server.agent_link import AgentLink, AgentUnavailable
 
 
 class EmbeddedAgentError(RuntimeError):

@@ -13,21 +13,22 @@ import psutil
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 
-from jupyter_gpufrac.agent_link import (
+from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.agent_link import (
     AgentError,
     AgentLink,
     AgentUnavailable,
     server_client_name,
     server_client_prefix,
 )
-from jupyter_gpufrac.directives import DirectiveListener
-from jupyter_gpufrac.embedded_agent import EmbeddedAgent
-from jupyter_gpufrac.handlers import handlers, own_leases
-from jupyter_gpufrac.kernel_checkpoint import read_restore_report, restore_summary
-from jupyter_gpufrac.kernel_events import SCHEMA_PATH, KernelEventLog
-from jupyter_gpufrac.kernel_settings import KernelSettings, agent_command, default_checkpoint_root
-from jupyter_gpufrac.launch import lease_gpus
-from jupyter_gpufrac.provisioner import GpuFracProvisioner, gpu_label
+from jupyter_gpufrac.server.checkpoint_request import read_restore_report, restore_summary
+from jupyter_gpufrac.server.directive_listener import DirectiveListener
+from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
+from jupyter_gpufrac.server.events import KernelEventLog
+from jupyter_gpufrac.server.handlers import handlers, own_leases
+from jupyter_gpufrac.server.launch import lease_gpus
+from jupyter_gpufrac.server.provisioner import GpuFracProvisioner, gpu_label
+from jupyter_gpufrac.server.settings import KernelSettings, agent_command, default_checkpoint_root
 from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
@@ -127,7 +128,7 @@ class GpuFrac(ExtensionApp):
     def _default_agent_socket(self) -> str:
         from node_agent.client import default_socket_path
 
-        return os.environ.get("GPUFRAC_AGENT_SOCKET") or default_socket_path()
+        return os.environ.get(contract.AGENT_SOCKET) or default_socket_path()
 
     @default("checkpoint_dir")
     def _default_checkpoint_dir(self) -> str:
@@ -206,7 +207,7 @@ class GpuFrac(ExtensionApp):
         self.checkpoint_dir = self.checkpoint_dir or self._default_checkpoint_dir()
         event_logger = getattr(self.serverapp, "event_logger", None)
         if event_logger is not None:
-            event_logger.register_event_schema(SCHEMA_PATH)
+            event_logger.register_event_schema(contract.EVENT_SCHEMA_PATH)
         self.events = KernelEventLog(event_logger, self.log)
         self.link = AgentLink(self.agent_socket)
         self.client_name = server_client_name()
@@ -425,7 +426,7 @@ class GpuFrac(ExtensionApp):
         label = gpu_label(provisioner.gpus, uuids[0] if uuids else None)
         self.log.info("kernel %s: a GPU share became free on %s", kernel_id, label)
         self._spawn(self.listener.restart_onto_lease(kernel_id, {
-            "cause": "placed",
+            "cause": contract.CAUSE_PLACED,
             "message": f"A GPU share became free on {label}: restarted there with its variables.",
             "from_gpu": None, "to_gpu": uuids[0] if uuids else None,
         }))
@@ -525,7 +526,7 @@ class GpuFrac(ExtensionApp):
                              else None, request=lease.get("request"), limit=lease.get("limit"))
             if outcome == "moved" and self.listener is not None:
                 self._spawn(self.listener.restart_onto_lease(kernel_id, {
-                    "cause": "placed", "message": text, "from_gpu": None,
+                    "cause": contract.CAUSE_PLACED, "message": text, "from_gpu": None,
                     "to_gpu": uuids[0] if uuids else None,
                 }))
 

@@ -10,9 +10,9 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
-from jupyter_gpufrac.agent_link import AgentError, AgentUnavailable
-from jupyter_gpufrac.kernel_status import kernel_model, node_model
-from jupyter_gpufrac.provisioner import GpuFracProvisioner
+from jupyter_gpufrac.server.agent_link import AgentError, AgentUnavailable
+from jupyter_gpufrac.server.provisioner import GpuFracProvisioner
+from jupyter_gpufrac.server.rest_models import kernel_model, node_model
 
 AUTH_RESOURCE = "gpufrac"
 

@@ -10,9 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jupyter_gpufrac.kernel_events import KernelEventLog
-
-LAST_REQUEST_FILE = "last-request.json"
+from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.events import KernelEventLog
 
 
 @dataclass
@@ -32,7 +31,7 @@ class KernelSettings:
 
     def last_request(self) -> dict[str, Any] | None:
         """The user's last ``%gpu request`` (request/limit specs), remembered across kernels."""
-        path = os.path.join(self.checkpoint_root, LAST_REQUEST_FILE)
+        path = os.path.join(self.checkpoint_root, contract.LAST_REQUEST_FILE)
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -43,7 +42,7 @@ class KernelSettings:
     def remember_request(self, request: str, limit: str | None) -> None:
         """Store a ``%gpu request`` so the user's next kernel asks for the same."""
         os.makedirs(self.checkpoint_root, mode=0o700, exist_ok=True)
-        path = os.path.join(self.checkpoint_root, LAST_REQUEST_FILE)
+        path = os.path.join(self.checkpoint_root, contract.LAST_REQUEST_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"request": request, "limit": limit}, f)
@@ -59,9 +58,9 @@ def default_checkpoint_root() -> str:
 
 def standalone_settings(log: logging.Logger) -> KernelSettings:
     """Settings for a provisioner used without the server extension (e.g. ``jupyter console``)."""
-    from jupyter_gpufrac.agent_link import default_socket_path
+    from jupyter_gpufrac.server.agent_link import default_socket_path
 
-    socket_path = os.environ.get("GPUFRAC_AGENT_SOCKET") or default_socket_path()
+    socket_path = os.environ.get(contract.AGENT_SOCKET) or default_socket_path()
     return KernelSettings(
         socket_path=socket_path,
         client_name=f"jupyter-client-{os.getpid()}",

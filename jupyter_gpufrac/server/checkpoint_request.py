@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 from node_agent.quantities import format_bytes
 
@@ -64,7 +65,7 @@ def read_restore_report(checkpoint_dir: str, pid: int | None) -> dict[str, Any] 
     try:
         # Read as the kernel reads its checkpoint: a report someone else could have written
         # (or swapped in) is not believed.
-        report = json.loads(store.read_file(Path(checkpoint_dir), store.RESTORE_FILE))
+        report = json.loads(store.read_file(Path(checkpoint_dir), contract.RESTORE_REPORT_FILE))
     except (OSError, ValueError, store.UnsafeCheckpointError):
         return None
     if not isinstance(report, dict) or (pid is not None and report.get("pid") != pid):

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import pathlib
 import time
 from collections.abc import Iterable
 from typing import Any
 
-SCHEMA_ID = "https://jupyter-gpufrac.github.io/events/kernel/v1"
-SCHEMA_PATH = pathlib.Path(__file__).parent / "events" / "kernel.yaml"
-EVENT_KINDS = (
-    "placed",
-    "bursting",
-    "shrink_requested",
-    "move_pending",
-    "migrating",
-    "migrated",
-    "oom_killed",
-    "restored",
-    "no_gpu",
-    "agent_unreachable",
-    "agent_reachable",
-)
+from jupyter_gpufrac.contract import EVENT_KINDS, EVENT_SCHEMA_ID
+
 KEEP_PER_KERNEL = 50
 
 _INT_FIELDS = ("gpu_index", "from_gpu_index", "to_gpu_index", "request", "limit", "usage")
@@ -73,7 +59,7 @@ class KernelEventLog:
         self._log.info("gpufrac event %s for kernel %s: %s", event, kernel_id, message)
         if self._event_logger is not None:
             try:
-                self._event_logger.emit(schema_id=SCHEMA_ID, data=data)
+                self._event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=data)
             except Exception:
                 self._log.exception("could not emit gpufrac event %s for kernel %s", event, kernel_id)
         return data

@@ -9,9 +9,9 @@ from typing import Any
 
 from jupyter_client.provisioning import LocalProvisioner
 
-from jupyter_gpufrac.agent_link import AgentError, AgentLink, AgentUnavailable
-from jupyter_gpufrac.kernel_settings import KernelSettings, standalone_settings
-from jupyter_gpufrac.launch import (
+from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
+from jupyter_gpufrac.server.launch import (
     build_kernel_env,
     is_ipykernel,
     kernel_arguments,
@@ -19,6 +19,7 @@ from jupyter_gpufrac.launch import (
     lease_gpus,
     resolve_share,
 )
+from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
 from node_agent.quantities import format_bytes, parse_quantity
 
 EXTENSION_NAME = "jupyter_gpufrac"
@@ -136,7 +137,7 @@ class GpuFracProvisioner(LocalProvisioner):
             return
         gpu = (self.lease or {}).get("physical_gpu")
         self._restart_reason = {
-            "cause": "died",
+            "cause": contract.CAUSE_DIED,
             "message": "its process was killed or crashed (not by jupyter-gpufrac)",
             "from_gpu": gpu, "to_gpu": gpu,
         }
@@ -172,10 +173,11 @@ class GpuFracProvisioner(LocalProvisioner):
             if lease is None:
                 lease = await self._create_lease(link, settings, kwargs.get("env") or {})
                 self.asked_share = (str(lease.get("request_spec")), lease.get("limit_spec"))
-            if (reason is None or reason.get("cause") == "died") and lease.get("state") == "killed":
+            died = reason is None or reason.get("cause") == contract.CAUSE_DIED
+            if died and lease.get("state") == "killed":
                 # The restarter got here before the server heard of the kill: restore anyway.
                 reason = {
-                    "cause": "oom_killed",
+                    "cause": contract.CAUSE_OOM_KILLED,
                     "message": lease.get("reason") or "The GPU agent stopped the kernel.",
                     "from_gpu": lease.get("physical_gpu"),
                     "to_gpu": lease.get("physical_gpu"),
@@ -365,7 +367,8 @@ class GpuFracProvisioner(LocalProvisioner):
             "usage": lease.get("usage"),
         }
         reason = self.last_launch_reason
-        if reason is not None and reason.get("cause") in ("migrated", "request_changed"):
+        moved = (contract.CAUSE_MIGRATED, contract.CAUSE_REQUEST_CHANGED)
+        if reason is not None and reason.get("cause") in moved:
             source, target = reason.get("from_gpu"), reason.get("to_gpu") or uuid
             settings.events.emit(
                 kernel_id, "migrated",

@@ -6,14 +6,14 @@ import datetime
 import time
 from typing import Any
 
-from jupyter_gpufrac.launch import lease_gpus
+from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.launch import lease_gpus
 
 NOT_OURS = (
     "This kernel was not started by the gpufrac provisioner; set "
     "c.KernelProvisionerFactory.default_provisioner_name = 'gpufrac-provisioner' "
     "or name it in the kernelspec's metadata.kernel_provisioner."
 )
-_LEASE_STATES = {"shrinking": "shrinking", "killed": "oom-killed"}
 
 
 def _activity_after(kernel: Any, when: float) -> bool:
@@ -51,11 +51,11 @@ def kernel_state(
         if step is not None and step["event"] == "move_pending" and step.get("deadline", 0) > now:
             return "move-pending", step["message"], float(step["deadline"])
         return "migrating", step["message"] if step else (lease.get("reason") or None), None
-    if state in _LEASE_STATES:
+    if state in contract.LEASE_STATE_SHOWN:
         wanted = {"shrinking": "shrink_requested", "killed": "oom_killed"}
         event = next((e for e in reversed(events) if e["event"] == wanted[state]), None)
         reason = event["message"] if event else (lease.get("reason") or None)
-        return _LEASE_STATES[state], reason, None
+        return contract.LEASE_STATE_SHOWN[state], reason, None
     # A bursting notice right after a restore must not hide what the restore lost.
     last = next((e for e in reversed(events) if e["event"] != "bursting"), None)
     if last is not None and last["event"] == "restored" and not _activity_after(kernel, last["time"]):

@@ -8,32 +8,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.caps import FRAMEWORK_CAPS, framework_caps
+from jupyter_gpufrac import contract
+from node_agent.caps import framework_caps
 from node_agent.quantities import QuantityError, parse_kai_gpu_memory, parse_quantity
 
-KERNEL_EXTENSION = "jupyter_gpufrac.kernel"
-EXT_ARGUMENT = f"--ext={KERNEL_EXTENSION}"
+EXT_ARGUMENT = f"--ext={contract.KERNEL_EXTENSION}"
 RUNAI_LIMIT_VARIABLE = "RUNAI_GPU_MEMORY_LIMIT"
 DEFAULT_REQUEST = "0.25"
-
-# Variables this launch owns: removed from the inherited environment first so that a value
-# from an earlier launch (a restore flag, an old GPU) never leaks into the next one.
-OWNED_VARIABLES = (
-    "GPUFRAC_LEASE_ID",
-    "GPUFRAC_KERNEL_ID",
-    "GPUFRAC_REQUEST",
-    "GPUFRAC_LIMIT",
-    "GPUFRAC_GPU_UUID",
-    "GPUFRAC_GPU_INDEX",
-    "GPUFRAC_GPU_NAME",
-    "GPUFRAC_GPU_TOTAL",
-    "GPUFRAC_CONTEXT",
-    "GPUFRAC_SIMULATED",
-    "GPUFRAC_CHECKPOINT_DIR",
-    "GPUFRAC_RESTORE",
-    "GPUFRAC_RESTART_REASON",
-    *FRAMEWORK_CAPS,
-)
 
 
 @dataclass(frozen=True)
@@ -213,38 +194,38 @@ def build_kernel_env(
     when the agent answered but gave no lease (the GPUs are leased to others) and leave it
     alone when no agent runs at all (then nothing on this node is managed).
     """
-    env = {key: value for key, value in base.items() if key not in OWNED_VARIABLES}
-    env["GPUFRAC_AGENT_SOCKET"] = socket_path
-    env["GPUFRAC_KERNEL_ID"] = kernel_id
-    env["GPUFRAC_CHECKPOINT_DIR"] = checkpoint_dir
+    env = {key: value for key, value in base.items() if key not in contract.LAUNCH_VARIABLES}
+    env[contract.AGENT_SOCKET] = socket_path
+    env[contract.KERNEL_ID] = kernel_id
+    env[contract.CHECKPOINT_DIR] = checkpoint_dir
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
     uuids = lease_gpus(lease)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
-    env["GPUFRAC_LEASE_ID"] = str(lease["id"])
-    env["GPUFRAC_REQUEST"] = str(int(lease["request"]))
-    env["GPUFRAC_LIMIT"] = str(int(lease["limit"]))
+    env[contract.LEASE_ID] = str(lease["id"])
+    env[contract.REQUEST] = str(int(lease["request"]))
+    env[contract.LIMIT] = str(int(lease["limit"]))
     if uuids:
         gpu = gpus.get(uuids[0], {})
-        env["GPUFRAC_GPU_UUID"] = uuids[0]
+        env[contract.GPU_UUID] = uuids[0]
         if gpu.get("index") is not None:
-            env["GPUFRAC_GPU_INDEX"] = str(int(gpu["index"]))
+            env[contract.GPU_INDEX] = str(int(gpu["index"]))
         if gpu.get("name"):
-            env["GPUFRAC_GPU_NAME"] = str(gpu["name"])
+            env[contract.GPU_NAME] = str(gpu["name"])
         if gpu.get("memory_total") is not None:
-            env["GPUFRAC_GPU_TOTAL"] = str(int(gpu["memory_total"]))
+            env[contract.GPU_TOTAL] = str(int(gpu["memory_total"]))
         if gpu.get("context_size"):
-            env["GPUFRAC_CONTEXT"] = str(int(gpu["context_size"]))
+            env[contract.CONTEXT] = str(int(gpu["context_size"]))
         env.update(framework_caps(int(lease["limit"]), int(gpu.get("context_size") or 0),
                                   gpu.get("memory_total"), len(uuids),
                                   lease.get("compute_limit")))
     if simulated:
-        env["GPUFRAC_SIMULATED"] = "1"
+        env[contract.SIMULATED] = "1"
     if restart_reason is not None:
-        env["GPUFRAC_RESTORE"] = "1"
-        env["GPUFRAC_RESTART_REASON"] = json.dumps(dict(restart_reason), sort_keys=True)
+        env[contract.RESTORE] = "1"
+        env[contract.RESTART_REASON] = json.dumps(dict(restart_reason), sort_keys=True)
     return env
 
 

@@ -8,10 +8,11 @@ import time
 from datetime import datetime
 from typing import Any
 
-from jupyter_gpufrac.agent_link import AgentError, AgentLink, AgentUnavailable
-from jupyter_gpufrac.kernel_checkpoint import checkpoint, wait_until_idle
-from jupyter_gpufrac.kernel_events import KernelEventLog
-from jupyter_gpufrac.provisioner import GpuFracProvisioner, gpu_label
+from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
+from jupyter_gpufrac.server.checkpoint_request import checkpoint, wait_until_idle
+from jupyter_gpufrac.server.events import KernelEventLog
+from jupyter_gpufrac.server.provisioner import GpuFracProvisioner, gpu_label
 from node_agent.quantities import format_bytes
 
 LONG_POLL_S = 25.0
@@ -24,7 +25,9 @@ INTERRUPT_WAIT_S = 5.0
 
 def restart_cause(directive: dict[str, Any]) -> str:
     """``request_changed`` for a move the user's new request caused, else ``migrated``."""
-    return "request_changed" if directive.get("cause") == "request_changed" else "migrated"
+    if directive.get("cause") == contract.CAUSE_REQUEST_CHANGED:
+        return contract.CAUSE_REQUEST_CHANGED
+    return contract.CAUSE_MIGRATED
 
 
 def sentence(text: str) -> str:
@@ -308,7 +311,7 @@ class DirectiveListener:
         already_back = provisioner.last_launch_started >= killed_at
         if not already_back:
             provisioner.request_restore({
-                "cause": "migrated" if moved else "oom_killed",
+                "cause": contract.CAUSE_MIGRATED if moved else contract.CAUSE_OOM_KILLED,
                 "message": message,
                 "from_gpu": (provisioner.lease or {}).get("physical_gpu") if moved else gpu,
                 "to_gpu": gpu,

@@ -1,0 +1,1 @@
+"""The Jupyter server side: extension app, provisioner, handlers, events and directive listener."""
