@@ -35,8 +35,11 @@ LAUNCH_VARIABLES = (
 # The IPython extension the kernel loads.
 KERNEL_EXTENSION = "jupyter_gpufrac.kernel"
 
-# In a kernel's checkpoint folder: what the last restore brought back (kernel writes, server reads).
-RESTORE_REPORT_FILE = "restore-report.json"
+# The server asks a kernel over a comm of this target; the kernel answers once and closes it.
+COMM_TARGET = "jupyter_gpufrac"
+ASK_CHECKPOINT = "checkpoint"  # answer: {"ok": true, "checkpoint": {...}} or {"ok": false, "error"}
+ASK_RESTORE_REPORT = "restore-report"  # answer: {"ok": true, "report": {...} or null}
+ASKS = (ASK_CHECKPOINT, ASK_RESTORE_REPORT)
 # In the server's data folder: the user's last `%gpu request`, the share of their next kernel.
 LAST_REQUEST_FILE = "last-request.json"
 

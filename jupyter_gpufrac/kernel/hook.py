@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import env as kenv
 from jupyter_gpufrac.kernel import (
     frameworks,
@@ -23,6 +22,7 @@ from jupyter_gpufrac.kernel import (
     namespace,
     offload,
     rng,
+    server_channel,
     store,
     torch_adapter,
 )
@@ -86,6 +86,7 @@ class GpuFracHook:
 
     def start(self) -> None:
         """Register callbacks, cap torch, restore if asked, start following the agent."""
+        server_channel.register(self)
         self.ip.events.register("pre_execute", self.pre_execute)
         self.ip.events.register("pre_run_cell", self.pre_run_cell)
         self.ip.events.register("post_run_cell", self.post_run_cell)
@@ -133,6 +134,7 @@ class GpuFracHook:
             self.ip.set_custom_exc((), None)
         if self.watcher is not None:
             self.watcher.stop()
+        server_channel.unregister()
 
     # -- torch -------------------------------------------------------------------------------
 
@@ -344,7 +346,7 @@ class GpuFracHook:
         )
 
     def restore(self, reason: kenv.RestartReason | None, *, at_start: bool) -> dict[str, Any]:
-        """Restore the last good checkpoint into the namespace; returns and writes the report.
+        """Restore the last good checkpoint into the namespace; returns the report.
 
         ``ok`` in the report is true only when every variable came back and no cell was cut
         off: the server and the widget claim success on nothing less.
@@ -409,12 +411,7 @@ class GpuFracHook:
                             if cpu_fallback else "this kernel has no CUDA device"),
             )
         report["message"] = text
-        self.restore_report = report
-        try:
-            store.write_file(self.env.checkpoint_dir, contract.RESTORE_REPORT_FILE,
-                             json.dumps(report, sort_keys=True).encode())
-        except (OSError, store.UnsafeCheckpointError):
-            log.warning("gpufrac: could not write the restore report", exc_info=True)
+        self.restore_report = report  # the server asks for it (server_channel)
         return report
 
     def _room(self) -> int | None:

@@ -21,11 +21,11 @@ from jupyter_gpufrac.server.agent_link import (
     server_client_name,
     server_client_prefix,
 )
-from jupyter_gpufrac.server.checkpoint_request import read_restore_report, restore_summary
 from jupyter_gpufrac.server.directive_listener import DirectiveListener
 from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.handlers import handlers, own_leases
+from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
 from jupyter_gpufrac.server.launch import lease_gpus
 from jupyter_gpufrac.server.provisioner import GpuFracProvisioner, gpu_label
 from jupyter_gpufrac.server.settings import KernelSettings, agent_command, default_checkpoint_root
@@ -348,19 +348,11 @@ class GpuFrac(ExtensionApp):
         reason = info.get("reason")
         self._bursting.pop(kernel_id, None)
         if reason is not None:
-            self._spawn(self._follow_restore(kernel_id, reason, info.get("pid")))
+            self._spawn(self._follow_restore(kernel_id, reason))
 
-    async def _follow_restore(
-        self, kernel_id: str, reason: dict[str, Any], pid: int | None
-    ) -> None:
-        directory = os.path.join(self.checkpoint_dir, kernel_id)
-        deadline = time.monotonic() + RESTORE_REPORT_WAIT_S
-        report = None
-        while time.monotonic() < deadline:
-            report = await asyncio.to_thread(read_restore_report, directory, pid)
-            if report is not None:
-                break
-            await asyncio.sleep(0.2)
+    async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
+        kernel = self.serverapp.kernel_manager.get_kernel(kernel_id) if self.serverapp else None
+        report = None if kernel is None else await restore_report(kernel, RESTORE_REPORT_WAIT_S)
         provisioner = self._provisioners().get(kernel_id)
         if provisioner is not None and report is not None:
             await provisioner.restored()

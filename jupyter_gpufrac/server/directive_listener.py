@@ -10,8 +10,8 @@ from typing import Any
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
-from jupyter_gpufrac.server.checkpoint_request import checkpoint, wait_until_idle
 from jupyter_gpufrac.server.events import KernelEventLog
+from jupyter_gpufrac.server.kernel_channel import checkpoint, wait_until_idle
 from jupyter_gpufrac.server.provisioner import GpuFracProvisioner, gpu_label
 from node_agent.quantities import format_bytes
 

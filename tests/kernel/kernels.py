@@ -78,6 +78,20 @@ class Kernel:
             out.error = reply["content"]
         return out
 
+    def ask(self, question: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Ask the kernel over the server's comm (kernel_channel's messages, a blocking client)."""
+        from jupyter_gpufrac.server.kernel_channel import answer_in, ask_message
+
+        comm_id, msg = ask_message(self.client.session, question)
+        self.client.shell_channel.send(msg)
+        while True:
+            try:
+                found = answer_in(self.client.get_iopub_msg(timeout=timeout), comm_id)
+            except Empty as exc:
+                raise TimeoutError(f"no answer to {question!r} within {timeout} s") from exc
+            if found is not None:
+                return found
+
     def value(self, expression: str) -> Any:
         """Evaluate ``expression`` in the kernel and return ``repr`` evaluated here."""
         import ast

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import pickle
 import select
@@ -19,7 +18,6 @@ import pytest
 import torch
 from unix_users import ATTACKER, VICTIM, User, as_user, collect, spawn, user
 
-from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
 
@@ -271,24 +269,3 @@ def test_planted_files_are_refused_before_a_byte_is_read(
     state_tampered = tamper.__name__.startswith("tamper_state")
     assert (seen["header"] is None) == state_tampered, seen["header"]
 
-
-def test_the_server_believes_only_a_restore_report_the_kernel_could_have_written(
-    tmp_path: Path,
-) -> None:
-    """The report tells the notebook what came back: a linked or writable-by-others one lies."""
-    from jupyter_gpufrac.server.checkpoint_request import read_restore_report
-
-    ckdir = store.ensure_private_dir(tmp_path / "ck")
-    report = ckdir / contract.RESTORE_REPORT_FILE
-    store.write_file(ckdir, contract.RESTORE_REPORT_FILE, json.dumps({"pid": 7, "restored": ["x"]}).encode())
-    assert read_restore_report(str(ckdir), 7) == {"pid": 7, "restored": ["x"]}
-    assert read_restore_report(str(ckdir), 8) is None  # an earlier process's report
-    forged = tmp_path / "forged.json"
-    forged.write_text(json.dumps({"pid": 7, "restored": ["everything"]}))
-    report.unlink()
-    report.symlink_to(forged)
-    assert read_restore_report(str(ckdir), 7) is None
-    report.unlink()
-    report.write_text(json.dumps({"pid": 7, "restored": ["everything"]}))
-    report.chmod(0o666)
-    assert read_restore_report(str(ckdir), 7) is None

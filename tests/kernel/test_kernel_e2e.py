@@ -158,8 +158,10 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
                         "print(torch.equal(model.fc.weight, weights_before))")
         assert stepped.stdout.strip() == "False"  # the optimizer drives the restored model
         assert "last restore:" in k.run("%gpu").stdout
+        answer = k.ask(contract.ASK_RESTORE_REPORT)
 
-    report = json.loads((ckdir / contract.RESTORE_REPORT_FILE).read_text())
+    assert answer["ok"] is True
+    report = answer["report"]
     # One variable could not be saved: the report does not call the restore a success.
     assert report["ok"] is False and report["error"] is None and report["cause"] == "migrated"
     assert {"model", "opt", "torch", "late", "later"} <= set(report["restored"])
@@ -175,9 +177,25 @@ def test_restore_without_a_checkpoint_says_so(tmp_path: Path) -> None:
         first = k.run("1 + 1")
         assert "stopped by the GPU memory reclaimer" in first.stdout
         assert "No variables were restored: there is no checkpoint" in first.stdout
-    report = json.loads((tmp_path / "ck" / contract.RESTORE_REPORT_FILE).read_text())
+        report = k.ask(contract.ASK_RESTORE_REPORT)["report"]
     assert not report["ok"] and report["cause"] == "oom_killed"
     assert "there is no checkpoint" in report["error"]
+
+
+def test_the_kernel_answers_the_servers_questions_once_each(tmp_path: Path) -> None:
+    """Checkpoint and restore report over the comm; a question it does not know names the rest."""
+    ckdir = tmp_path / "ck"
+    with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(ckdir)}) as k:
+        k.run("x = 41")
+        answer = k.ask(contract.ASK_CHECKPOINT)
+        assert answer["ok"] is True and answer["checkpoint"]["names"] == ["x"], answer
+        assert k.ask(contract.ASK_RESTORE_REPORT) == {"ok": True, "report": None}
+        wrong = k.ask("reboot")
+        assert wrong["ok"] is False and "checkpoint, restore-report" in wrong["error"]
+        # A question is not a cell: no execution count, no history.
+        assert k.value("len(In)") == 3 and k.value("x") == 41  # "", "x = 41", this one
+    header = Checkpointer(ckdir).read_header()  # what the ask saved is the last good state
+    assert header is not None and "x" in json.dumps(header)
 
 
 OWNER = """

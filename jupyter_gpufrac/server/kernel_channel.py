@@ -1,18 +1,15 @@
-"""Checkpointing a running kernel from the server: wait for idle, run ``%gpu checkpoint`` silently."""
+"""The server's questions to a kernel, over a comm: checkpoint now, what did the restore bring back."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import queue
 import time
-from pathlib import Path
+import uuid
 from typing import Any
 
 from jupyter_gpufrac import contract
-from jupyter_gpufrac.kernel import store
 from node_agent.quantities import format_bytes
-
-CHECKPOINT_CODE = "%gpu checkpoint --quiet"
 
 
 async def wait_until_idle(kernel: Any, deadline: float) -> bool:
@@ -30,21 +27,73 @@ async def wait_until_idle(kernel: Any, deadline: float) -> bool:
         await asyncio.sleep(0.1)
 
 
-async def execute_silently(kernel: Any, code: str, timeout: float) -> dict[str, Any]:
-    """Run ``code`` without history or output on the kernel's shell; return the reply content."""
-    client = kernel.client()
-    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-    try:
-        msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
-        deadline = time.monotonic() + timeout
+class ChannelError(Exception):
+    """The kernel did not answer an ask: gone, busy past the deadline, or without the extension."""
+
+
+def ask_message(session: Any, ask: str) -> tuple[str, dict[str, Any]]:
+    """``(comm id, comm_open message)`` asking the kernel ``ask``: one of contract.ASKS."""
+    comm_id = uuid.uuid4().hex
+    content = {"comm_id": comm_id, "target_name": contract.COMM_TARGET, "data": {"ask": ask}}
+    return comm_id, session.msg("comm_open", content)
+
+
+def answer_in(msg: dict[str, Any], comm_id: str) -> dict[str, Any] | None:
+    """The kernel's answer if ``msg`` (IOPub) carries it; ChannelError if it closed unanswered."""
+    content = msg.get("content") or {}
+    if content.get("comm_id") != comm_id:
+        return None
+    if msg.get("msg_type") == "comm_msg" and isinstance(content.get("data"), dict):
+        answer: dict[str, Any] = content["data"]
+        return answer
+    if msg.get("msg_type") == "comm_close":
+        raise ChannelError("the kernel closed the question unanswered: it does not run the "
+                           "jupyter_gpufrac.kernel extension")
+    return None
+
+
+async def _subscribed(client: Any, deadline: float) -> None:
+    """Return once this client's IOPub receives the kernel's messages (a new subscriber
+    misses what is published before its subscription is in place).
+
+    The probe is a comm_info request, not kernel_info (jupyter_client's wait_for_ready):
+    IPython picks a random tip for the kernel_info banner from the notebook's own
+    ``random`` generator, and a question must not change the draws of the notebook.
+    """
+    while True:
+        msg_id = client.comm_info(target_name=contract.COMM_TARGET)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"no reply to {code!r} within {timeout:g} s")
-            reply = await client.get_shell_msg(timeout=remaining)
-            if reply.get("parent_header", {}).get("msg_id") == msg_id:
-                content: dict[str, Any] = reply["content"]
-                return content
+                raise ChannelError("the kernel did not answer in time: it may be gone or busy")
+            try:
+                msg = await client.get_iopub_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                break  # published before we subscribed: ask again
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                return
+
+
+async def ask(kernel: Any, question: str, timeout: float) -> dict[str, Any]:
+    """Ask the kernel over a comm and return its answer; ChannelError past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    client = kernel.client()
+    client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+    try:
+        await _subscribed(client, deadline)
+        comm_id, msg = ask_message(client.session, question)
+        client.shell_channel.send(msg)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ChannelError(f"no answer to {question!r} within {timeout:g} s")
+            try:
+                reply = await client.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                continue
+            found = answer_in(reply, comm_id)
+            if found is not None:
+                return found
     finally:
         client.stop_channels()
 
@@ -52,25 +101,22 @@ async def execute_silently(kernel: Any, code: str, timeout: float) -> dict[str, 
 async def checkpoint(kernel: Any, timeout: float) -> tuple[bool, str]:
     """Checkpoint the kernel now; returns whether it worked and, if not, why."""
     try:
-        content = await execute_silently(kernel, CHECKPOINT_CODE, timeout)
-    except Exception as err:  # a checkpoint that fails must not stop the move
-        return False, f"{type(err).__name__}: {err}"
-    if content.get("status") == "ok":
+        answer = await ask(kernel, contract.ASK_CHECKPOINT, timeout)
+    except ChannelError as err:  # a checkpoint that fails must not stop the move
+        return False, str(err)
+    if answer.get("ok") is True:
         return True, ""
-    return False, f"{content.get('ename', 'error')}: {content.get('evalue', '')}".strip()
+    return False, str(answer.get("error") or "the kernel gave no reason")
 
 
-def read_restore_report(checkpoint_dir: str, pid: int | None) -> dict[str, Any] | None:
-    """The restore report of the kernel process ``pid``; an earlier process's is not its."""
+async def restore_report(kernel: Any, timeout: float) -> dict[str, Any] | None:
+    """What the kernel's last restore brought back (None: it did not say)."""
     try:
-        # Read as the kernel reads its checkpoint: a report someone else could have written
-        # (or swapped in) is not believed.
-        report = json.loads(store.read_file(Path(checkpoint_dir), contract.RESTORE_REPORT_FILE))
-    except (OSError, ValueError, store.UnsafeCheckpointError):
+        answer = await ask(kernel, contract.ASK_RESTORE_REPORT, timeout)
+    except ChannelError:
         return None
-    if not isinstance(report, dict) or (pid is not None and report.get("pid") != pid):
-        return None
-    return report
+    report = answer.get("report")
+    return report if isinstance(report, dict) else None
 
 
 def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str, Any]:
