@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 
 KiB = 1024
@@ -33,10 +33,15 @@ class QuantityError(ValueError):
 
 @dataclass(frozen=True)
 class Quantity:
-    """Either a fraction of one GPU or a number of bytes (exactly one is set)."""
+    """Either a fraction of one GPU or a number of bytes (exactly one is set).
+
+    ``spec`` keeps the text it was parsed from, which is what goes on the wire and into
+    the ledger (``4.0 GiB`` for ``4300M`` would not say what the user asked for).
+    """
 
     fraction: float | None = None
     nbytes: int | None = None
+    spec: str = field(default="", compare=False)
 
     def bytes_of(self, total: int) -> int:
         """Bytes this quantity means on a GPU with ``total`` bytes."""
@@ -75,14 +80,14 @@ def parse_quantity(value: object, field: str) -> Quantity:
         if math.isinf(number) or number <= 0:
             raise QuantityError(field, f"expected {_EXPECTED}, got {text!r}")
         if number <= 1:
-            return Quantity(fraction=number)
+            return Quantity(fraction=number, spec=text)
         if number != int(number):
             raise QuantityError(
                 field, f"a fraction must be at most 1 and bytes a whole number, got {text!r}"
             )
         if number > _MAX_BYTES:
             raise QuantityError(field, f"must be at most 1 PiB, got {text!r}")
-        return Quantity(nbytes=int(text) if text.isdigit() else int(number))
+        return Quantity(nbytes=int(text) if text.isdigit() else int(number), spec=text)
     match = _SIZE.match(text)
     if not match:
         raise QuantityError(field, f"expected {_EXPECTED}, got {text!r}")
@@ -90,7 +95,7 @@ def parse_quantity(value: object, field: str) -> Quantity:
     nbytes = int(Decimal(match.group(1)) * _UNITS[match.group(2) or ""])
     if not 0 < nbytes <= _MAX_BYTES:
         raise QuantityError(field, f"must be more than 0 bytes and at most 1 PiB, got {text!r}")
-    return Quantity(nbytes=nbytes)
+    return Quantity(nbytes=nbytes, spec=text)
 
 
 def parse_kai_gpu_memory(value: object, field: str = "gpu-memory") -> Quantity:
@@ -98,7 +103,8 @@ def parse_kai_gpu_memory(value: object, field: str = "gpu-memory") -> Quantity:
     text = str(value).strip()
     if not text.isdigit() or int(text) <= 0:
         raise QuantityError(field, f"expected a whole number of MiB above 0, got {value!r}")
-    return Quantity(nbytes=int(text) * MiB)
+    # In our units it is bytes: "4096" MiB would read as 4096 bytes on the wire.
+    return Quantity(nbytes=int(text) * MiB, spec=str(int(text) * MiB))
 
 
 def check_share(request: Quantity, limit: Quantity, total: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from jupyter_gpufrac import contract
 from node_agent.caps import framework_caps
-from node_agent.quantities import QuantityError, parse_kai_gpu_memory, parse_quantity
+from node_agent.quantities import Quantity, QuantityError, parse_kai_gpu_memory, parse_quantity
 
 EXT_ARGUMENT = f"--ext={contract.KERNEL_EXTENSION}"
 RUNAI_LIMIT_VARIABLE = "RUNAI_GPU_MEMORY_LIMIT"
@@ -19,19 +19,23 @@ DEFAULT_REQUEST = "0.25"
 
 @dataclass(frozen=True)
 class ShareSpec:
-    """The request and limit a new lease asks for, and where each came from (for logs)."""
+    """The request and limit a new lease asks for, parsed, and where each came from (for logs)."""
 
-    request: str
-    limit: str | None
+    request: Quantity
+    limit: Quantity | None
     request_source: str
     limit_source: str | None
     # A share of the GPU's compute, from the kernelspec only (fractions; None: not asked).
-    compute_request: str | None = None
-    compute_limit: str | None = None
+    compute_request: Quantity | None = None
+    compute_limit: Quantity | None = None
 
-
-def _spec_text(value: object) -> str:
-    return value if isinstance(value, str) else repr(value)
+    def effective_limit(self, smallest_gpu: int | None) -> Quantity | None:
+        """The limit to ask for. A default limit from elsewhere (c.GpuFrac, RUNAI) below a
+        request whose own source named no limit would be refused: then none (the request)."""
+        limit = self.limit
+        if limit is None or self.limit_source == self.request_source or smallest_gpu is None:
+            return limit
+        return None if limit.bytes_of(smallest_gpu) < self.request.bytes_of(smallest_gpu) else limit
 
 
 # Run:ai's and KAI's names for a share, each family on its own: a fraction with an optional
@@ -42,14 +46,14 @@ MEMORY = ("gpu-memory", "gpu-memory-limit")
 COMPUTE = (("compute_request", "compute_limit"), ("gpu-compute-request", "gpu-compute-limit"))
 
 
-def _fraction(value: object, field: str) -> str:
+def _fraction(value: object, field: str) -> Quantity:
     quantity = parse_quantity(value, field)
     if quantity.fraction is None:
         raise QuantityError(field, f"expected a fraction 0 < f <= 1 of one GPU, got {value!r}")
-    return _spec_text(value)
+    return quantity
 
 
-def kernelspec_compute(gpufrac: Mapping[str, Any]) -> tuple[str | None, str | None]:
+def kernelspec_compute(gpufrac: Mapping[str, Any]) -> tuple[Quantity | None, Quantity | None]:
     """(compute request, compute limit) from ``metadata.gpufrac``, ours or Run:ai's names."""
     given = [family for family in COMPUTE if set(family) & set(gpufrac)]
     if len(given) > 1:
@@ -67,7 +71,7 @@ def kernelspec_compute(gpufrac: Mapping[str, Any]) -> tuple[str | None, str | No
 
 
 def kernelspec_share(gpufrac: Mapping[str, Any], environ: Mapping[str, str]
-                     ) -> tuple[object, object]:
+                     ) -> tuple[Quantity | None, Quantity | None]:
     """(request, limit) from ``metadata.gpufrac`` in our names or Run:ai's; the families
     cannot be mixed, and a limit said twice (also by RUNAI_GPU_MEMORY_LIMIT) is refused."""
     given = [family for family in (OURS, FRACTION, MEMORY) if set(family) & set(gpufrac)]
@@ -75,7 +79,8 @@ def kernelspec_share(gpufrac: Mapping[str, Any], environ: Mapping[str, str]
         names = " and ".join("/".join(family) for family in given)
         raise QuantityError("metadata.gpufrac", f"{names} may not be mixed: use one family")
     if not given or given[0] == OURS:
-        return gpufrac.get("request"), gpufrac.get("limit")
+        return (_optional(gpufrac.get("request"), "metadata.gpufrac.request"),
+                _optional(gpufrac.get("limit"), "metadata.gpufrac.limit"))
     request_name, limit_name = given[0]
     field = f"metadata.gpufrac.{request_name}"
     if request_name not in gpufrac:
@@ -88,11 +93,9 @@ def kernelspec_share(gpufrac: Mapping[str, Any], environ: Mapping[str, str]
         limit = gpufrac.get(limit_name)
         return (_fraction(gpufrac[request_name], field),
                 None if limit is None else _fraction(limit, f"metadata.gpufrac.{limit_name}"))
-    request = str(parse_kai_gpu_memory(gpufrac[request_name], field).nbytes)
     limit = gpufrac.get(limit_name)
-    if limit is not None:
-        limit = str(parse_kai_gpu_memory(limit, f"metadata.gpufrac.{limit_name}").nbytes)
-    return request, limit
+    return (parse_kai_gpu_memory(gpufrac[request_name], field),
+            None if limit is None else parse_kai_gpu_memory(limit, f"metadata.gpufrac.{limit_name}"))
 
 
 def resolve_share(
@@ -114,39 +117,35 @@ def resolve_share(
     spec_request, spec_limit = kernelspec_share(gpufrac, environ)
     compute = kernelspec_compute(gpufrac)
     last = last_request or {}
-    runai_limit = environ.get(RUNAI_LIMIT_VARIABLE) or None
-    if runai_limit is not None:
-        parse_quantity(runai_limit, RUNAI_LIMIT_VARIABLE)
-    # (source, request, limit, the field names an error should show), first wins
-    sources: list[tuple[str, object, object, str, str]] = [
-        ("kernelspec", spec_request, spec_limit,
-         "metadata.gpufrac.request", "metadata.gpufrac.limit"),
-        ("last %gpu request", last.get("request"), last.get("limit"),
-         "%gpu request", "%gpu request --limit"),
-        ("c.GpuFrac", default_request or DEFAULT_REQUEST, default_limit or None,
-         "c.GpuFrac.default_request", "c.GpuFrac.default_limit"),
+    runai_limit = _optional(environ.get(RUNAI_LIMIT_VARIABLE) or None, RUNAI_LIMIT_VARIABLE)
+    # (source, request, limit), first wins; each parsed here so that a typo names its field.
+    sources: list[tuple[str, Quantity | None, Quantity | None]] = [
+        ("kernelspec", spec_request, spec_limit),
+        ("last %gpu request", _optional(last.get("request"), "%gpu request"),
+         _optional(last.get("limit"), "%gpu request --limit")),
+        ("c.GpuFrac", parse_quantity(default_request or DEFAULT_REQUEST, "c.GpuFrac.default_request"),
+         _optional(default_limit or None, "c.GpuFrac.default_limit")),
     ]
-    for _, request, limit, request_field, limit_field in sources:
-        if request is not None:
-            parse_quantity(request, request_field)
-        if limit is not None:
-            parse_quantity(limit, limit_field)
     # The last source always has a request, so this finds one.
     at = next(i for i, source in enumerate(sources) if source[1] is not None)
     request_source, request = sources[at][0], sources[at][1]
+    assert request is not None
     # The limit: the request's own source, then the platform's RUNAI_GPU_MEMORY_LIMIT, then
     # later sources -- never an earlier one (a kernelspec asking for 0.5 must not inherit a
     # smaller limit from another notebook's last request). The platform's limit beats the
     # config default.
     own = (request_source, sources[at][2])
     runai = (RUNAI_LIMIT_VARIABLE, runai_limit)
-    later = [(name, limit) for name, _, limit, _, _ in sources[at + 1 :]]
+    later = [(name, limit) for name, _, limit in sources[at + 1 :]]
     limits = [runai, own] if request_source == "c.GpuFrac" else [own, runai, *later]
     for limit_source, limit in limits:
         if limit is not None:
-            return ShareSpec(_spec_text(request), _spec_text(limit), request_source, limit_source,
-                             *compute)
-    return ShareSpec(_spec_text(request), None, request_source, None, *compute)
+            return ShareSpec(request, limit, request_source, limit_source, *compute)
+    return ShareSpec(request, None, request_source, None, *compute)
+
+
+def _optional(value: object, field: str) -> Quantity | None:
+    return None if value is None else parse_quantity(value, field)
 
 
 def lease_gpus(lease: Mapping[str, Any]) -> list[str]:

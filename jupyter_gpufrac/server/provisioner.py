@@ -20,7 +20,7 @@ from jupyter_gpufrac.server.launch import (
     resolve_share,
 )
 from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
-from node_agent.quantities import format_bytes, parse_quantity
+from node_agent.quantities import Quantity, format_bytes
 
 EXTENSION_NAME = "jupyter_gpufrac"
 
@@ -244,28 +244,25 @@ class GpuFracProvisioner(LocalProvisioner):
             metadata, settings.last_request(), os.environ, settings.default_request,
             settings.default_limit,
         )
-        limit = share.limit
         totals = [int(gpu["memory_total"]) for gpu in self.gpus.values() if gpu.get("memory_total")]
-        if limit is not None and share.limit_source != share.request_source and totals:
-            # A default limit from elsewhere (c.GpuFrac "1", RUNAI) below an explicit request
-            # would be refused; the request's own source said nothing of a limit: use the request.
-            total = min(totals)
-            if parse_quantity(limit, "limit").bytes_of(total) < parse_quantity(
-                share.request, "request"
-            ).bytes_of(total):
-                limit = None
+        limit = share.effective_limit(min(totals) if totals else None)
         self.log.info(
             "kernel %s: asking for request %s (%s), limit %s (%s)", self.kernel_id,
-            share.request, share.request_source, limit, share.limit_source,
+            share.request.spec, share.request_source, limit.spec if limit else None,
+            share.limit_source,
         )
+
+        def wire(quantity: Quantity | None) -> str | None:
+            return None if quantity is None else quantity.spec
+
         return await link.create_notebook_lease(
-            request=share.request,
-            limit=limit,
+            request=share.request.spec,
+            limit=wire(limit),
             client=settings.client_name,
             kernel_id=str(self.kernel_id),
             name=env.get("JPY_SESSION_NAME", ""),
-            compute_request=share.compute_request,
-            compute_limit=share.compute_limit,
+            compute_request=wire(share.compute_request),
+            compute_limit=wire(share.compute_limit),
         )
 
     async def acquire_lease(self) -> dict[str, Any] | None:

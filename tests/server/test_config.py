@@ -14,7 +14,7 @@ from jupyter_gpufrac.server.app import GpuFrac
 from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.server.launch import resolve_share
 from node_agent.client import AgentClient, AgentError
-from node_agent.quantities import QuantityError
+from node_agent.quantities import Quantity, QuantityError
 
 
 def make_app(**traits: object) -> GpuFrac:
@@ -76,30 +76,47 @@ def test_every_trait_has_help_and_is_configurable() -> None:
 # -- where a new kernel's request and limit come from -------------------------------------
 
 
+def spec(quantity: Quantity | None) -> str | None:
+    """What goes on the wire: the text the quantity was given as."""
+    return None if quantity is None else quantity.spec
+
+
 def test_kernelspec_wins_and_keeps_its_own_limit() -> None:
     share = resolve_share(
         {"gpufrac": {"request": 0.5, "limit": "12Gi"}}, {"request": "0.1", "limit": "0.2"},
         {"RUNAI_GPU_MEMORY_LIMIT": "0.9"}, "0.25", "1",
     )
-    assert (share.request, share.limit, share.request_source) == ("0.5", "12Gi", "kernelspec")
+    assert (spec(share.request), spec(share.limit), share.request_source) == ("0.5", "12Gi", "kernelspec")
 
 
 def test_last_gpu_request_beats_config() -> None:
     share = resolve_share({}, {"request": "2Gi", "limit": None}, {}, "0.25", "1")
-    assert (share.request, share.limit) == ("2Gi", "1")
+    assert (spec(share.request), spec(share.limit)) == ("2Gi", "1")
     assert (share.request_source, share.limit_source) == ("last %gpu request", "c.GpuFrac")
 
 
 def test_runai_limit_is_a_limit_and_beats_config() -> None:
     share = resolve_share(None, None, {"RUNAI_GPU_MEMORY_LIMIT": "2500M"}, "0.25", "1")
-    assert (share.request, share.limit, share.limit_source) == ("0.25", "2500M", "RUNAI_GPU_MEMORY_LIMIT")
+    assert (spec(share.request), spec(share.limit)) == ("0.25", "2500M")
+    assert share.limit_source == "RUNAI_GPU_MEMORY_LIMIT"
 
 
 def test_limit_never_comes_from_an_earlier_source() -> None:
     share = resolve_share({"gpufrac": {"limit": "0.3"}}, None, {}, "0.25", "")
     # The kernelspec gave only a limit: the request comes from config, the limit is not the
     # kernelspec's (a source before the request's own) -- empty config limit means request.
-    assert (share.request, share.limit) == ("0.25", None)
+    assert (spec(share.request), share.limit) == ("0.25", None)
+
+
+def test_a_default_limit_below_an_explicit_request_gives_way_to_the_request() -> None:
+    gpu = 16 * 2**30
+    asked = resolve_share({"gpufrac": {"request": "0.5"}}, None, {}, "0.25", "4Gi")
+    assert asked.limit_source == "c.GpuFrac" and asked.effective_limit(gpu) is None
+    assert spec(asked.effective_limit(None)) == "4Gi"  # no GPU known: the agent decides
+    room = resolve_share({"gpufrac": {"request": "0.1"}}, None, {}, "0.25", "4Gi")
+    assert spec(room.effective_limit(gpu)) == "4Gi"
+    own = resolve_share({"gpufrac": {"request": "0.5", "limit": "4Gi"}}, None, {}, "0.25", "1")
+    assert spec(own.effective_limit(gpu)) == "4Gi"  # the request's own source: the agent refuses
 
 
 @pytest.mark.parametrize(
@@ -120,15 +137,15 @@ def test_bad_share_names_its_source(metadata: dict[str, object], environ: dict[s
 def test_runai_and_kai_names_in_the_kernelspec() -> None:
     fraction = resolve_share({"gpufrac": {"gpu-fraction": 0.5, "gpu-fraction-limit": "0.75"}},
                              None, {}, "0.25", "1")
-    assert (fraction.request, fraction.limit, fraction.request_source) == (
+    assert (spec(fraction.request), spec(fraction.limit), fraction.request_source) == (
         "0.5", "0.75", "kernelspec")
     # KAI's gpu-memory is whole MiB; its limit can come from the platform's variable.
     memory = resolve_share({"gpufrac": {"gpu-memory": "4096"}}, None,
                            {"RUNAI_GPU_MEMORY_LIMIT": "8Gi"}, "0.25", "1")
-    assert (memory.request, memory.limit) == (str(4096 * 2**20), "8Gi")
+    assert (spec(memory.request), spec(memory.limit)) == (str(4096 * 2**20), "8Gi")
     both = resolve_share({"gpufrac": {"gpu-memory": 1024, "gpu-memory-limit": 2048}}, None, {},
                          "0.25", "1")
-    assert (both.request, both.limit) == (str(2**30), str(2**31))
+    assert (spec(both.request), spec(both.limit)) == (str(2**30), str(2**31))
 
 
 @pytest.mark.parametrize(
@@ -177,10 +194,11 @@ def test_the_embedded_agent_runs_with_the_servers_scheduler_settings(tmp_path: P
 def test_a_compute_share_comes_from_the_kernelspec_in_either_name() -> None:
     ours = resolve_share({"gpufrac": {"request": "0.25", "compute_request": 0.3}}, None, {},
                          "0.25", "1")
-    assert (ours.compute_request, ours.compute_limit) == ("0.3", None)
+    assert (spec(ours.compute_request), ours.compute_limit) == ("0.3", None)
     runai = resolve_share({"gpufrac": {"gpu-fraction": 0.5, "gpu-compute-request": "0.2",
                                        "gpu-compute-limit": "0.6"}}, None, {}, "0.25", "1")
-    assert (runai.request, runai.compute_request, runai.compute_limit) == ("0.5", "0.2", "0.6")
+    assert [spec(q) for q in (runai.request, runai.compute_request, runai.compute_limit)] == [
+        "0.5", "0.2", "0.6"]
     for gpufrac, field in (({"compute_request": 0.3, "gpu-compute-limit": 0.5}, "metadata.gpufrac"),
                            ({"gpu-compute-limit": 0.5}, "metadata.gpufrac.gpu-compute-limit"),
                            ({"compute_request": "2Gi"}, "metadata.gpufrac.compute_request")):
