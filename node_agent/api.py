@@ -1,4 +1,4 @@
-"""The agent's HTTP API on a Unix socket; the caller is the socket's peer (SO_PEERCRED)."""
+"""The agent's HTTP API on a Unix socket: who calls (SO_PEERCRED), what bodies say, which status."""
 
 from __future__ import annotations
 
@@ -11,15 +11,146 @@ import resource
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tornado import httpserver, ioloop, iostream, netutil, web
 
+from node_agent import policy
 from node_agent.metrics import render_metrics
-from node_agent.service import MAX_ID, MAX_TEXT, MAX_WAIT, Agent, ApiError, Caller
+from node_agent.quantities import Quantity, QuantityError, parse_quantity
+from node_agent.service import (
+    MAX_WAIT,
+    Agent,
+    Caller,
+    Conflict,
+    CreateLease,
+    NotFound,
+    NotYours,
+    OverQuota,
+    Refused,
+    Resize,
+)
 
 log = logging.getLogger("gpufrac.agent")
+
+# Bounds on what a request may carry (an id is a UUID; a name is for people).
+MAX_ID = 128
+MAX_TEXT = 200
+
+
+class ApiError(Exception):
+    """A refused request: HTTP status, the field at fault (or None) and what was expected."""
+
+    def __init__(self, status: int, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+        self.message = message
+
+
+# What each refusal of the service is on the wire; a plain Refused is a bad value.
+_STATUS: dict[type[Refused], int] = {NotYours: 403, NotFound: 404, Conflict: 409, OverQuota: 429}
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any = None, *,
+           required: bool = False, expected: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, name, f"is required: {expected}")
+        return default
+    # bool is an int to Python, never to a client.
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ApiError(400, name, f"expected {expected}, got {value!r}")
+    return value
+
+
+def _reject_unknown(body: dict[str, Any], allowed: Iterable[str]) -> None:
+    for key in body:
+        if key in ("uid", "owner_uid", "caller", "user"):
+            raise ApiError(400, key, "not accepted: the caller is the socket's peer (SO_PEERCRED)")
+        if key not in allowed:
+            raise ApiError(400, key, f"unknown field; expected one of {sorted(allowed)}")
+
+
+def _quantity(body: dict[str, Any], name: str) -> Quantity | None:
+    if body.get(name) is None:
+        return None
+    try:
+        return parse_quantity(body[name], name)
+    except QuantityError as exc:
+        raise ApiError(400, exc.field, exc.message) from exc
+
+
+def _compute_fraction(body: dict[str, Any], name: str) -> float | None:
+    """``compute_request`` or ``compute_limit``: a fraction of the GPU's compute."""
+    quantity = _quantity(body, name)
+    if quantity is None:
+        return None
+    if quantity.fraction is None:
+        raise ApiError(400, name, f"expected a fraction 0 < f <= 1 of the GPU's compute, "
+                                  f"got {body[name]!r}")
+    return quantity.fraction
+
+
+def parse_create_lease(body: dict[str, Any]) -> CreateLease:
+    """``POST /v1/leases``."""
+    _reject_unknown(body, ("kind", "request", "limit", "devices", "client", "kernel_id", "name",
+                           "compute_request", "compute_limit"))
+    kind = _field(body, "kind", str, policy.NOTEBOOK, expected=f"one of {policy.KINDS}")
+    if kind not in policy.KINDS:
+        raise ApiError(400, "kind", f"expected one of {policy.KINDS}, got {kind!r}")
+    client = _field(body, "client", str, required=True,
+                    expected="a name for the program that holds the lease")
+    if not client.strip() or len(client) > MAX_TEXT:
+        raise ApiError(400, "client", f"expected 1 to {MAX_TEXT} characters")
+    kernel_id = _field(body, "kernel_id", str, expected="a kernel id string")
+    if kernel_id is not None and not 0 < len(kernel_id) <= MAX_ID:
+        raise ApiError(400, "kernel_id", f"expected 1 to {MAX_ID} characters")
+    name = _field(body, "name", str, "", expected="a string")
+    if len(name) > MAX_TEXT:
+        raise ApiError(400, "name", f"expected at most {MAX_TEXT} characters")
+    devices = _field(body, "devices", int, 1, expected="a whole number of GPUs")
+    # A job takes a whole GPU unless it says otherwise; a notebook must say.
+    request = _quantity(body, "request") or (
+        Quantity(fraction=1.0) if kind == policy.JOB else None
+    )
+    if request is None:
+        raise ApiError(400, "request", "is required: a fraction like 0.25 or a size like 4Gi")
+    return CreateLease(
+        kind=kind, client=client, request=request, limit=_quantity(body, "limit") or request,
+        devices=devices, kernel_id=kernel_id, name=name,
+        compute_request=_compute_fraction(body, "compute_request"),
+        compute_limit=_compute_fraction(body, "compute_limit"),
+    )
+
+
+def parse_resize(body: dict[str, Any]) -> Resize:
+    """``PATCH /v1/leases/<id>``."""
+    _reject_unknown(body, ("request", "limit", "compute_request", "compute_limit"))
+    return Resize(
+        request=_quantity(body, "request"), limit=_quantity(body, "limit"),
+        limit_is_request="request" in body,
+        compute_request=_compute_fraction(body, "compute_request"),
+        compute_limit=_compute_fraction(body, "compute_limit"),
+    )
+
+
+def parse_pid(body: dict[str, Any]) -> int:
+    """``POST /v1/leases/<id>/pids``."""
+    _reject_unknown(body, ("pid",))
+    pid: int = _field(body, "pid", int, required=True, expected="a process id")
+    return pid
+
+
+def parse_usage(body: dict[str, Any]) -> int:
+    """``POST /v1/leases/<id>/usage``: bytes in use."""
+    _reject_unknown(body, ("bytes",))
+    used: int = _field(body, "bytes", int, required=True, expected="bytes in use, an integer >= 0")
+    if used < 0:
+        raise ApiError(400, "bytes", f"expected an integer >= 0, got {used}")
+    return used
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python does not name it
@@ -96,6 +227,13 @@ class BaseHandler(web.RequestHandler):
                                                   f"got {type(item).__name__}")
         return value
 
+    def lease_body(self, lease_id: str) -> dict[str, Any]:
+        """The body of a request about one lease. A lease the caller cannot see is a 404
+        before any field is judged, whatever the body holds."""
+        body = self.body()
+        self.agent.lease(self.caller, lease_id)
+        return body
+
     def reply(self, value: Any, status: int = 200) -> None:
         self.set_status(status)
         self.set_header("Content-Type", "application/json")
@@ -113,6 +251,8 @@ class BaseHandler(web.RequestHandler):
         self.finish(json.dumps({"error": {"field": field, "message": message}}))
 
     def _handle_request_exception(self, e: BaseException) -> None:
+        if isinstance(e, Refused):
+            e = ApiError(_STATUS.get(type(e), 400), e.field, e.message)
         if isinstance(e, ApiError):
             self.send_error(e.status, exc_info=(type(e), e, e.__traceback__))
             return
@@ -144,7 +284,7 @@ class LeasesHandler(BaseHandler):
         self.reply({"leases": [lease.to_json() for lease in self.agent.visible(self.caller)]})
 
     def post(self) -> None:
-        lease = self.agent.create_lease(self.caller, self.body())
+        lease = self.agent.create_lease(self.caller, parse_create_lease(self.body()))
         self.reply(lease.to_json(), 201)
 
 
@@ -154,7 +294,8 @@ class LeaseHandler(BaseHandler):
         self.reply({**lease.to_json(), "room": self.agent.room(lease)})
 
     def patch(self, lease_id: str) -> None:
-        self.reply(self.agent.resize(self.caller, lease_id, self.body()).to_json())
+        change = parse_resize(self.lease_body(lease_id))
+        self.reply(self.agent.resize(self.caller, lease_id, change).to_json())
 
     def delete(self, lease_id: str) -> None:
         self.agent.release(self.caller, lease_id)
@@ -164,12 +305,13 @@ class LeaseHandler(BaseHandler):
 
 class PidsHandler(BaseHandler):
     def post(self, lease_id: str) -> None:
-        self.reply(self.agent.register_pid(self.caller, lease_id, self.body()).to_json())
+        pid = parse_pid(self.lease_body(lease_id))
+        self.reply(self.agent.register_pid(self.caller, lease_id, pid).to_json())
 
 
 class UsageHandler(BaseHandler):
     def post(self, lease_id: str) -> None:
-        self.agent.report_usage(self.caller, lease_id, self.body())
+        self.agent.report_usage(self.caller, lease_id, parse_usage(self.lease_body(lease_id)))
         self.set_status(204)
         self.finish()
 
@@ -202,7 +344,7 @@ class MetricsHandler(BaseHandler):
         self.finish(render_metrics(self.agent, self.caller))
 
 
-class NotFound(BaseHandler):
+class NoEndpoint(BaseHandler):
     def prepare(self) -> None:
         super().prepare()
         method, path = self.request.method, self.request.path
@@ -223,7 +365,7 @@ def make_app(agent: Agent, admin_gid: int | None = None, token: str | None = Non
             (r"/v1/directives", DirectivesHandler, args),
             (r"/metrics", MetricsHandler, args),
         ],
-        default_handler_class=NotFound,
+        default_handler_class=NoEndpoint,
         default_handler_args=args,
         log_function=_log_request,
     )

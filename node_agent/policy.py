@@ -1,4 +1,4 @@
-"""Pure placement, compaction and reclaim decisions: no I/O, nothing else of the agent.
+"""Pure placement, compaction, activation and reclaim decisions: no I/O, nothing else of the agent.
 
 Every function here is deterministic: the same node and leases give the same answer,
 whatever order they come in.
@@ -7,7 +7,7 @@ whatever order they come in.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 NOTEBOOK = "notebook"
@@ -348,3 +348,86 @@ def room(device: Device, leases: Sequence[Placement], lease_id: str, used: int,
 def kills_in_window(kill_times: Iterable[float], now: float, window: float) -> int:
     """How many times a lease was killed in the last ``window`` seconds."""
     return sum(1 for t in kill_times if now - window <= t <= now)
+
+
+def fits_in_place(devices: Sequence[Device], others: Iterable[Placement], lease: Placement) -> bool:
+    """Whether ``lease``, with a changed request, stays where it is: beside ``others`` (every
+    lease but it) its request fits each of its logical GPUs in the plan and each physical GPU
+    it runs on. Its count on those GPUs does not change, so ``max_per_gpu`` never stops it."""
+    others = list(others)
+    capacity = {d.uuid: d.total for d in devices if d.healthy}
+    planned, running = logical_load(others), physical_load(others)
+    return all(planned.get(u, 0) + lease.request <= capacity.get(u, 0) for u in lease.logical) and all(
+        running.get(u, 0) + lease.request <= capacity.get(u, 0) for u in lease.physical
+    )
+
+
+def plan_activation(devices: Sequence[Device], leases: Sequence[Placement],
+                    pending: Collection[str], rules: Rules = Rules()) -> list[str]:
+    """The ``pending`` leases (ids) that can become active, in the order of ``leases``: each
+    GPU one runs on holds every lease placed there (the pending ones too) within its capacity
+    and ``rules.max_per_gpu``. A lease moving away counts where it runs until its move is done."""
+    capacity = {d.uuid: d.total for d in devices}
+    load, count = physical_load(leases), physical_count(leases)
+    bound = rules.max_per_gpu
+    return [
+        p.id for p in leases
+        if p.id in pending and all(
+            load.get(u, 0) <= capacity.get(u, 0) and (bound is None or count.get(u, 0) <= bound)
+            for u in p.physical
+        )
+    ]
+
+
+# The reclaim ladder's steps for one lease (offloading is the kernel's, within the grace).
+NONE = "none"  # nothing to take back
+SHRINK = "shrink"  # send `shrink` and start the grace
+WAIT = "wait"  # asked already; the grace runs
+KILL = "kill"  # the grace passed and it still holds the memory
+CANCEL = "cancel"  # asked, but nothing is to be taken back any more
+# Why a lease is on the ladder: an owner is owed memory it borrows, or it is above its limit.
+RECLAIM = "reclaim"
+LIMIT = "limit"
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A lease as the reclaim ladder sees it: bytes it holds and may hold (``limit`` 0: none),
+    and whether it was asked to shrink, with the deadline of that grace."""
+
+    usage: int
+    request: int
+    limit: int = 0
+    shrinking: bool = False
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """The ladder's next step for a lease, ``cause`` (RECLAIM or LIMIT; None when nothing is
+    to be taken back), and ``at``: the deadline a SHRINK sets, or the one a WAIT runs to."""
+
+    action: str
+    cause: str | None = None
+    at: float | None = None
+
+
+def reclaim_step(standing: Standing, now: float, *, owed: bool, grace: float,
+                 enforce_limit: bool) -> Step:
+    """Where the reclaim ladder takes a lease next: ``shrink``, wait out the grace, then kill.
+
+    ``owed``: :func:`plan_reclaim` chose it on some GPU (its loan is wanted). Without that, a
+    lease above its limit climbs the same ladder when ``enforce_limit``. A lease within its
+    request is never taken from: that much is guaranteed. When nothing is to be taken back a
+    shrink asked is called off.
+    """
+    over_limit = enforce_limit and standing.limit > 0 and standing.usage > standing.limit
+    borrowing = standing.usage > standing.request
+    cause = RECLAIM if owed and borrowing else LIMIT if over_limit and borrowing else None
+    if cause is None:
+        return Step(CANCEL if standing.shrinking else NONE)
+    if not standing.shrinking:
+        return Step(SHRINK, cause, now + grace)
+    if standing.deadline is not None and now >= standing.deadline:
+        return Step(KILL, cause)
+    return Step(WAIT, cause, standing.deadline)

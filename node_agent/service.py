@@ -35,14 +35,30 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-class ApiError(Exception):
-    """A refused request: HTTP status, the field at fault (or None) and what was expected."""
+class Refused(Exception):
+    """A request the agent does not carry out as asked: the field at fault (or None) and why.
+    Raised as such, the value asked for cannot be granted; the subclasses say more."""
 
-    def __init__(self, status: int, field: str | None, message: str) -> None:
+    def __init__(self, field: str | None, message: str) -> None:
         super().__init__(message)
-        self.status = status
         self.field = field
         self.message = message
+
+
+class NotYours(Refused):
+    """What the request names belongs to another user (a process)."""
+
+
+class NotFound(Refused):
+    """No such lease among the caller's: another user's is not theirs to know of."""
+
+
+class Conflict(Refused):
+    """Not possible in the state the lease or the node is in now."""
+
+
+class OverQuota(Refused):
+    """The caller holds as many leases as one user may."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +70,6 @@ class Caller:
     admin: bool = False
 
 
-# Bounds on what a request may carry (an id is a UUID; a name is for people).
-MAX_ID = 128
-MAX_TEXT = 200
 # The smallest share: below it a fraction such as 1e-300 would make a lease of no bytes.
 MIN_SHARE = MiB
 
@@ -106,61 +119,44 @@ class Measurement:
     utilization: dict[str, dict[int, int]]
 
 
-def _field(body: dict[str, Any], name: str, kind: type, default: Any = None, *,
-           required: bool = False, expected: str = "") -> Any:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise ApiError(400, name, f"is required: {expected}")
-        return default
-    # bool is an int to Python, never to a client.
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ApiError(400, name, f"expected {expected}, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class CreateLease:
+    """A new lease as asked for; ``limit`` is the request's when none was named."""
+
+    kind: str
+    client: str
+    request: Quantity
+    limit: Quantity
+    devices: int = 1
+    kernel_id: str | None = None
+    name: str = ""
+    compute_request: float | None = None
+    compute_limit: float | None = None
 
 
-def _reject_unknown(body: dict[str, Any], allowed: Iterable[str]) -> None:
-    for key in body:
-        if key in ("uid", "owner_uid", "caller", "user"):
-            raise ApiError(400, key, "not accepted: the caller is the socket's peer (SO_PEERCRED)")
-        if key not in allowed:
-            raise ApiError(400, key, f"unknown field; expected one of {sorted(allowed)}")
+@dataclass(frozen=True)
+class Resize:
+    """A new share for a lease; None keeps what it has. A request named without a limit
+    (even as null) sets the limit to the request."""
+
+    request: Quantity | None = None
+    limit: Quantity | None = None
+    limit_is_request: bool = False
+    compute_request: float | None = None
+    compute_limit: float | None = None
 
 
-def _compute_share(body: dict[str, Any], current: tuple[float | None, float | None] = (None, None)
-                   ) -> tuple[float | None, float | None]:
-    """``compute_request`` and ``compute_limit``: fractions of the GPU's compute; the limit
-    defaults to the request, and must not be below it."""
-    values = list(current)
-    for i, name in enumerate(("compute_request", "compute_limit")):
-        if body.get(name) is None:
-            continue
-        try:
-            quantity = parse_quantity(body[name], name)
-        except QuantityError as exc:
-            raise ApiError(400, name, exc.message) from exc
-        if quantity.fraction is None:
-            raise ApiError(400, name, f"expected a fraction 0 < f <= 1 of the GPU's compute, "
-                                      f"got {body[name]!r}")
-        values[i] = quantity.fraction
-    request, limit = values
-    if body.get("compute_request") is not None and body.get("compute_limit") is None:
-        limit = request
-    if limit is not None and request is None:
-        raise ApiError(400, "compute_limit", "needs compute_request beside it")
-    if request is not None and limit is not None and limit < request:
-        raise ApiError(400, "compute_limit",
-                       f"must be at least compute_request ({request:g}), got {limit:g}")
-    return request, limit
-
-
-def _quantity(body: dict[str, Any], name: str) -> Quantity | None:
-    if body.get(name) is None:
-        return None
-    try:
-        return parse_quantity(body[name], name)
-    except QuantityError as exc:
-        raise ApiError(400, exc.field, exc.message) from exc
+def _compute_share(current: tuple[float | None, float | None], request: float | None,
+                   limit: float | None) -> tuple[float | None, float | None]:
+    """Compute fractions after a change: the limit defaults to the request, and must not be
+    below it."""
+    req = request if request is not None else current[0]
+    lim = limit if limit is not None else request if request is not None else current[1]
+    if lim is not None and req is None:
+        raise Refused("compute_limit", "needs compute_request beside it")
+    if req is not None and lim is not None and lim < req:
+        raise Refused("compute_limit", f"must be at least compute_request ({req:g}), got {lim:g}")
+    return req, lim
 
 
 class Agent:
@@ -347,7 +343,7 @@ class Agent:
         lease = self.ledger.leases.get(lease_id)
         # Someone else's lease is reported as missing: its existence is not theirs to know.
         if lease is None or not (caller.admin or lease.owner_uid == caller.uid):
-            raise ApiError(404, "lease", f"no lease {lease_id!r} of yours")
+            raise NotFound("lease", f"no lease {lease_id!r} of yours")
         return lease
 
     def room(self, lease: Lease) -> int | None:
@@ -374,47 +370,24 @@ class Agent:
         return out
 
     # --- leases ----------------------------------------------------------------------
-    def create_lease(self, caller: Caller, body: dict[str, Any]) -> Lease:
-        _reject_unknown(body, ("kind", "request", "limit", "devices", "client", "kernel_id", "name",
-                               "compute_request", "compute_limit"))
-        kind = _field(body, "kind", str, policy.NOTEBOOK, expected=f"one of {policy.KINDS}")
-        if kind not in policy.KINDS:
-            raise ApiError(400, "kind", f"expected one of {policy.KINDS}, got {kind!r}")
-        client = _field(body, "client", str, required=True,
-                        expected="a name for the program that holds the lease")
-        if not client.strip() or len(client) > MAX_TEXT:
-            raise ApiError(400, "client", f"expected 1 to {MAX_TEXT} characters")
-        kernel_id = _field(body, "kernel_id", str, expected="a kernel id string")
-        if kernel_id is not None and not 0 < len(kernel_id) <= MAX_ID:
-            raise ApiError(400, "kernel_id", f"expected 1 to {MAX_ID} characters")
-        name = _field(body, "name", str, "", expected="a string")
-        if len(name) > MAX_TEXT:
-            raise ApiError(400, "name", f"expected at most {MAX_TEXT} characters")
+    def create_lease(self, caller: Caller, ask: CreateLease) -> Lease:
         held = sum(1 for lease in self.ledger.leases.values() if lease.owner_uid == caller.uid)
         if not caller.admin and held >= self.config.max_leases_per_user:
-            raise ApiError(429, None, f"you hold {held} leases, the most one user may hold on "
-                           "this node; release some (`gpufrac-agent status`)")
+            raise OverQuota(None, f"you hold {held} leases, the most one user may hold on "
+                            "this node; release some (`gpufrac-agent status`)")
         healthy = [g for g in self.gpus if g.healthy]
-        devices = _field(body, "devices", int, 1, expected="a whole number of GPUs")
-        if not 1 <= devices <= max(1, len(healthy)):
-            raise ApiError(400, "devices", f"expected 1 to {len(healthy)} GPUs, got {devices}")
-        if not healthy:
-            raise ApiError(409, None, "this node has no healthy GPU to place a lease on")
-        request = _quantity(body, "request") or (
-            Quantity(fraction=1.0) if kind == policy.JOB else None
-        )
-        if request is None:
-            raise ApiError(400, "request", "is required: a fraction like 0.25 or a size like 4Gi")
-        limit = _quantity(body, "limit") or request
-        req, lim = self._resolve_share(request, limit)
-        compute_request, compute_limit = _compute_share(body)
+        if not 1 <= ask.devices <= max(1, len(healthy)):
+            raise Refused("devices", f"expected 1 to {len(healthy)} GPUs, got {ask.devices}")
+        req, lim = self._resolve_share(ask.request, ask.limit)
+        compute_request, compute_limit = _compute_share(
+            (None, None), ask.compute_request, ask.compute_limit)
 
-        logical, physical, moves = self._place(kind, req, lim, devices, self.planning_view())
+        logical, physical, moves = self._place(ask.kind, req, lim, ask.devices, self.planning_view())
         now = time.time()
         lease = Lease(
-            id="l-" + secrets.token_hex(6), kind=kind, owner_uid=caller.uid, client=client,
-            kernel_id=kernel_id, name=name, request=req, limit=lim,
-            request_spec=str(request), limit_spec=str(limit), logical=logical,
+            id="l-" + secrets.token_hex(6), kind=ask.kind, owner_uid=caller.uid, client=ask.client,
+            kernel_id=ask.kernel_id, name=ask.name, request=req, limit=lim,
+            request_spec=str(ask.request), limit_spec=str(ask.limit), logical=logical,
             physical=physical, state="pending" if moves else "active", created=now, updated=now,
             reason=self._waiting_reason(moves) if moves else "placed",
             compute_request=compute_request, compute_limit=compute_limit,
@@ -423,7 +396,7 @@ class Agent:
             self.ledger.insert(lease)
             self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
         log.info("lease %s (%s, uid %d): request %s on %s, physical %s, %d move(s)",
-                 lease.id, kind, caller.uid, format_bytes(req), logical, physical, len(moves))
+                 lease.id, ask.kind, caller.uid, format_bytes(req), logical, physical, len(moves))
         return self.ledger.leases[lease.id]
 
     def _resolve_share(self, request: Quantity, limit: Quantity) -> tuple[int, int]:
@@ -432,19 +405,19 @@ class Agent:
         context, as NVML does: a request smaller than a context could never be kept."""
         healthy = [g for g in self.gpus if g.healthy]
         if not healthy:
-            raise ApiError(409, None, "this node has no healthy GPU to place a lease on")
+            raise Conflict(None, "this node has no healthy GPU to place a lease on")
         try:
             req, lim = check_share(request, limit, min(g.memory_usable for g in healthy))
         except QuantityError as exc:
-            raise ApiError(400, exc.field, exc.message) from exc
+            raise Refused(exc.field, exc.message) from exc
         if req < MIN_SHARE:
-            raise ApiError(400, "request", f"{format_bytes(req)} is too small to hold anything; "
-                           f"ask for at least {format_bytes(MIN_SHARE)}")
+            raise Refused("request", f"{format_bytes(req)} is too small to hold anything; "
+                          f"ask for at least {format_bytes(MIN_SHARE)}")
         context = max(g.context_size for g in healthy)
         if req < context:
-            raise ApiError(400, "request", f"{format_bytes(req)} is less than the "
-                           f"{format_bytes(context)} a CUDA context takes on this node's GPUs; "
-                           f"ask for at least {format_bytes(context)} (a share counts its context)")
+            raise Refused("request", f"{format_bytes(req)} is less than the "
+                          f"{format_bytes(context)} a CUDA context takes on this node's GPUs; "
+                          f"ask for at least {format_bytes(context)} (a share counts its context)")
         return req, lim
 
     def _place(self, kind: str, req: int, lim: int, count: int, others: list[policy.Placement]
@@ -454,15 +427,15 @@ class Agent:
         logical = policy.plan_logical(devices, others, req, count, rules)
         if logical is None:
             if policy.plan_logical(devices, others, req, count) is not None:
-                raise ApiError(
-                    409, "request",
+                raise Conflict(
+                    "request",
                     f"every GPU with room already runs {rules.max_per_gpu} lease(s), the most "
                     "this node allows (--max-workloads-per-gpu); wait for leases to end "
                     "(gpufrac-agent status shows them)")
             load = policy.logical_load(others)
             best = max((d.total - load.get(d.uuid, 0) for d in devices if d.healthy), default=0)
-            raise ApiError(
-                409, "request",
+            raise Conflict(
+                "request",
                 f"no GPU has room for {format_bytes(req)} more; the most any GPU can still "
                 f"guarantee is {format_bytes(best)}. Ask for less, or wait for leases to end "
                 "(gpufrac-agent status shows them)",
@@ -470,7 +443,7 @@ class Agent:
         physical = policy.plan_physical(devices, others, kind, req, logical, lim, rules)
         moves = policy.plan_compaction(devices, others, {u: req for u in physical}, rules)
         if moves is None:
-            raise ApiError(409, "request", "no set of moves makes room; try again shortly")
+            raise Conflict("request", "no set of moves makes room; try again shortly")
         return logical, physical, moves
 
     @staticmethod
@@ -499,27 +472,24 @@ class Agent:
                             to_gpu=move.to_gpus[0], deadline=deadline, moved_bytes=move.moved_bytes)
             self.counters["migrations"] += 1
 
-    def resize(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> Lease:
+    def resize(self, caller: Caller, lease_id: str, change: Resize) -> Lease:
         lease = self.lease(caller, lease_id)
-        _reject_unknown(body, ("request", "limit", "compute_request", "compute_limit"))
         if lease.state not in ("active", "shrinking"):
-            raise ApiError(409, "lease", f"lease is {lease.state}; change it once it is active")
-        request = _quantity(body, "request") or parse_quantity(lease.request_spec, "request")
-        limit = _quantity(body, "limit") or (
-            request if "request" in body else parse_quantity(lease.limit_spec, "limit")
+            raise Conflict("lease", f"lease is {lease.state}; change it once it is active")
+        request = change.request or parse_quantity(lease.request_spec, "request")
+        limit = change.limit or (
+            request if change.limit_is_request else parse_quantity(lease.limit_spec, "limit")
         )
         req, lim = self._resolve_share(request, limit)
         others = self.planning_view(exclude=lease.id)
         compute_request, compute_limit = _compute_share(
-            body, (lease.compute_request, lease.compute_limit))
+            (lease.compute_request, lease.compute_limit), change.compute_request,
+            change.compute_limit)
         changes = {"request": req, "limit": lim, "request_spec": str(request),
                    "limit_spec": str(limit), "compute_request": compute_request,
                    "compute_limit": compute_limit}
-        totals = {g.uuid: g.memory_usable for g in self.gpus if g.healthy}
-        logical_load, physical_load = policy.logical_load(others), policy.physical_load(others)
-        if all(logical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.logical) and all(
-            physical_load.get(u, 0) + req <= totals.get(u, 0) for u in lease.physical
-        ):
+        if policy.fits_in_place(self.devices(), others,
+                                replace(lease.placement(), request=req, limit=lim)):
             return self.ledger.update(lease.id, **changes, reason="request changed in place")
         logical, physical, moves = self._place(lease.kind, req, lim, len(lease.logical), others)
         if physical == lease.physical:
@@ -550,20 +520,18 @@ class Agent:
         self._reported.pop(lease.id, None)
         self._activate_pending()
 
-    def register_pid(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> Lease:
+    def register_pid(self, caller: Caller, lease_id: str, pid: int) -> Lease:
         lease = self.lease(caller, lease_id)
-        _reject_unknown(body, ("pid",))
-        pid = _field(body, "pid", int, required=True, expected="a process id")
         ident = procs.identify(pid)
         if ident is None:
-            raise ApiError(400, "pid", f"no running process {pid}")
+            raise Refused("pid", f"no running process {pid}")
         if caller.uid != 0 and ident.uid != caller.uid:
             # Only your own processes: the agent may kill what is registered.
-            raise ApiError(403, "pid", f"process {pid} is not yours")
+            raise NotYours("pid", f"process {pid} is not yours")
         for other in self.ledger.leases.values():
             if other.id != lease.id and any(p == (pid, ident.start_time) for p in other.pids):
                 # One process, one lease: otherwise its memory counts twice.
-                raise ApiError(409, "pid", f"process {pid} is already registered to lease {other.id}")
+                raise Conflict("pid", f"process {pid} is already registered to lease {other.id}")
         pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
         now = time.time()
         changes: dict[str, Any] = {"orphan_deadline": None, "registered": lease.registered or now}
@@ -587,18 +555,14 @@ class Agent:
         except DeviceError as exc:
             log.warning("lease %s: cannot follow pid %d on %s: %s", lease.id, pid, where[0], exc)
 
-    def report_usage(self, caller: Caller, lease_id: str, body: dict[str, Any]) -> None:
-        lease = self.lease(caller, lease_id)
-        _reject_unknown(body, ("bytes",))
-        used = _field(body, "bytes", int, required=True, expected="bytes in use, an integer >= 0")
-        if used < 0:
-            raise ApiError(400, "bytes", f"expected an integer >= 0, got {used}")
-        self._reported[lease.id] = used
+    def report_usage(self, caller: Caller, lease_id: str, used: int) -> None:
+        """What a client says its processes hold, where the backend cannot see them."""
+        self._reported[self.lease(caller, lease_id).id] = used
 
     def migrated(self, caller: Caller, lease_id: str) -> Lease:
         lease = self.lease(caller, lease_id)
         if lease.state != "migrating":
-            raise ApiError(409, "lease", f"lease is {lease.state}, not migrating")
+            raise Conflict("lease", f"lease is {lease.state}, not migrating")
         with self.ledger.transaction():
             lease = self.ledger.update(
                 lease.id, state="active", physical=lease.target, target=(), deadline=None,
@@ -669,8 +633,10 @@ class Agent:
                            f"Why it moved: {lease.reason}", "migrate_timeout")
 
     def _reclaim(self, now: float) -> None:
+        """One climb of the reclaim ladder: borrowers an owner is owed by first, GPU by GPU,
+        then leases above their limit; a shrink asked of any other lease is called off."""
         leases = self.ledger.leases
-        chosen: set[str] = set()
+        owed: set[str] = set()
         restoring = frozenset(
             lease.id for lease in leases.values()
             if lease.restore_until is not None and lease.restore_until > now
@@ -678,6 +644,7 @@ class Agent:
         for gpu in self.gpus:
             if not gpu.healthy:
                 continue
+            # Read per GPU: a lease killed for one GPU no longer lends on the next.
             on_gpu = [
                 lease.placement() for lease in leases.values()
                 if gpu.uuid in lease.physical and lease.state in ("active", "shrinking")
@@ -687,75 +654,69 @@ class Agent:
             # Policy takes a restoring kernel only when the others' loans cannot cover the
             # deficit: the owner's guarantee comes first.
             for r in policy.plan_reclaim(device, on_gpu, gpu.memory_used, headroom, restoring):
-                chosen.add(r.lease_id)
-                lease = leases[r.lease_id]
-                owed = f"{format_bytes(r.deficit)} owed to other notebooks on {self.gpu_label(gpu.uuid)}"
-                if lease.state == "active":
-                    stops = self._reclaim_stops(lease, now)
-                    reason = (f"using {format_bytes(lease.usage)}, {format_bytes(r.loan)} above its "
-                              f"request of {format_bytes(lease.request)}, while {owed}"
-                              + self._repeat_note(lease, stops + 1, coming=True))
-                    self._ask_to_shrink(lease, reason, now, gpu=gpu.uuid, stops_in_window=stops,
-                                        kill_window=self.config.kill_window)
-                elif lease.deadline is not None and now >= lease.deadline:
-                    self._kill(lease, f"stopped to return {format_bytes(r.loan)} of loaned memory: "
-                               f"it stayed {format_bytes(r.loan)} above its request of "
-                               f"{format_bytes(lease.request)} for {self.config.reclaim_grace:g}s "
-                               f"after being asked to shrink, while {owed}", "reclaim")
-        chosen |= self._enforce_limits(now, chosen)
+                owed.add(r.lease_id)
+                self._climb(leases[r.lease_id], now, r)
         for lease in list(leases.values()):
-            if lease.state == "shrinking" and lease.id not in chosen:
-                why = ("gave its loan back" if lease.usage <= lease.request
-                       else "the owner no longer needs the memory")
-                self.ledger.update(lease.id, state="active", deadline=None, reason=why)
+            if lease.id not in owed and lease.state in ("active", "shrinking"):
+                self._climb(lease, now, None)
 
-    def _ask_to_shrink(self, lease: Lease, reason: str, now: float, **body: Any) -> None:
-        """The first rung: a ``shrink`` directive and a deadline of --reclaim-grace."""
-        deadline = now + self.config.reclaim_grace
-        with self.ledger.transaction():
-            lease = self.ledger.update(lease.id, state="shrinking", deadline=deadline,
-                                       reason=reason)
-            self._directive(lease, "shrink", reason, request=lease.request, limit=lease.limit,
-                            usage=lease.usage, deadline=deadline, **body)
-        self.counters["shrinks"] += 1
-
-    def _enforce_limits(self, now: float, chosen: set[str]) -> set[str]:
-        """The same ladder for a lease above its limit, owed to others or not: what no
-        allocator cap holds (another framework, a child process) is asked back, then stopped."""
-        over_limit: set[str] = set()
+    def _climb(self, lease: Lease, now: float, owed: policy.Reclaim | None) -> None:
+        """Takes the ladder's next step for ``lease`` (``owed``: what reclaim wants of it here)."""
         enforce = self.config.enforce_limits
-        if not (enforce if enforce is not None else not self.backend.simulated):
-            return over_limit
-        for lease in list(self.ledger.leases.values()):
-            if (lease.id in chosen or lease.state not in ("active", "shrinking")
-                    or not lease.limit or lease.usage <= lease.limit):
-                continue
-            over_limit.add(lease.id)
-            over = format_bytes(lease.usage - lease.limit)
-            if lease.state == "active":
-                reason = (f"using {format_bytes(lease.usage)}, {over} above its limit of "
-                          f"{format_bytes(lease.limit)}: something the allocator cap does not "
-                          "hold (another framework, a child process) has the memory")
-                self._ask_to_shrink(lease, reason, now,
+        standing = policy.Standing(lease.usage, lease.request, lease.limit,
+                                   lease.state == "shrinking", lease.deadline)
+        step = policy.reclaim_step(
+            standing, now, owed=owed is not None, grace=self.config.reclaim_grace,
+            enforce_limit=enforce if enforce is not None else not self.backend.simulated)
+        grace = f"{self.config.reclaim_grace:g}s"
+        if step.action == policy.CANCEL:
+            why = ("gave its loan back" if lease.usage <= lease.request
+                   else "the owner no longer needs the memory")
+            self.ledger.update(lease.id, state="active", deadline=None, reason=why)
+        elif step.cause == policy.RECLAIM and owed is not None:
+            wanted = (f"{format_bytes(owed.deficit)} owed to other notebooks on "
+                      f"{self.gpu_label(owed.gpu)}")
+            if step.action == policy.SHRINK:
+                stops = self._reclaim_stops(lease, now)
+                reason = (f"using {format_bytes(lease.usage)}, {format_bytes(owed.loan)} above its "
+                          f"request of {format_bytes(lease.request)}, while {wanted}"
+                          + self._repeat_note(lease, stops + 1, coming=True))
+                self._ask_to_shrink(lease, reason, step, gpu=owed.gpu, stops_in_window=stops,
+                                    kill_window=self.config.kill_window)
+            elif step.action == policy.KILL:
+                self._kill(lease, f"stopped to return {format_bytes(owed.loan)} of loaned memory: "
+                           f"it stayed {format_bytes(owed.loan)} above its request of "
+                           f"{format_bytes(lease.request)} for {grace} after being asked to "
+                           f"shrink, while {wanted}", "reclaim")
+        elif step.cause == policy.LIMIT:
+            over, limit = format_bytes(lease.usage - lease.limit), format_bytes(lease.limit)
+            if step.action == policy.SHRINK:
+                reason = (f"using {format_bytes(lease.usage)}, {over} above its limit of {limit}: "
+                          "something the allocator cap does not hold (another framework, a child "
+                          "process) has the memory")
+                self._ask_to_shrink(lease, reason, step,
                                     gpu=lease.physical[0] if lease.physical else None,
                                     cause="limit")
-            elif lease.deadline is not None and now >= lease.deadline:
-                self._kill(lease, f"stopped because it stayed {over} above its limit of "
-                           f"{format_bytes(lease.limit)} for {self.config.reclaim_grace:g}s after "
-                           "being asked to shrink", "limit")
-        return over_limit
+            elif step.action == policy.KILL:
+                self._kill(lease, f"stopped because it stayed {over} above its limit of {limit} "
+                           f"for {grace} after being asked to shrink", "limit")
+
+    def _ask_to_shrink(self, lease: Lease, reason: str, step: policy.Step, **body: Any) -> None:
+        """The first rung: a ``shrink`` directive and the deadline of --reclaim-grace."""
+        with self.ledger.transaction():
+            lease = self.ledger.update(lease.id, state="shrinking", deadline=step.at,
+                                       reason=reason)
+            self._directive(lease, "shrink", reason, request=lease.request, limit=lease.limit,
+                            usage=lease.usage, deadline=step.at, **body)
+        self.counters["shrinks"] += 1
 
     def _activate_pending(self) -> None:
-        placements = [lease.placement() for lease in self.ledger.leases.values()]
-        load, count = policy.physical_load(placements), policy.physical_count(placements)
-        bound = self.config.max_workloads_per_gpu
-        totals = {g.uuid: g.memory_usable for g in self.gpus}
-        for lease in list(self.ledger.leases.values()):
-            if lease.state == "pending" and all(
-                load.get(u, 0) <= totals.get(u, 0) and (bound is None or count.get(u, 0) <= bound)
-                for u in lease.physical
-            ):
-                self.ledger.update(lease.id, state="active", reason="placed after compaction")
+        leases = self.ledger.leases
+        pending = {lease.id for lease in leases.values() if lease.state == "pending"}
+        placements = [lease.placement() for lease in leases.values()]
+        for lease_id in policy.plan_activation(self.devices(), placements, pending,
+                                               self.config.rules):
+            self.ledger.update(lease_id, state="active", reason="placed after compaction")
 
     # --- directives ------------------------------------------------------------------
     def _directive(self, lease: Lease, kind: str, reason: str, **body: Any) -> Directive:

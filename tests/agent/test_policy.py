@@ -384,3 +384,149 @@ def test_room_is_what_the_others_are_not_owed() -> None:
     assert policy.room(d, [back], "back", 100 * MB, headroom) == 1948 * MB
     capped = replace(back, limit=300 * MB)
     assert policy.room(d, [capped], "back", 100 * MB, headroom) == 200 * MB
+
+
+@given(placed(), st.data())
+def test_a_resize_fits_in_place_exactly_when_its_gpus_hold_every_request(
+    case: tuple[list[Device], list[Placement]], data: st.DataObject
+) -> None:
+    devices, leases = case
+    if not leases:
+        return
+    me = data.draw(st.sampled_from(leases))
+    others = [p for p in leases if p.id != me.id]
+    assert policy.fits_in_place(devices, others, me), "where it is, it fits as it is"
+    request = data.draw(st.integers(1, 8)) * devices[0].total // 8
+    resized = replace(me, request=request, limit=max(me.limit, request))
+    fits = policy.fits_in_place(devices, others, resized)
+    after = [*others, resized]
+    planned, running = policy.logical_load(after), policy.physical_load(after)
+    total = {d.uuid: d.total for d in devices}
+    assert fits == (all(planned[u] <= total[u] for u in me.logical)
+                    and all(running[u] <= total[u] for u in me.physical))
+    if fits:
+        smaller = replace(resized, request=data.draw(st.integers(1, resized.request)))
+        assert policy.fits_in_place(devices, others, smaller), "a smaller request fits too"
+        # What fits in place is its own: room() on its GPU covers all of its unused request.
+        d = next(d for d in devices if d.uuid == me.physical[0])
+        used = min(d.total, sum(p.usage for p in after if d.uuid in p.physical))
+        room = policy.room(d, after, me.id, used, d.total // 20)
+        assert room >= max(0, resized.request - resized.usage)
+
+
+def test_fits_in_place_counts_no_unhealthy_gpu() -> None:
+    here = Placement("me", NOTEBOOK, GB, ("GPU-0",), ("GPU-0",))
+    assert policy.fits_in_place([Device("GPU-0", 0, 16 * GB)], [], here)
+    assert not policy.fits_in_place([Device("GPU-0", 0, 16 * GB, healthy=False)], [], here)
+    assert not policy.fits_in_place([], [], here)
+
+
+@given(placed_under_rules(), st.data())
+def test_activation_never_fills_a_gpu_past_its_capacity_or_the_rules(
+    case: tuple[policy.Rules, list[Device], list[Placement]], data: st.DataObject
+) -> None:
+    rules, devices, leases = case
+    # Waiting leases, some of which the node cannot run yet; some placed ones wait too.
+    waiting = [
+        Placement(f"p-{i}", JOB, eighths * devices[0].total // 8, (d.uuid,), (d.uuid,))
+        for i, (d, eighths) in enumerate(data.draw(st.lists(
+            st.tuples(st.sampled_from(devices), st.integers(1, 8)), max_size=4)))
+    ]
+    everything = leases + waiting
+    pending = {p.id for p in waiting} | data.draw(st.sets(st.sampled_from([p.id for p in leases]))
+                                                  if leases else st.just(set()))
+    activated = policy.plan_activation(devices, everything, pending, rules)
+    assert set(activated) <= pending
+    assert activated == [p.id for p in everything if p.id in set(activated)], "in ledger order"
+    total = {d.uuid: d.total for d in devices}
+    load, count = policy.physical_load(everything), policy.physical_count(everything)
+    for p in everything:
+        if p.id not in pending:
+            continue
+        fits = all(load[u] <= total[u] and (rules.max_per_gpu is None or count[u] <= rules.max_per_gpu)
+                   for u in p.physical)
+        # Exactly those whose GPUs hold everything placed there: never past a bound, and
+        # none left waiting that could run.
+        assert (p.id in activated) == fits
+    shuffled = everything[:]
+    data.draw(st.randoms()).shuffle(shuffled)
+    assert set(policy.plan_activation(devices, shuffled, pending, rules)) == set(activated)
+
+
+standings = st.builds(
+    policy.Standing,
+    usage=st.integers(0, 16 * GB), request=st.integers(MB, 8 * GB),
+    limit=st.one_of(st.just(0), st.integers(MB, 16 * GB)),
+    shrinking=st.booleans(), deadline=st.none() | st.floats(0, 1000),
+)
+
+
+@given(standings, st.floats(0, 2000), st.booleans(), st.booleans(), st.floats(0, 100))
+def test_the_ladder_takes_only_loans_and_kills_only_after_the_grace(
+    standing: policy.Standing, now: float, owed: bool, enforce: bool, grace: float
+) -> None:
+    step = policy.reclaim_step(standing, now, owed=owed, grace=grace, enforce_limit=enforce)
+    if standing.usage <= standing.request:
+        assert step.action in (policy.NONE, policy.CANCEL), "a request is never taken back"
+    if step.action == policy.KILL:
+        assert standing.shrinking and standing.deadline is not None and now >= standing.deadline
+    if step.action == policy.SHRINK:
+        assert not standing.shrinking and step.at == now + grace
+    if step.action == policy.CANCEL or step.action == policy.NONE:
+        assert step.cause is None and step.action == (
+            policy.CANCEL if standing.shrinking else policy.NONE)
+    else:
+        over_limit = enforce and 0 < standing.limit < standing.usage
+        assert step.cause == (policy.RECLAIM if owed else policy.LIMIT)
+        assert owed or over_limit
+
+
+@given(standings, st.floats(0, 2000), st.floats(0, 2000), st.booleans(), st.booleans(),
+       st.floats(0, 100))
+def test_ladder_steps_are_monotone_in_time(
+    standing: policy.Standing, t1: float, t2: float, owed: bool, enforce: bool, grace: float
+) -> None:
+    early, late = (policy.reclaim_step(standing, t, owed=owed, grace=grace, enforce_limit=enforce)
+                   for t in sorted((t1, t2)))
+    # Time only ever turns a wait into a kill, never the other way, nor anything else.
+    assert early.action == late.action or (early.action, late.action) == (policy.WAIT, policy.KILL)
+    assert early.cause == late.cause
+    if early.action == policy.SHRINK:
+        assert early.at is not None and late.at is not None and early.at <= late.at
+
+
+@given(st.lists(st.tuples(st.floats(0, 50), st.sampled_from([0, GB, 2 * GB, 3 * GB, 4 * GB]),
+                          st.sampled_from([True] * 4 + [False])), max_size=30),
+       st.sampled_from([GB // 2, GB, 2 * GB]), st.sampled_from([0, 2 * GB, 3 * GB]), st.booleans(),
+       st.floats(0, 60))
+def test_a_kill_comes_only_after_a_shrink_asked_at_least_the_grace_before(
+    ticks: list[tuple[float, int, bool]], request: int, limit: int, enforce: bool, grace: float
+) -> None:
+    """A lease climbed tick by tick, its usage and what others are owed changing."""
+    now, standing = 0.0, policy.Standing(0, request, limit)
+    asked_at: float | None = None
+    for gap, usage, owed in ticks:
+        now += gap
+        standing = replace(standing, usage=usage)
+        step = policy.reclaim_step(standing, now, owed=owed, grace=grace, enforce_limit=enforce)
+        if step.action == policy.SHRINK:
+            asked_at = now
+            standing = replace(standing, shrinking=True, deadline=step.at)
+        elif step.action == policy.CANCEL:
+            asked_at = None
+            standing = replace(standing, shrinking=False, deadline=None)
+        elif step.action == policy.KILL:
+            assert asked_at is not None and now >= asked_at + grace
+            assert usage > request and (owed or (enforce and 0 < limit < usage))
+            return
+
+
+def test_a_lease_owed_and_over_its_limit_is_reclaimed_for_the_owner() -> None:
+    over = policy.Standing(usage=3 * GB, request=GB, limit=2 * GB)
+    step = policy.reclaim_step(over, 10.0, owed=True, grace=30.0, enforce_limit=True)
+    assert step == policy.Step(policy.SHRINK, policy.RECLAIM, 40.0)
+    asked = replace(over, shrinking=True, deadline=40.0)
+    assert policy.reclaim_step(asked, 39.0, owed=False, grace=30.0, enforce_limit=True) == \
+        policy.Step(policy.WAIT, policy.LIMIT, 40.0)
+    assert policy.reclaim_step(asked, 40.0, owed=False, grace=30.0, enforce_limit=False) == \
+        policy.Step(policy.CANCEL)

@@ -1,0 +1,94 @@
+"""The service in process, with typed requests: refusals by kind, resizes, activation after moves."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from node_agent.devices.simulated import SimulatedBackend
+from node_agent.ledger import Ledger
+from node_agent.policy import JOB, NOTEBOOK
+from node_agent.quantities import parse_quantity
+from node_agent.service import (
+    Agent,
+    AgentConfig,
+    Caller,
+    Conflict,
+    CreateLease,
+    NotFound,
+    OverQuota,
+    Refused,
+    Resize,
+)
+
+ME = Caller(uid=1000)
+
+
+def ask(request: str, limit: str | None = None, kind: str = NOTEBOOK, devices: int = 1
+        ) -> CreateLease:
+    wanted = parse_quantity(request, "request")
+    return CreateLease(kind=kind, client="t", request=wanted, devices=devices,
+                       limit=parse_quantity(limit, "limit") if limit else wanted)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    ledger = Ledger(tmp_path / "state")
+    agent = Agent(SimulatedBackend("2x1GiB"), ledger, AgentConfig(max_leases_per_user=3))
+    asyncio.run(agent.tick())  # measures the node
+    yield agent
+    ledger.close()
+
+
+def test_refusals_say_what_kind_and_which_field(agent: Agent) -> None:
+    lease = agent.create_lease(ME, ask("0.25"))
+    with pytest.raises(NotFound) as found:
+        agent.lease(Caller(uid=1001), lease.id)
+    assert found.value.field == "lease"
+    with pytest.raises(Conflict) as conflict:
+        agent.migrated(ME, lease.id)
+    assert (conflict.value.field, conflict.value.message) == ("lease", "lease is active, not migrating")
+    with pytest.raises(Refused) as refused:
+        agent.create_lease(ME, ask("0.25", devices=3))
+    assert type(refused.value) is Refused and refused.value.field == "devices"
+    with pytest.raises(Refused) as small:
+        agent.create_lease(ME, ask("0.25", "0.125"))
+    assert small.value.field == "limit"
+    agent.create_lease(ME, ask("0.25"))
+    agent.create_lease(ME, ask("0.25"))
+    with pytest.raises(OverQuota):
+        agent.create_lease(ME, ask("0.25"))
+    assert len(agent.visible(ME)) == 3, "nothing half-applied"
+
+
+def test_a_resize_stays_where_it_fits_and_keeps_its_compute_share(agent: Agent) -> None:
+    lease = agent.create_lease(ME, ask("0.25", "1"))
+    grown = agent.resize(ME, lease.id, Resize(request=parse_quantity("0.5", "request"),
+                                              compute_request=0.5))
+    assert (grown.state, grown.physical, grown.reason) == (
+        "active", lease.physical, "request changed in place")
+    assert (grown.request, grown.limit) == (2 * lease.request, lease.limit), "limit kept"
+    half = parse_quantity("0.5", "request")
+    pinned = agent.resize(ME, lease.id, Resize(request=half, limit_is_request=True))
+    assert pinned.limit == pinned.request == grown.request
+    assert (grown.compute_request, grown.compute_limit) == (0.5, 0.5)
+    with pytest.raises(Refused) as refused:
+        agent.resize(ME, lease.id, Resize(compute_limit=0.25))
+    assert refused.value.field == "compute_limit" and "at least compute_request" in refused.value.message
+
+
+def test_a_job_waits_for_the_notebook_it_moves_and_starts_once_the_move_is_done(
+    agent: Agent,
+) -> None:
+    home = agent.create_lease(ME, ask("0.25", "1"))
+    spread = agent.create_lease(ME, ask("0.25", "1"))
+    assert spread.logical == home.physical and spread.physical != spread.logical
+    job = agent.create_lease(ME, ask("1", kind=JOB))
+    assert job.state == "pending" and job.physical == spread.physical
+    assert agent.ledger.leases[spread.id].state == "migrating"
+    moved = agent.migrated(ME, spread.id)
+    assert moved.physical == spread.logical
+    assert agent.ledger.leases[job.id].state == "active"
