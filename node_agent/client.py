@@ -1,21 +1,30 @@
-"""A small blocking client for the agent's Unix-socket API (wrap in asyncio.to_thread on a loop)."""
+"""The agent's Unix-socket API as a blocking AgentClient and an AsyncAgentClient, both on httpx."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
-import shlex
-import socket
 import stat
 import time
-from pathlib import Path
-from typing import Any
-from urllib.parse import urlencode
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+# httpx, json, shlex and asyncio are imported where first needed, not here: kernels import
+# this module as they start, and should not pay for an HTTP stack before they use it.
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import TracebackType
+
+    import httpx
+
+T = TypeVar("T")
 
 SYSTEM_SOCKET = "/run/gpufrac/agent.sock"
 # How long a client waits out an agent whose listen queue is full before it gives up.
 CONNECT_PATIENCE = 5.0
+CONNECT_SLICE = 0.02
+# An idle connection is dropped before the agent's own 10 s idle timeout can close it under us.
+KEEPALIVE_S = 5.0
+# Only the Host header sees it: the transport connects to the socket.
+BASE_URL = "http://agent"
 
 
 def default_socket_path() -> str:
@@ -27,7 +36,7 @@ def default_socket_path() -> str:
         return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
-        return str(Path(runtime) / "gpufrac" / "agent.sock")
+        return os.path.join(runtime, "gpufrac", "agent.sock")
     return f"/tmp/gpufrac-{os.getuid()}/agent.sock"
 
 
@@ -72,6 +81,8 @@ def socket_folder_problem(socket_path: str) -> str | None:
 
 def serve_command(socket_path: str, state_dir: str | None = None) -> str:
     """The exact command that starts an agent on this socket (and state directory, when known)."""
+    import shlex
+
     words = ["gpufrac-agent", "serve", "--socket", socket_path]
     if state_dir:
         words += ["--state-dir", state_dir]
@@ -110,24 +121,165 @@ class UnsafeSocket(AgentError):
         super().__init__(0, "socket", f"refusing the agent socket {path}: {problem}")
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
+# -- what both clients share: the endpoints, the answers, the retry rule; no I/O -------------
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
+
+def _same(answer: Any) -> Any:
+    return answer
+
+
+def _nothing(answer: Any) -> None:
+    return None
+
+
+class _Call(Generic[T]):
+    """One request to the agent and how to read its answer."""
+
+    __slots__ = ("body", "method", "parse", "path", "query", "timeout", "wait")
+
+    def __init__(self, method: str, path: str, parse: Callable[[Any], T],
+                 body: dict[str, Any] | None = None, query: dict[str, Any] | None = None,
+                 timeout: float | None = None, wait: float = 0.0) -> None:
+        self.method, self.path, self.parse = method, path, parse
+        self.body, self.query = body, query
+        self.timeout = timeout  # None: the client's own
+        self.wait = wait  # a long poll: the agent may take this long before it answers
+
+
+def _raw_call(method: str, path: str, body: dict[str, Any] | None,
+              timeout: float | None) -> _Call[Any]:
+    return _Call(method, path, _same, body, timeout=timeout)
+
+
+def _node_call() -> _Call[dict[str, Any]]:
+    return _Call("GET", "/v1/node", _same)
+
+
+def _leases_call() -> _Call[list[dict[str, Any]]]:
+    return _Call("GET", "/v1/leases", lambda answer: answer["leases"])
+
+
+def _create_lease_call(fields: dict[str, Any]) -> _Call[dict[str, Any]]:
+    body = {key: value for key, value in fields.items() if value is not None}
+    return _Call("POST", "/v1/leases", _same, body)
+
+
+def _lease_call(lease_id: str) -> _Call[dict[str, Any]]:
+    return _Call("GET", f"/v1/leases/{lease_id}", _same)
+
+
+def _resize_call(lease_id: str, request: str | float | None,
+                 limit: str | float | None) -> _Call[dict[str, Any]]:
+    body = {k: v for k, v in (("request", request), ("limit", limit)) if v is not None}
+    return _Call("PATCH", f"/v1/leases/{lease_id}", _same, body)
+
+
+def _release_call(lease_id: str) -> _Call[None]:
+    return _Call("DELETE", f"/v1/leases/{lease_id}", _nothing)
+
+
+def _register_pid_call(lease_id: str, pid: int) -> _Call[dict[str, Any]]:
+    return _Call("POST", f"/v1/leases/{lease_id}/pids", _same, {"pid": pid})
+
+
+def _report_usage_call(lease_id: str, nbytes: int) -> _Call[None]:
+    return _Call("POST", f"/v1/leases/{lease_id}/usage", _nothing, {"bytes": nbytes})
+
+
+def _migrated_call(lease_id: str) -> _Call[dict[str, Any]]:
+    return _Call("POST", f"/v1/leases/{lease_id}/migrated", _same, {})
+
+
+def _directives_call(client: str | None, lease: str | None, after: int,
+                     timeout: float) -> _Call[tuple[list[dict[str, Any]], int]]:
+    query: dict[str, Any] = {"after": after, "timeout": timeout}
+    if client is not None:
+        query["client"] = client
+    if lease is not None:
+        query["lease"] = lease
+    return _Call("GET", "/v1/directives", lambda a: (list(a["directives"]), int(a["last"])),
+                 query=query, wait=timeout)
+
+
+def _metrics_call() -> _Call[str]:
+    return _Call("GET", "/metrics", str)
+
+
+def _decode(status: int, content_type: str, raw: bytes) -> Any:
+    """The agent's answer: parsed JSON, text, or None; an AgentError for a 4xx or 5xx."""
+    import json
+
+    if status >= 400:
         try:
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+            error = json.loads(raw)["error"]
+            raise AgentError(status, error.get("field"), error.get("message", ""))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise AgentError(status, None, raw.decode(errors="replace")) from None
+    if status == 204 or not raw:
+        return None
+    if content_type.startswith("application/json"):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise AgentError(status, None, "the agent's answer is not JSON: "
+                             + raw[:200].decode(errors="replace")) from None
+    return raw.decode(errors="replace")
 
 
-class AgentClient:
-    """One method per endpoint of docs/agent-api.md. Each call opens its own connection."""
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError under httpx's wrapping of a failed connect, read or write, if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+class _Attempts:
+    """The retry rule for one call: a full listen queue is waited out, backing off, for up to
+    CONNECT_PATIENCE; every other failure is final. A full queue shows as EAGAIN from connect()
+    (the blocking client) or as a connect that times out (the async one: see connect_timeout)."""
+
+    def __init__(self, socket_path: str, timeout: float, state_dir: str | None) -> None:
+        self.socket_path = socket_path
+        self.state_dir = state_dir
+        self.deadline = time.monotonic() + min(timeout, CONNECT_PATIENCE)
+        self.delay = 0.01
+
+    def connect_timeout(self) -> float:
+        """How long the next connect may take. anyio meets EAGAIN by trying again at once until
+        this runs out, a busy loop; kept short, our backoff does the waiting instead. A connect
+        that is neither refused nor queued is instant on a Unix socket."""
+        return max(min(self.deadline - time.monotonic(), CONNECT_SLICE), 0.001)
+
+    def after(self, exc: Exception) -> float:
+        """Seconds to wait before the next attempt; raises what ``exc`` means when it is final."""
+        import httpx
+
+        if not isinstance(exc, httpx.HTTPError):
+            raise exc
+        cause = _os_error(exc)
+        if isinstance(exc, httpx.ConnectTimeout) or (
+                isinstance(exc, httpx.ConnectError) and isinstance(cause, BlockingIOError)):
+            delay, self.delay = self.delay, min(self.delay * 2, 0.5)
+            if time.monotonic() + delay <= self.deadline:
+                return delay
+            raise self._unavailable("it is too busy: its listen queue stayed full") from exc
+        if not isinstance(exc, httpx.TransportError):  # it answered, but not in HTTP we read
+            raise AgentError(0, None, f"unreadable answer from the agent: {exc}") from exc
+        if isinstance(exc, httpx.TimeoutException):
+            raise self._unavailable("timed out") from exc
+        if cause is not None:
+            raise self._unavailable(cause.strerror or str(cause)) from exc
+        raise self._unavailable(str(exc) or type(exc).__name__) from exc
+
+    def _unavailable(self, reason: str) -> AgentUnavailable:
+        return AgentUnavailable(self.socket_path, reason, self.state_dir)
+
+
+class _Common:
+    """Settings, and the translation to and from httpx, that both clients share."""
 
     def __init__(self, socket_path: str | None = None, timeout: float = 10.0,
                  state_dir: str | None = None) -> None:
@@ -136,59 +288,99 @@ class AgentClient:
         # Only for the hint in AgentUnavailable: the agent's state directory, when known.
         self.state_dir = state_dir
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                timeout: float | None = None) -> Any:
-        conn = _UnixConnection(self.socket_path, timeout or self.timeout)
-        try:
-            payload = None if body is None else json.dumps(body)
-            headers = {"Content-Type": "application/json"} if payload is not None else {}
-            try:
-                self._connect(conn)
-                conn.request(method, path, body=payload, headers=headers)
-                response = conn.getresponse()
-                raw = response.read()
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                raise self._unavailable(exc.strerror or str(exc)) from exc
-            except BlockingIOError as exc:
-                raise self._unavailable("it is too busy: its listen queue stayed full") from exc
-            except TimeoutError as exc:
-                raise self._unavailable("timed out") from exc
-            except OSError as exc:
-                raise self._unavailable(str(exc)) from exc
-        finally:
-            conn.close()
-        if response.status >= 400:
-            try:
-                error = json.loads(raw)["error"]
-                raise AgentError(response.status, error.get("field"), error.get("message", ""))
-            except (ValueError, KeyError, TypeError):
-                raise AgentError(response.status, None, raw.decode(errors="replace")) from None
-        if response.status == 204 or not raw:
-            return None
-        if response.getheader("Content-Type", "").startswith("application/json"):
-            return json.loads(raw)
-        return raw.decode()
-
-    def _connect(self, conn: _UnixConnection) -> None:
-        """Connect, waiting out a full listen queue (a busy agent, not an absent one)."""
+    def _attempts(self) -> _Attempts:
+        # Checked before every call, not once: the folder may change in between.
         problem = socket_folder_problem(self.socket_path)
         if problem:
             raise UnsafeSocket(self.socket_path, problem)
-        delay = 0.01
-        deadline = time.monotonic() + min(self.timeout, CONNECT_PATIENCE)
+        return _Attempts(self.socket_path, self.timeout, self.state_dir)
+
+    def _build(self, call: _Call[Any], attempts: _Attempts) -> httpx.Request:
+        import json
+
+        import httpx
+
+        read = (call.timeout or self.timeout) + call.wait
+        timeout = httpx.Timeout(read, connect=attempts.connect_timeout())
+        content, headers = None, {}
+        if call.body is not None:
+            content, headers = json.dumps(call.body).encode(), {"Content-Type": "application/json"}
+        return httpx.Request(call.method, BASE_URL + call.path, params=call.query,
+                             content=content, headers=headers,
+                             extensions={"timeout": timeout.as_dict()})
+
+    @staticmethod
+    def _answer(call: _Call[T], response: httpx.Response) -> T:
+        return call.parse(_decode(response.status_code,
+                                  response.headers.get("Content-Type", ""), response.content))
+
+    def _transport_options(self, keep: int) -> dict[str, Any]:
+        import httpx
+
+        # Plain HTTP on a Unix socket: no TLS, so no certificates to load (verify=False).
+        return {"uds": self.socket_path, "verify": False,
+                "limits": httpx.Limits(max_keepalive_connections=keep,
+                                       keepalive_expiry=KEEPALIVE_S)}
+
+
+# -- the two clients: they only send ----------------------------------------------------------
+
+
+class AgentClient(_Common):
+    """One method per endpoint of docs/agent-api.md, blocking.
+
+    Keeps one idle connection for the next call; httpx drops it when the agent closed it (a
+    restart). The agent knows a caller by who opened the connection, so a forked child or a
+    process that changed its uid or groups since gets a connection of its own.
+    """
+
+    def __init__(self, socket_path: str | None = None, timeout: float = 10.0,
+                 state_dir: str | None = None) -> None:
+        super().__init__(socket_path, timeout, state_dir)
+        self._owner: tuple[int, int, int, tuple[int, ...]] | None = None
+        self._client: httpx.Client | None = None
+
+    def _http(self) -> httpx.Client:
+        owner = (os.getpid(), os.geteuid(), os.getegid(), tuple(os.getgroups()))
+        client = self._client
+        if client is None or self._owner != owner:
+            import httpx
+
+            # The old one is dropped, not closed: after a fork it is the parent's, and its
+            # pool's lock may have been held by another of the parent's threads. No lock
+            # here either: two threads racing build one client too many, and one is dropped.
+            transport = httpx.HTTPTransport(**self._transport_options(keep=1))
+            client = self._client = httpx.Client(transport=transport, trust_env=False)
+            self._owner = owner
+        return client
+
+    def _send(self, call: _Call[T]) -> T:
+        attempts = self._attempts()
         while True:
             try:
-                conn.connect()
-                return
-            except BlockingIOError:
-                # EAGAIN from connect() on a Unix socket: the backlog is full right now.
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                response = self._http().send(self._build(call, attempts))
+            except Exception as exc:
+                time.sleep(attempts.after(exc))
+                continue
+            return self._answer(call, response)
 
-    def _unavailable(self, reason: str) -> AgentUnavailable:
-        return AgentUnavailable(self.socket_path, reason, self.state_dir)
+    def close(self) -> None:
+        """Close the kept connection; a later call opens another."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                timeout: float | None = None) -> Any:
+        """Any request: the parsed answer (JSON, text, or None)."""
+        return self._send(_raw_call(method, path, body, timeout))
 
     def ping(self) -> bool:
         """True when an agent answers at the socket."""
@@ -199,55 +391,147 @@ class AgentClient:
         return True
 
     def node(self) -> dict[str, Any]:
-        return self.request("GET", "/v1/node")
+        return self._send(_node_call())
 
     def leases(self) -> list[dict[str, Any]]:
-        return self.request("GET", "/v1/leases")["leases"]
+        return self._send(_leases_call())
 
     def create_lease(self, *, client: str, request: str | float | int | None = None,
                      limit: str | float | int | None = None, kind: str = "notebook",
                      devices: int = 1, kernel_id: str | None = None,
                      name: str | None = None, compute_request: str | float | None = None,
                      compute_limit: str | float | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"kind": kind, "client": client, "devices": devices}
-        for key, value in (("request", request), ("limit", limit), ("kernel_id", kernel_id),
-                           ("name", name), ("compute_request", compute_request),
-                           ("compute_limit", compute_limit)):
-            if value is not None:
-                body[key] = value
-        return self.request("POST", "/v1/leases", body)
+        return self._send(_create_lease_call({
+            "kind": kind, "client": client, "devices": devices, "request": request,
+            "limit": limit, "kernel_id": kernel_id, "name": name,
+            "compute_request": compute_request, "compute_limit": compute_limit}))
 
     def lease(self, lease_id: str) -> dict[str, Any]:
-        return self.request("GET", f"/v1/leases/{lease_id}")
+        return self._send(_lease_call(lease_id))
 
     def resize(self, lease_id: str, *, request: str | float | None = None,
                limit: str | float | None = None) -> dict[str, Any]:
-        body = {k: v for k, v in (("request", request), ("limit", limit)) if v is not None}
-        return self.request("PATCH", f"/v1/leases/{lease_id}", body)
+        return self._send(_resize_call(lease_id, request, limit))
 
     def release(self, lease_id: str) -> None:
-        self.request("DELETE", f"/v1/leases/{lease_id}")
+        self._send(_release_call(lease_id))
 
     def register_pid(self, lease_id: str, pid: int) -> dict[str, Any]:
-        return self.request("POST", f"/v1/leases/{lease_id}/pids", {"pid": pid})
+        return self._send(_register_pid_call(lease_id, pid))
 
     def report_usage(self, lease_id: str, nbytes: int) -> None:
-        self.request("POST", f"/v1/leases/{lease_id}/usage", {"bytes": nbytes})
+        self._send(_report_usage_call(lease_id, nbytes))
 
     def migrated(self, lease_id: str) -> dict[str, Any]:
-        return self.request("POST", f"/v1/leases/{lease_id}/migrated", {})
+        return self._send(_migrated_call(lease_id))
 
     def directives(self, *, client: str | None = None, lease: str | None = None,
                    after: int = 0, timeout: float = 25.0) -> tuple[list[dict[str, Any]], int]:
         """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor."""
-        query: dict[str, Any] = {"after": after, "timeout": timeout}
-        if client is not None:
-            query["client"] = client
-        if lease is not None:
-            query["lease"] = lease
-        answer = self.request("GET", "/v1/directives?" + urlencode(query),
-                              timeout=timeout + self.timeout)
-        return answer["directives"], answer["last"]
+        return self._send(_directives_call(client, lease, after, timeout))
 
     def metrics(self) -> str:
-        return self.request("GET", "/metrics")
+        return self._send(_metrics_call())
+
+
+class AsyncAgentClient(_Common):
+    """AgentClient's methods as coroutines, for code on an event loop.
+
+    A connection per call, closed with it: a client nobody closes holds no socket, and a
+    cancelled call (a long poll at shutdown) closes its connection on the spot.
+    """
+
+    def __init__(self, socket_path: str | None = None, timeout: float = 10.0,
+                 state_dir: str | None = None) -> None:
+        super().__init__(socket_path, timeout, state_dir)
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            import httpx
+
+            transport = httpx.AsyncHTTPTransport(**self._transport_options(keep=0))
+            self._client = httpx.AsyncClient(transport=transport, trust_env=False)
+        return self._client
+
+    async def _send(self, call: _Call[T]) -> T:
+        import asyncio
+
+        attempts = self._attempts()
+        while True:
+            try:
+                response = await self._http().send(self._build(call, attempts))
+            except Exception as exc:
+                await asyncio.sleep(attempts.after(exc))
+                continue
+            return self._answer(call, response)
+
+    async def aclose(self) -> None:
+        """Let go of the HTTP client (it holds no connection between calls)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def __aenter__(self) -> AsyncAgentClient:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                      timeout: float | None = None) -> Any:
+        """Any request: the parsed answer (JSON, text, or None)."""
+        return await self._send(_raw_call(method, path, body, timeout))
+
+    async def ping(self) -> bool:
+        """True when an agent answers at the socket."""
+        try:
+            await self.node()
+        except AgentUnavailable:
+            return False
+        return True
+
+    async def node(self) -> dict[str, Any]:
+        return await self._send(_node_call())
+
+    async def leases(self) -> list[dict[str, Any]]:
+        return await self._send(_leases_call())
+
+    async def create_lease(self, *, client: str, request: str | float | int | None = None,
+                           limit: str | float | int | None = None, kind: str = "notebook",
+                           devices: int = 1, kernel_id: str | None = None,
+                           name: str | None = None, compute_request: str | float | None = None,
+                           compute_limit: str | float | None = None) -> dict[str, Any]:
+        return await self._send(_create_lease_call({
+            "kind": kind, "client": client, "devices": devices, "request": request,
+            "limit": limit, "kernel_id": kernel_id, "name": name,
+            "compute_request": compute_request, "compute_limit": compute_limit}))
+
+    async def lease(self, lease_id: str) -> dict[str, Any]:
+        return await self._send(_lease_call(lease_id))
+
+    async def resize(self, lease_id: str, *, request: str | float | None = None,
+                     limit: str | float | None = None) -> dict[str, Any]:
+        return await self._send(_resize_call(lease_id, request, limit))
+
+    async def release(self, lease_id: str) -> None:
+        await self._send(_release_call(lease_id))
+
+    async def register_pid(self, lease_id: str, pid: int) -> dict[str, Any]:
+        return await self._send(_register_pid_call(lease_id, pid))
+
+    async def report_usage(self, lease_id: str, nbytes: int) -> None:
+        await self._send(_report_usage_call(lease_id, nbytes))
+
+    async def migrated(self, lease_id: str) -> dict[str, Any]:
+        return await self._send(_migrated_call(lease_id))
+
+    async def directives(self, *, client: str | None = None, lease: str | None = None,
+                         after: int = 0, timeout: float = 25.0
+                         ) -> tuple[list[dict[str, Any]], int]:
+        """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor."""
+        return await self._send(_directives_call(client, lease, after, timeout))
+
+    async def metrics(self) -> str:
+        return await self._send(_metrics_call())

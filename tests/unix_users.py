@@ -67,10 +67,13 @@ def spawn(who: User | int, fn: Callable[[], Any]) -> tuple[int, int]:
     groups): (pid, pipe with its answer for :func:`collect`). Forked, not exec'd: this
     Python's own files may be unreadable to other users. SO_PEERCRED is taken at connect(),
     so the agent sees that user."""
-    from node_agent.client import AgentError
+    from node_agent.client import AgentClient, AgentError
 
     if os.getuid() != 0:
         pytest.skip("needs root to act as a second uid")
+    # The client imports its HTTP stack at its first request, which the child could not:
+    # one request that fails at once (nothing listens at /dev/null) loads it here.
+    AgentClient(os.devnull).ping()
     uid, gid, groups = (who, who, ()) if isinstance(who, int) else (who.uid, who.gid, who.groups)
     read, write = os.pipe()
     pid = os.fork()
