@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-from e2e.jupyter_process import Notebook, Server, running_server  # noqa: E402
-from support import AgentProcess, wait_for  # noqa: E402
+from harness.agent import AgentProcess, wait_for  # noqa: E402
+from harness.jupyter import Notebook, Server, running_server  # noqa: E402
 
 STATE = """
 import torch

@@ -20,7 +20,9 @@ from node_agent import policy
 from node_agent.metrics import render_metrics
 from node_agent.quantities import Quantity, QuantityError, parse_quantity
 from node_agent.service import (
+    ACTIONS,
     MAX_WAIT,
+    NOTICES,
     Agent,
     Caller,
     Conflict,
@@ -330,8 +332,15 @@ class DirectivesHandler(BaseHandler):
         for name, value in (("client", client), ("lease", lease_id)):
             if value is not None and not 0 < len(value) <= MAX_TEXT:
                 raise ApiError(400, name, f"expected 1 to {MAX_TEXT} characters")
+        kinds: tuple[str, ...] = ACTIONS
+        if (named := self.get_query_argument("kinds", None)) is not None:
+            kinds = tuple(dict.fromkeys(k.strip() for k in named.split(",") if k.strip()))
+            unknown = [k for k in kinds if k not in (*ACTIONS, *NOTICES)]
+            if unknown or not kinds:
+                raise ApiError(400, "kinds", "expected a comma-separated list of "
+                               f"{', '.join((*ACTIONS, *NOTICES))}, got {named[:MAX_TEXT]!r}")
         found, last = await self.agent.wait_directives(
-            self.caller, client=client, lease_id=lease_id,
+            self.caller, client=client, lease_id=lease_id, kinds=kinds,
             after=int(self.query_number("after", 0, int, -1, 2**63 - 1)),
             timeout=self.query_number("timeout", 0.0, float, 0, MAX_WAIT),
         )

@@ -1,18 +1,20 @@
-"""gpufrac-agent: serve | status | run | demo."""
+"""gpufrac-agent: serve | status | run | release | demo, a traitlets Application with config files."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import grp
 import json
 import logging
+import math
 import os
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -20,20 +22,48 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from traitlets import (
+    Bool,
+    CaselessStrEnum,
+    Container,
+    Dict,
+    Enum,
+    Float,
+    Int,
+    TraitError,
+    TraitType,
+    Unicode,
+    Union,
+    default,
+)
+from traitlets.config import Application, Config, boolean_flag
+from traitlets.config.loader import DeferredConfig, DeferredConfigList, KVArgParseConfigLoader
+
+from node_agent import __version__
 from node_agent.caps import framework_caps
 from node_agent.client import (
+    SYSTEM_SOCKET,
     AgentClient,
     AgentError,
     AgentUnavailable,
+    UnsafeSocket,
     default_socket_path,
     personal_socket_folders,
     serve_command,
     socket_folder_problem,
 )
 from node_agent.quantities import QuantityError, parse_quantity
+from node_agent.service import AgentConfig
 from node_agent.status import render_status, status_document
 
 log = logging.getLogger("gpufrac.agent")
+
+# Config files, lowest precedence first: the node's, then the user's; then --config, then flags.
+CONFIG_NAME = "gpufrac_agent_config"
+SYSTEM_CONFIG_DIR = "/etc/gpufrac"
+
+# The agent's settings are AgentConfig's; its defaults are the only ones.
+_AGENT = AgentConfig()
 
 
 def default_state_dir() -> str:
@@ -41,6 +71,234 @@ def default_state_dir() -> str:
         return "/var/lib/gpufrac"
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "gpufrac")
+
+
+def user_config_dir() -> str:
+    """``$XDG_CONFIG_HOME/gpufrac``, by default ``~/.config/gpufrac``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return os.path.join(base, "gpufrac")
+
+
+class UsageError(Exception):
+    """A bad command line or setting: the message names it and what it expects (exit status 2)."""
+
+
+class _BadValue(Exception):
+    """A value its trait refuses; the caller says where it came from (a flag, a config file)."""
+
+    def __init__(self, section: str, name: str, value: object, expected: str) -> None:
+        super().__init__(f"{section}.{name}")
+        self.section, self.name, self.value, self.expected = section, name, value, expected
+
+
+def _expected(trait: TraitType[Any, Any]) -> str:
+    """What a trait takes, in words: its ``expect`` tag, else from its type and bounds."""
+    said = trait.metadata.get("expect")
+    if said:
+        return str(said)
+    if isinstance(trait, Union):
+        return " or ".join(_expected(t) for t in trait.trait_types)
+    if isinstance(trait, Bool):
+        return "true or false"
+    if isinstance(trait, Enum):
+        return "one of " + ", ".join(str(v) for v in trait.values or ())
+    if isinstance(trait, (Int, Float)):
+        what = "a whole number" if isinstance(trait, Int) else "a number"
+        # Float's open ends are infinities, Int's None.
+        low = None if trait.min in (None, -math.inf) else trait.min
+        high = None if trait.max in (None, math.inf) else trait.max
+        if low is not None and high is not None:
+            return f"{what} from {low:g} to {high:g}"
+        if low is not None:
+            return f"{what} of at least {low:g}"
+        if high is not None:
+            return f"{what} of at most {high:g}"
+        return what
+    return "text"
+
+
+def _untrusted(path: str) -> str | None:
+    """Why a config file (or its folder) may not be read, or None.
+
+    A config file is Python run by the agent, which runs as root: it must be this user's or
+    root's, and writable by its owner only (sudo may keep a user's $HOME or $XDG_CONFIG_HOME).
+    """
+    st = os.stat(path)
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{path} belongs to uid {st.st_uid}, neither you (uid {os.geteuid()}) nor root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+# --- what every subcommand shares ----------------------------------------------------------
+class Command(Application):
+    """One subcommand: ``execute()`` does its work and says the exit status.
+
+    A new subcommand is a subclass with ``name`` ("gpufrac-agent NAME"), ``description`` and
+    ``execute``, listed in COMMANDS; one that parses its own arguments (e.g. ``simulate``
+    calling ``node_agent.simulator.main``) overrides ``initialize`` to keep ``argv`` as is.
+    """
+
+    name = "gpufrac-agent"
+    version = __version__
+    exit_status = 0
+
+    def execute(self) -> int:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.exit_status = self.execute()
+
+    def _create_loader(self, argv: list[str] | None, aliases: dict[str, Any],
+                       flags: dict[str, Any], classes: Any) -> KVArgParseConfigLoader:
+        # argparse's own errors (an unknown flag) name the subcommand, not __main__.py.
+        return _Loader(argv, aliases, flags, classes=classes, log=self.log,
+                       subcommands=self.subcommands, prog=self.name,
+                       usage=f"{self.name} [options] (--help lists them)")
+
+
+class _Loader(KVArgParseConfigLoader):
+    def _handle_unrecognized_alias(self, arg: str) -> None:
+        # A mistyped option stops the command (exit status 2); traitlets would only warn.
+        self.parser.error(f"unrecognized option --{arg}")
+
+    def _exec_config_str(self, lhs: Any, rhs: Any,
+                         trait: TraitType[Any, Any] | None = None) -> None:
+        # An option given twice keeps its last value, as with argparse: scripts add to a
+        # command line (`serve ... --orphan-grace 0.2`) rather than edit it.
+        if (isinstance(rhs, DeferredConfigList) and len(rhs) > 1 and trait is not None
+                and not isinstance(trait, (Container, Dict))):
+            rhs = DeferredConfigList(rhs[-1:])
+        super()._exec_config_str(lhs, rhs, trait)
+
+
+class GpuFracAgent(Command):
+    """Which agent (its socket and state directory), and where settings come from."""
+
+    socket = Unicode(
+        help="The agent's Unix socket. Default: $GPUFRAC_AGENT_SOCKET, else the system agent's "
+        f"{SYSTEM_SOCKET} when root's agent made it, else $XDG_RUNTIME_DIR/gpufrac/agent.sock "
+        "(or /tmp/gpufrac-UID/agent.sock).",
+    ).tag(config=True)
+
+    @default("socket")
+    def _default_socket(self) -> str:
+        return default_socket_path()
+
+    state_dir = Unicode(
+        None, allow_none=True,
+        help="The agent's state directory: where `serve` keeps its ledger (default "
+        "/var/lib/gpufrac for root, else $XDG_STATE_HOME/gpufrac), and what status, run and "
+        "release name in their hint to start an agent.",
+    ).tag(config=True)
+
+    config_file = Unicode(
+        "",
+        help=f"A config file (.py or .json) read after {SYSTEM_CONFIG_DIR}/{CONFIG_NAME}.py and "
+        f"$XDG_CONFIG_HOME/gpufrac/{CONFIG_NAME}.py (~/.config/gpufrac/...); flags win over "
+        "all of them.",
+    ).tag(config=True, expect="a .py or .json file")
+
+    aliases = {
+        "socket": "GpuFracAgent.socket",
+        "state-dir": "GpuFracAgent.state_dir",
+        "config": "GpuFracAgent.config_file",
+    }
+    flags = {name: Application.flags[name] for name in ("show-config", "show-config-json")}
+
+    @default("raise_config_file_errors")
+    def _raise_config_file_errors_default(self) -> bool:
+        return True  # a broken config file stops the command; we say which file
+
+    def initialize(self, argv: list[str] | None = None) -> None:
+        try:
+            self.parse_command_line(argv)
+        except _BadValue as bad:
+            raise UsageError(f"{self._option(bad.name)}: expected {bad.expected}, "
+                             f"got {bad.value!r}") from None
+        for folder in (SYSTEM_CONFIG_DIR, user_config_dir()):
+            self._load(folder, CONFIG_NAME, f"{os.path.join(folder, CONFIG_NAME)}.py")
+        if self.config_file:
+            path = os.path.abspath(os.path.expanduser(self.config_file))
+            stem, ext = os.path.splitext(os.path.basename(path))
+            if ext not in (".py", ".json") or not os.path.isfile(path):
+                raise UsageError(f"--config: expected an existing .py or .json file, got "
+                                 f"{self.config_file!r}")
+            self._load(os.path.dirname(path), stem, path)
+
+    def _load(self, folder: str, stem: str, shown: str) -> None:
+        """``folder/stem.py`` and ``.json`` where they exist, over what is loaded, under flags."""
+        found = [p for p in (os.path.join(folder, stem + ext) for ext in (".py", ".json"))
+                 if os.path.isfile(p)]
+        for path in (folder, *found) if found else ():
+            problem = _untrusted(path)
+            if problem:
+                raise UsageError(f"refusing the config file {shown}: {problem}")
+        if not found:
+            return
+        try:
+            self.load_config_file(stem, path=folder)
+        except _BadValue as bad:
+            raise UsageError(f"{shown}: c.{bad.section}.{bad.name}: expected {bad.expected}, "
+                             f"got {bad.value!r}") from None
+        except Exception as exc:
+            raise UsageError(f"cannot read the config file {shown}: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+    def update_config(self, config: Config) -> None:
+        # Each value is tried on its own first, to say which flag or key is wrong and what it
+        # takes; traitlets alone names only the trait, and exits with status 1.
+        traits = self.traits(config=True)
+        for section in self.section_names():
+            if section not in config:
+                continue
+            for name, given in config[section].items():
+                trait = traits.get(name)
+                if trait is None:
+                    continue  # traitlets warns of unknown names
+                value = given.get_value(trait) if isinstance(given, DeferredConfig) else given
+                try:
+                    self.set_trait(name, value)
+                except TraitError:
+                    shown = str(given) if isinstance(given, DeferredConfig) else given
+                    raise _BadValue(section, name, shown, _expected(trait)) from None
+        super().update_config(config)
+
+    def _option(self, name: str) -> str:
+        """How the command line names trait ``name``: its alias, else --Class.name."""
+        for alias, target in self.aliases.items():
+            if target.rpartition(".")[2] == name:
+                return f"--{alias}"
+        return f"--{type(self).__name__}.{name}"
+
+    def socket_note(self) -> str:
+        """Which socket this command used and why, for people told that nothing answers."""
+        def chosen(config: Config) -> bool:
+            return any(s in config and "socket" in config[s] for s in self.section_names())
+
+        if chosen(self.cli_config):
+            why = "given with --socket"
+        elif chosen(self.config):
+            why = "from " + " and ".join(self.loaded_config_files)
+        elif os.environ.get("GPUFRAC_AGENT_SOCKET"):
+            why = "from $GPUFRAC_AGENT_SOCKET"
+        else:
+            which = "the system agent's" if self.socket == SYSTEM_SOCKET else "this user's"
+            why = (f"{which} default; --socket, $GPUFRAC_AGENT_SOCKET or "
+                   "c.GpuFracAgent.socket in a config file names another")
+        return f"{self.name}: used the socket {self.socket} ({why})"
+
+    def unreachable(self, exc: AgentError) -> None:
+        """Say why the agent could not be asked, and which socket that was."""
+        print(f"{self.name}: {exc}", file=sys.stderr)
+        if isinstance(exc, (AgentUnavailable, UnsafeSocket)):
+            print(self.socket_note(), file=sys.stderr)
+
+    def no_arguments(self) -> None:
+        if self.extra_args:
+            raise UsageError(f"unexpected argument {self.extra_args[0]!r} (--help lists the "
+                             "options)")
 
 
 # --- serve ------------------------------------------------------------------------------
@@ -58,13 +316,6 @@ def _lock_state_dir(state_dir: str) -> int:
     return fd
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
-    return value
-
-
 def _make_socket_folder(socket_path: str) -> None:
     """Create the socket's folder if missing: open to all for root's (system) agent, else
     the user's own (0700, whatever the umask)."""
@@ -76,111 +327,230 @@ def _make_socket_folder(socket_path: str) -> None:
     os.chmod(folder, mode)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    # Imported here: `status` and `run` should start fast and need none of this.
-    from node_agent.api import listen_unix, make_app
-    from node_agent.devices import BackendUnavailable, open_backend
-    from node_agent.ledger import Ledger
-    from node_agent.service import Agent, AgentConfig
+def _tcp_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--tcp: expected HOST:PORT such as 127.0.0.1:9410, got {text!r}")
+    return host or "127.0.0.1", int(port)
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state_dir = args.state_dir or default_state_dir()
-    _make_socket_folder(args.socket)
-    problem = socket_folder_problem(args.socket)
-    if problem:
-        print(f"gpufrac-agent: refusing --socket {args.socket}: {problem}", file=sys.stderr)
-        return 2
-    if AgentClient(args.socket, timeout=2).ping():
-        print(f"gpufrac-agent: an agent already answers at {args.socket}", file=sys.stderr)
-        return 1
-    admin_gid = None
-    if args.admin_group:
+
+class ServeApp(GpuFracAgent):
+    name = "gpufrac-agent serve"
+    description = """Run the node agent: it leases GPU shares over its Unix socket.
+
+    It uses NVML when that starts (run it as root on a real node); --simulate describes a node
+    without one."""
+    examples = """
+gpufrac-agent serve --simulate 2x16GiB
+gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
+"""
+
+    simulate = Unicode(None, allow_none=True,
+                       help="A simulated node instead of NVML, e.g. 2x16GiB or 4xH100-80GB.",
+                       ).tag(config=True)
+    fallback_simulate = Unicode(None, allow_none=True,
+                                help="Use NVML when it starts, else this simulated node.",
+                                ).tag(config=True)
+    poll_interval = Float(_AGENT.poll_interval, min=0.01,
+                          help="Seconds between polls of the GPUs.").tag(config=True)
+    reclaim_grace = Float(_AGENT.reclaim_grace, min=0,
+                          help="Seconds a borrower has to shrink before it is killed.",
+                          ).tag(config=True)
+    migrate_grace = Float(_AGENT.migrate_grace, min=0,
+                          help="Seconds a client has to move a kernel before it is killed.",
+                          ).tag(config=True)
+    orphan_grace = Float(_AGENT.orphan_grace, min=0,
+                         help="Seconds a lease may have no live process before it is released.",
+                         ).tag(config=True)
+    restore_grace = Float(_AGENT.restore_grace, min=0,
+                          help="Seconds after a kernel comes back (restart, move) during which "
+                          "it is not shrunk or killed, and afterwards reclaimed from last.",
+                          ).tag(config=True)
+    kill_window = Float(_AGENT.kill_window, min=0,
+                        help="A lease stopped 3 or more times within this many seconds is told "
+                        "so, with what to do.").tag(config=True)
+    headroom = Float(_AGENT.headroom, min=0, max=1,
+                     help="Reclaim when free memory on a GPU falls below this share of it while "
+                     "a lease is under its request.").tag(config=True)
+    context_size = Union(
+        [Int(min=0), Unicode()], default_value=_AGENT.context_size, allow_none=True,
+        help="What one process's CUDA context takes (a share counts it, as NVML does), as a "
+        "size such as 500Mi or bytes. Default: the simulated board's, or an estimate of "
+        "500Mi with NVML.",
+    ).tag(config=True, expect="a memory size such as 500Mi")
+    enforce_limits = Bool(
+        _AGENT.enforce_limits, allow_none=True,
+        help="Ask a lease above its limit to shrink, then stop it. Default (None): with NVML; "
+        "not on a simulated node, where resident memory counts.",
+    ).tag(config=True)
+    node_scheduler = Bool(
+        _AGENT.node_scheduler,
+        help="Spread burstable notebooks (limit > request) over idle GPUs and move them back "
+        "when room is needed (reclaim works either way).",
+    ).tag(config=True)
+    max_workloads_per_gpu = Int(
+        _AGENT.max_workloads_per_gpu, allow_none=True, min=1,
+        help="How many leases one GPU may run at once (None: not enforced).",
+    ).tag(config=True)
+    max_leases_per_user = Int(_AGENT.max_leases_per_user, min=1,
+                              help="Leases one user (not an admin) may hold at once.",
+                              ).tag(config=True)
+    admin_group = Unicode(None, allow_none=True,
+                          help="Members of this group see and manage all leases.",
+                          ).tag(config=True)
+    tcp = Unicode(None, allow_none=True,
+                  help="Also serve TCP on HOST:PORT (needs --token-file).").tag(config=True)
+    token_file = Unicode(None, allow_none=True,
+                         help="The file holding the TCP token (16 characters or more).",
+                         ).tag(config=True)
+    # Application's own trait, made to take lower-case names as well (traitlets turns names
+    # into numbers as it applies them).
+    log_level = Union(
+        [CaselessStrEnum(("DEBUG", "INFO", "WARNING", "ERROR")), Enum((10, 20, 30, 40))],
+        default_value="INFO", help="How much the agent logs: debug, info, warning or error.",
+    ).tag(config=True, expect="debug, info, warning or error")
+
+    aliases = {
+        **GpuFracAgent.aliases,
+        **{flag: f"ServeApp.{flag.replace('-', '_')}" for flag in (
+            "simulate", "fallback-simulate", "poll-interval", "reclaim-grace", "migrate-grace",
+            "orphan-grace", "restore-grace", "kill-window", "headroom", "context-size",
+            "max-workloads-per-gpu", "max-leases-per-user", "admin-group", "tcp", "token-file",
+            "log-level")},
+    }
+    flags = {
+        **GpuFracAgent.flags,
+        **boolean_flag("node-scheduler", "ServeApp.node_scheduler",
+                       "Spread burstable notebooks over idle GPUs (the default).",
+                       "Keep every notebook on its bin-packed GPU."),
+        **boolean_flag("enforce-limits", "ServeApp.enforce_limits",
+                       "Stop leases that stay above their limit.",
+                       "Never stop a lease for its limit alone."),
+    }
+
+    def agent_config(self) -> AgentConfig:
+        """AgentConfig from these settings: every field is a trait of the same name."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(AgentConfig)}
+        return AgentConfig(**{**values, "context_size": self._context_bytes()})
+
+    def _context_bytes(self) -> int | None:
+        size = self.context_size
+        if size is None or isinstance(size, int):
+            return size
         try:
-            admin_gid = grp.getgrnam(args.admin_group).gr_gid
-        except KeyError:
-            print(f"gpufrac-agent: --admin-group: no group {args.admin_group!r}", file=sys.stderr)
+            nbytes = parse_quantity(size, "--context-size").nbytes
+        except QuantityError as exc:
+            raise UsageError(str(exc)) from None
+        if nbytes is None:
+            raise UsageError(f"--context-size: expected a memory size such as 500Mi, got "
+                             f"{size!r}")
+        return nbytes
+
+    def execute(self) -> int:
+        # Imported here: status and run should start fast and need none of this.
+        from node_agent.api import listen_unix, make_app
+        from node_agent.devices import BackendUnavailable, open_backend
+        from node_agent.ledger import Ledger
+        from node_agent.service import Agent
+
+        self.no_arguments()
+        config = self.agent_config()
+        tcp = _tcp_address(self.tcp) if self.tcp else None
+        logging.basicConfig(level=self.log_level,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        socket_path = self.socket
+        state_dir = self.state_dir or default_state_dir()
+        _make_socket_folder(socket_path)
+        problem = socket_folder_problem(socket_path)
+        if problem:
+            print(f"gpufrac-agent: refusing --socket {socket_path}: {problem}", file=sys.stderr)
             return 2
-    token = None
-    if args.tcp:
-        if not args.token_file:
-            print("gpufrac-agent: --tcp needs --token-file: TCP is never served without a token",
-                  file=sys.stderr)
-            return 2
-        token = Path(args.token_file).read_text().strip()
-        if len(token) < 16:
-            print("gpufrac-agent: --token-file: the token must be at least 16 characters",
-                  file=sys.stderr)
-            return 2
-    try:
-        backend = open_backend(args.simulate, args.fallback_simulate)
-    except BackendUnavailable as exc:
-        print(f"gpufrac-agent: {exc}: "
-              f"`{serve_command(args.socket, state_dir)} --simulate 2x16GiB`", file=sys.stderr)
-        return 2
-    except QuantityError as exc:
-        print(f"gpufrac-agent: {exc}", file=sys.stderr)
-        return 2
-    context_size = None
-    if args.context_size is not None:
+        if AgentClient(socket_path, timeout=2).ping():
+            print(f"gpufrac-agent: an agent already answers at {socket_path}", file=sys.stderr)
+            return 1
+        admin_gid = None
+        if self.admin_group:
+            try:
+                admin_gid = grp.getgrnam(self.admin_group).gr_gid
+            except KeyError:
+                print(f"gpufrac-agent: --admin-group: no group {self.admin_group!r}",
+                      file=sys.stderr)
+                return 2
+        token = None
+        if tcp:
+            if not self.token_file:
+                print("gpufrac-agent: --tcp needs --token-file: TCP is never served without a "
+                      "token", file=sys.stderr)
+                return 2
+            token = Path(self.token_file).read_text().strip()
+            if len(token) < 16:
+                print("gpufrac-agent: --token-file: the token must be at least 16 characters",
+                      file=sys.stderr)
+                return 2
         try:
-            context_size = parse_quantity(args.context_size, "context-size").nbytes
+            backend = open_backend(self.simulate, self.fallback_simulate)
+        except BackendUnavailable as exc:
+            print(f"gpufrac-agent: {exc}: "
+                  f"`{serve_command(socket_path, state_dir)} --simulate 2x16GiB`", file=sys.stderr)
+            return 2
         except QuantityError as exc:
             print(f"gpufrac-agent: {exc}", file=sys.stderr)
             return 2
-        if context_size is None:
-            print("gpufrac-agent: --context-size must be a memory size such as 500Mi, got "
-                  f"{args.context_size!r}", file=sys.stderr)
-            return 2
-    lock = _lock_state_dir(state_dir)
-    ledger = Ledger(state_dir)
-    config = AgentConfig(
-        poll_interval=args.poll_interval, reclaim_grace=args.reclaim_grace,
-        migrate_grace=args.migrate_grace, orphan_grace=args.orphan_grace, headroom=args.headroom,
-        restore_grace=args.restore_grace, kill_window=args.kill_window, context_size=context_size,
-        enforce_limits=args.enforce_limits, max_leases_per_user=args.max_leases_per_user,
-        node_scheduler=args.node_scheduler, max_workloads_per_gpu=args.max_workloads_per_gpu,
-    )
-    agent = Agent(backend, ledger, config)
+        lock = _lock_state_dir(state_dir)
+        ledger = Ledger(state_dir)
+        agent = Agent(backend, ledger, config)
 
-    async def main() -> None:
-        await agent.start()
-        app = make_app(agent, admin_gid, token)
-        server = listen_unix(app, args.socket)
-        if args.tcp:
-            host, _, port = args.tcp.rpartition(":")
-            server.listen(int(port), host or "127.0.0.1")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        kind = "simulated node " + getattr(backend, "spec", "") if backend.simulated else "NVML"
-        log.info("serving %d GPU(s) (%s) on %s, state in %s, %d lease(s) re-adopted",
-                 len(agent.gpus), kind, args.socket, state_dir, len(ledger.leases))
-        print(f"gpufrac-agent: ready on {args.socket}", flush=True)
-        await stop.wait()
-        server.stop()
-        await agent.stop()
+        async def main() -> None:
+            await agent.start()
+            app = make_app(agent, admin_gid, token)
+            server = listen_unix(app, socket_path)
+            if tcp:
+                server.listen(tcp[1], tcp[0])
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            kind = "simulated node " + getattr(backend, "spec", "") if backend.simulated else "NVML"
+            log.info("serving %d GPU(s) (%s) on %s, state in %s, %d lease(s) re-adopted",
+                     len(agent.gpus), kind, socket_path, state_dir, len(ledger.leases))
+            print(f"gpufrac-agent: ready on {socket_path}", flush=True)
+            await stop.wait()
+            server.stop()
+            await agent.stop()
 
-    try:
-        asyncio.run(main())
-    finally:
-        ledger.close()
-        backend.close()
-        os.close(lock)
-        with contextlib.suppress(OSError):
-            os.unlink(args.socket)
-    return 0
+        try:
+            asyncio.run(main())
+        finally:
+            ledger.close()
+            backend.close()
+            os.close(lock)
+            with contextlib.suppress(OSError):
+                os.unlink(socket_path)
+        return 0
 
 
 # --- status -----------------------------------------------------------------------------
-def cmd_status(args: argparse.Namespace) -> int:
-    client = AgentClient(args.socket, state_dir=args.state_dir)
-    if args.json:
-        print(json.dumps(status_document(client), indent=2))
-    else:
-        print(render_status(client.node(), client.leases()))
-    return 0
+class StatusApp(GpuFracAgent):
+    name = "gpufrac-agent status"
+    description = "Show the node's GPUs and the leases you may see (root and admins: all)."
+
+    json = Bool(False, help="The stable JSON document for scripts.").tag(config=True)
+
+    flags = {**GpuFracAgent.flags,
+             "json": ({"StatusApp": {"json": True}}, "The stable JSON document for scripts.")}
+
+    def execute(self) -> int:
+        self.no_arguments()
+        client = AgentClient(self.socket, state_dir=self.state_dir)
+        try:
+            if self.json:
+                print(json.dumps(status_document(client), indent=2))
+            else:
+                print(render_status(client.node(), client.leases()))
+        except AgentError as exc:
+            self.unreachable(exc)
+            return 1
+        return 0
 
 
 # --- run --------------------------------------------------------------------------------
@@ -222,15 +592,15 @@ class _Lease:
     """The job lease of one `run`: asked for, waited for through agent restarts, and always
     given back."""
 
-    def __init__(self, client: AgentClient, args: argparse.Namespace, request: str,
+    def __init__(self, client: AgentClient, options: RunApp, request: str,
                  name: str) -> None:
         self.client = client
-        self.args = args
+        self.options = options
         self.request = request
         self.name = name
         self.id: str | None = None
         self.progress = _Progress()
-        self.deadline = time.monotonic() + args.timeout
+        self.deadline = time.monotonic() + options.timeout
 
     def through_restarts(self, call: Callable[[], T], what: str) -> T:
         """``call()``, waiting out an agent that is down or restarting until the deadline."""
@@ -258,8 +628,8 @@ class _Lease:
         while True:
             lease = self.through_restarts(lambda: self.client.create_lease(
                 client=f"gpufrac-run-{os.getpid()}", kind="job", request=self.request,
-                limit=self.args.limit, devices=self.args.gpus, name=self.name,
-                compute_request=self.args.compute),
+                limit=self.options.limit, devices=self.options.gpus, name=self.name,
+                compute_request=self.options.compute),
                 "asking for a lease")
             self.id = lease_id = str(lease["id"])
             try:
@@ -305,7 +675,7 @@ class _Lease:
                 self.progress.note(lease["reason"], lease["reason"])
             now = time.monotonic()
             if now >= self.deadline:
-                raise TimeoutError(f"lease {self.id} not granted within {self.args.timeout:g}s")
+                raise TimeoutError(f"lease {self.id} not granted within {self.options.timeout:g}s")
             time.sleep(min(delay, self.deadline - now))
             delay = 0.1 if lease is not None else min(delay * 2, _MAX_DELAY)
 
@@ -314,7 +684,7 @@ class _Lease:
         it cannot, say which lease is left and the exact command that releases it."""
         if self.id is None:
             return
-        deadline = time.monotonic() + self.args.release_timeout
+        deadline = time.monotonic() + self.options.release_timeout
         delay = 0.2
         try:
             while True:
@@ -328,7 +698,7 @@ class _Lease:
                         return
                     self.progress.note("down", f"the agent does not answer ({exc.reason}); "
                                        f"retrying to release lease {self.id} for up to "
-                                       f"{self.args.release_timeout:g}s", every=10)
+                                       f"{self.options.release_timeout:g}s", every=10)
                     time.sleep(min(delay, deadline - now))
                     delay = min(delay * 2, _MAX_DELAY)
                 except AgentError as exc:
@@ -373,170 +743,221 @@ _GATE = (
 )
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        print("gpufrac-agent run: give the command after --, e.g. run --gpus 1 -- python train.py",
-              file=sys.stderr)
-        return 2
-    request = args.request if args.request is not None else "1"
-    for field, value in (("request", request), ("limit", args.limit)):
-        if value is not None:
-            try:
-                parse_quantity(value, f"--{field}")
-            except QuantityError as exc:
-                print(f"gpufrac-agent run: {exc}", file=sys.stderr)
-                return 2
-    job = _Lease(AgentClient(args.socket, state_dir=args.state_dir), args, request,
-                 " ".join(command)[:200])
-    child: subprocess.Popen[bytes] | None = None
+class RunApp(GpuFracAgent):
+    name = "gpufrac-agent run"
+    description = """Run a command on GPUs leased for it.
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-        else:
-            raise _Stopped(signum)
+    gpufrac-agent run [options] -- CMD [ARGS...]
 
-    # Before the lease is asked for: a signal at any point after it leads to its release.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    try:
-        job.ask()
-        lease = job.wait_active()
-        lease_id = str(lease["id"])
-        gpus = ",".join(lease["physical_gpus"])
-        print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
-                   GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
-        env.update(_caps(job.client, lease))
-        gate_r, gate_w = os.pipe()
-        child = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), *command], env=env,
-                                 pass_fds=(gate_r,))
-        os.close(gate_r)
+    The lease is asked for (waiting through agent restarts up to --timeout), the command runs
+    with CUDA_VISIBLE_DEVICES and the caps of the lease, and the lease is given back when it
+    ends; run exits with the command's status."""
+    examples = """
+gpufrac-agent run --gpus 1 -- python train.py
+gpufrac-agent run --request 0.25 --limit 0.5 --compute 0.3 -- python infer.py
+"""
+
+    gpus = Int(1, min=1, help="How many GPUs.").tag(config=True)
+    request = Unicode(None, allow_none=True,
+                      help="Per-GPU request for a fractional job, a fraction or a size such as "
+                      "4Gi (default: the whole GPU).").tag(config=True)
+    limit = Unicode(None, allow_none=True,
+                    help="Per-GPU limit (default: the request).").tag(config=True)
+    compute = Unicode(None, allow_none=True,
+                      help="Share of each GPU's compute, a fraction (held by CUDA MPS where it "
+                      "runs).").tag(config=True)
+    timeout = Float(600.0, min=0, help="Seconds to wait for the GPUs, through agent restarts.",
+                    ).tag(config=True)
+    release_timeout = Float(30.0, min=0,
+                            help="Seconds to retry giving the lease back while the agent does "
+                            "not answer.").tag(config=True)
+
+    aliases = {**GpuFracAgent.aliases,
+               **{flag: f"RunApp.{flag.replace('-', '_')}" for flag in (
+                   "gpus", "request", "limit", "compute", "timeout", "release-timeout")}}
+
+    def execute(self) -> int:
+        command = self.extra_args
+        if not command:
+            print("gpufrac-agent run: give the command after --, e.g. run --gpus 1 -- python "
+                  "train.py", file=sys.stderr)
+            return 2
+        request = self.request if self.request is not None else "1"
+        for field, value in (("request", request), ("limit", self.limit)):
+            if value is not None:
+                try:
+                    parse_quantity(value, f"--{field}")
+                except QuantityError as exc:
+                    print(f"gpufrac-agent run: {exc}", file=sys.stderr)
+                    return 2
+        job = _Lease(AgentClient(self.socket, state_dir=self.state_dir), self, request,
+                     " ".join(command)[:200])
+        child: subprocess.Popen[bytes] | None = None
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            if child is not None and child.poll() is None:
+                child.send_signal(signum)
+            else:
+                raise _Stopped(signum)
+
+        # Before the lease is asked for: a signal at any point after it leads to its release.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, on_signal)
         try:
-            pid = child.pid
-            job.through_restarts(lambda: job.client.register_pid(lease_id, pid),
-                                 "registering the command")
-            with contextlib.suppress(BrokenPipeError):  # a forwarded signal ended it already
-                os.write(gate_w, b"x")
+            job.ask()
+            lease = job.wait_active()
+            lease_id = str(lease["id"])
+            gpus = ",".join(lease["physical_gpus"])
+            print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
+                       GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
+            env.update(_caps(job.client, lease))
+            gate_r, gate_w = os.pipe()
+            child = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), *command],
+                                     env=env, pass_fds=(gate_r,))
+            os.close(gate_r)
+            try:
+                pid = child.pid
+                job.through_restarts(lambda: job.client.register_pid(lease_id, pid),
+                                     "registering the command")
+                with contextlib.suppress(BrokenPipeError):  # a forwarded signal ended it already
+                    os.write(gate_w, b"x")
+            finally:
+                os.close(gate_w)  # unopened: the command exits without running
+            code = child.wait()
+            return 128 - code if code < 0 else code
+        except _Stopped as stop:
+            job.progress.say(f"stopped by {stop}; giving the lease back")
+            return 128 + stop.signum
+        except (AgentError, TimeoutError) as exc:
+            print(f"gpufrac-agent run: {exc}", file=sys.stderr)
+            if isinstance(exc, (AgentUnavailable, UnsafeSocket)):
+                print(self.socket_note(), file=sys.stderr)
+            return 1
         finally:
-            os.close(gate_w)  # unopened: the command exits without running
-        code = child.wait()
-        return 128 - code if code < 0 else code
-    except _Stopped as stop:
-        job.progress.say(f"stopped by {stop}; giving the lease back")
-        return 128 + stop.signum
-    except (AgentError, TimeoutError) as exc:
-        print(f"gpufrac-agent run: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        job.release()
+            job.release()
 
 
-def cmd_release(args: argparse.Namespace) -> int:
-    AgentClient(args.socket, state_dir=args.state_dir).release(args.lease)
-    print(f"gpufrac-agent: released {args.lease}")
-    return 0
+# --- release, demo ----------------------------------------------------------------------
+class ReleaseApp(GpuFracAgent):
+    name = "gpufrac-agent release"
+    description = """Give a lease back (yours; root and admins: anyone's).
+
+    gpufrac-agent release LEASE"""
+    examples = "gpufrac-agent release l-3f9a0c1b2d4e"
+
+    def execute(self) -> int:
+        if len(self.extra_args) != 1:
+            raise UsageError("expected one lease id, e.g. release l-3f9a0c1b2d4e, got "
+                             f"{len(self.extra_args)} arguments")
+        lease_id = self.extra_args[0]
+        try:
+            AgentClient(self.socket, state_dir=self.state_dir).release(lease_id)
+        except AgentError as exc:
+            self.unreachable(exc)
+            return 1
+        print(f"gpufrac-agent: released {lease_id}")
+        return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from node_agent.demo import run_demo
+class DemoApp(GpuFracAgent):
+    name = "gpufrac-agent demo"
+    description = "Watch placing, spreading and compacting on a simulated node."
 
-    return run_demo(args.simulate)
+    simulate = Unicode("2x16GiB", help="The simulated node.").tag(config=True)
+
+    aliases = {**GpuFracAgent.aliases, "simulate": "DemoApp.simulate"}
+
+    def execute(self) -> int:
+        from node_agent.demo import run_demo
+
+        self.no_arguments()
+        return run_demo(self.simulate)
 
 
-# --- main -------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpufrac-agent", description=__doc__)
-    parser.add_argument("--socket", default=default_socket_path(),
-                        help="the agent's Unix socket (default: %(default)s)")
-    parser.add_argument("--state-dir", default=None,
-                        help="the agent's state directory, named in hints to start it "
-                        f"(serve's default: {default_state_dir()})")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+# --- the command ------------------------------------------------------------------------
+# The subcommands, in the order --help lists them.
+COMMANDS: tuple[type[Command], ...] = (ServeApp, StatusApp, RunApp, ReleaseApp, DemoApp)
 
-    serve = sub.add_parser("serve", help="run the node agent")
-    serve.add_argument("--socket", default=argparse.SUPPRESS, help="Unix socket to listen on")
-    serve.add_argument("--state-dir", default=argparse.SUPPRESS,
-                       help=f"where the ledger lives (default: {default_state_dir()})")
-    serve.add_argument("--simulate", metavar="SPEC",
-                       help="a simulated node instead of NVML, e.g. 2x16GiB or 4xH100-80GB")
-    serve.add_argument("--fallback-simulate", metavar="SPEC",
-                       help="use NVML when it starts, else this simulated node")
-    serve.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls")
-    serve.add_argument("--reclaim-grace", type=float, default=30.0,
-                       help="seconds a borrower has to shrink before it is killed")
-    serve.add_argument("--migrate-grace", type=float, default=120.0,
-                       help="seconds a client has to move a kernel before it is killed")
-    serve.add_argument("--orphan-grace", type=float, default=60.0,
-                       help="seconds a lease may have no live process before it is released")
-    serve.add_argument("--restore-grace", type=float, default=60.0,
-                       help="seconds after a kernel comes back (restart, move) during which it is "
-                       "not shrunk or killed, and afterwards reclaimed from last")
-    serve.add_argument("--kill-window", type=float, default=600.0,
-                       help="a lease stopped 3 or more times within this many seconds is told "
-                       "so, with what to do (default %(default)s)")
-    serve.add_argument("--headroom", type=float, default=0.05,
-                       help="reclaim when free memory on a GPU falls below this share of it while "
-                       "a lease is under its request (default %(default)s)")
-    serve.add_argument("--context-size", metavar="SIZE",
-                       help="what one process's CUDA context takes (a share counts it, as NVML "
-                       "does); default: the simulated board's, or an estimate of 500Mi with NVML")
-    serve.add_argument("--enforce-limits", action=argparse.BooleanOptionalAction, default=None,
-                       help="ask a lease above its limit to shrink, then stop it (default: with "
-                       "NVML; not on a simulated node, where resident memory counts)")
-    serve.add_argument("--node-scheduler", action=argparse.BooleanOptionalAction, default=True,
-                       help="spread burstable notebooks (limit > request) over idle GPUs and "
-                            "move them back when room is needed (default on; reclaim works "
-                            "either way)")
-    serve.add_argument("--max-workloads-per-gpu", type=_positive_int, metavar="N",
-                       help="how many leases one GPU may run at once (default: not enforced)")
-    serve.add_argument("--max-leases-per-user", type=_positive_int, default=64, metavar="N",
-                       help="leases one user (not an admin) may hold at once")
-    serve.add_argument("--admin-group", help="members of this group see and manage all leases")
-    serve.add_argument("--tcp", metavar="HOST:PORT", help="also serve TCP (needs --token-file)")
-    serve.add_argument("--token-file", help="file holding the TCP token")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
-    serve.set_defaults(func=cmd_serve)
 
-    status = sub.add_parser("status", help="GPUs and leases")
-    status.add_argument("--json", action="store_true", help="the stable JSON document for scripts")
-    status.set_defaults(func=cmd_status)
+class GpuFracAgentApp(GpuFracAgent):
+    description = f"""The jupyter-gpufrac node agent, and its clients: leases of fractional
+    GPU shares for notebook kernels and jobs on this node.
 
-    run = sub.add_parser("run", help="run a command on GPUs leased for it")
-    run.add_argument("--gpus", type=int, default=1, help="how many GPUs (default 1)")
-    run.add_argument("--request", help="per-GPU request for a fractional job (default: whole GPU)")
-    run.add_argument("--limit", help="per-GPU limit (default: the request)")
-    run.add_argument("--compute", metavar="FRACTION",
-                     help="share of each GPU's compute (held by CUDA MPS where it runs)")
-    run.add_argument("--timeout", type=float, default=600.0,
-                     help="seconds to wait for the GPUs, through agent restarts "
-                     "(default %(default)s)")
-    run.add_argument("--release-timeout", type=float, default=30.0,
-                     help="seconds to retry giving the lease back while the agent does not "
-                     "answer (default %(default)s)")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
-    run.set_defaults(func=cmd_run)
+    Settings come from, lowest precedence first: {SYSTEM_CONFIG_DIR}/{CONFIG_NAME}.py (the
+    node's), $XDG_CONFIG_HOME/gpufrac/{CONFIG_NAME}.py (default ~/.config/gpufrac; the
+    user's), the file named by --config (.json files alike), then the command line. A config
+    file (and its folder) must be yours or root's, writable by its owner only. In one,
+    `c.GpuFracAgent.socket = ...` applies to every subcommand, `c.ServeApp.headroom = ...` to
+    one. --socket, --state-dir and --config may come before or after the subcommand."""
+    examples = """
+gpufrac-agent serve --simulate 2x16GiB
+gpufrac-agent --socket /run/gpufrac/agent.sock status --json
+gpufrac-agent run --gpus 1 -- python train.py
+gpufrac-agent serve --help-all
+"""
+    subcommands = {command.name.rpartition(" ")[2]: (command, str(command.description).split("\n")[0])
+                   for command in COMMANDS}
+    classes = [GpuFracAgent, *COMMANDS]
 
-    release = sub.add_parser("release", help="give a lease back (yours; root: anyone's)")
-    release.add_argument("lease", help="the lease id, e.g. l-3f9a0c1b2d4e")
-    release.set_defaults(func=cmd_release)
+    # Options before the subcommand that take a value: that value is not the subcommand.
+    _TAKES_VALUE = frozenset(f"--{alias}" for alias in GpuFracAgent.aliases)
 
-    demo = sub.add_parser("demo", help="watch placing, spreading and compacting on a simulated node")
-    demo.add_argument("--simulate", default="2x16GiB", help="the simulated node (default %(default)s)")
-    demo.set_defaults(func=cmd_demo)
-    return parser
+    def initialize(self, argv: list[str] | None = None) -> None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["help"]:
+            argv = [*argv[1:], "--help"]
+        at = self._subcommand_at(argv)
+        if at is None:
+            super().parse_command_line(argv)  # --help, --help-all, --version exit here
+            given = [a for a in argv if not a.startswith("-")]
+            what = f"no subcommand {given[0]!r}" if given else "give a subcommand"
+            raise UsageError(f"{what}: one of {', '.join(self.subcommands)} (--help says more)")
+        # Options given before the subcommand are its own, as if given after it.
+        self.initialize_subcommand(argv[at], [*argv[:at], *argv[at + 1:]])
+
+    def _subcommand_at(self, argv: list[str]) -> int | None:
+        skip = False
+        for i, arg in enumerate(argv):
+            if skip:
+                skip = False
+            elif arg == "--":
+                return None
+            elif arg in self._TAKES_VALUE:
+                skip = True
+            elif not arg.startswith("-"):
+                return i if arg in self.subcommands else None
+        return None
+
+    def start(self) -> None:
+        assert isinstance(self.subapp, Command)
+        self.subapp.start()
+
+    def initialize_subcommand(self, subc: str, argv: list[str] | None = None) -> None:
+        # A new instance each time, not traitlets' singleton: main() may run more than once
+        # in a process.
+        command = self.subcommands[subc][0]
+        self.subapp = command(parent=self)
+        self.subapp.initialize(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    app = GpuFracAgentApp()
     try:
-        return int(args.func(args))
-    except AgentUnavailable as exc:
-        print(f"gpufrac-agent: {exc}", file=sys.stderr)
-        return 1
+        app.initialize(None if argv is None else list(argv))
+    except UsageError as exc:
+        print(f"{getattr(app.subapp, 'name', app.name)}: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as done:  # --help and --version (0), argparse's own errors (2)
+        return 2 if isinstance(done.code, str) else int(done.code or 0)
+    command = app.subapp
+    assert isinstance(command, Command)
+    try:
+        app.start()
+    except UsageError as exc:
+        print(f"{command.name}: {exc}", file=sys.stderr)
+        return 2
     except AgentError as exc:
-        print(f"gpufrac-agent: {exc}", file=sys.stderr)
+        print(f"{command.name}: {exc}", file=sys.stderr)
         return 1
+    return command.exit_status

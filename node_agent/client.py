@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 # httpx, json, shlex and asyncio are imported where first needed, not here: kernels import
@@ -190,9 +191,11 @@ def _migrated_call(lease_id: str) -> _Call[dict[str, Any]]:
     return _Call("POST", f"/v1/leases/{lease_id}/migrated", _same, {})
 
 
-def _directives_call(client: str | None, lease: str | None, after: int,
-                     timeout: float) -> _Call[tuple[list[dict[str, Any]], int]]:
+def _directives_call(client: str | None, lease: str | None, after: int, timeout: float,
+                     kinds: Sequence[str] | None) -> _Call[tuple[list[dict[str, Any]], int]]:
     query: dict[str, Any] = {"after": after, "timeout": timeout}
+    if kinds is not None:
+        query["kinds"] = ",".join(kinds)
     if client is not None:
         query["client"] = client
     if lease is not None:
@@ -426,9 +429,11 @@ class AgentClient(_Common):
         return self._send(_migrated_call(lease_id))
 
     def directives(self, *, client: str | None = None, lease: str | None = None,
-                   after: int = 0, timeout: float = 25.0) -> tuple[list[dict[str, Any]], int]:
-        """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor."""
-        return self._send(_directives_call(client, lease, after, timeout))
+                   after: int = 0, timeout: float = 25.0, kinds: Sequence[str] | None = None
+                   ) -> tuple[list[dict[str, Any]], int]:
+        """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor.
+        ``kinds``: which to hear of (default: migrate, shrink, killed; notices when named)."""
+        return self._send(_directives_call(client, lease, after, timeout, kinds))
 
     def metrics(self) -> str:
         return self._send(_metrics_call())
@@ -528,10 +533,12 @@ class AsyncAgentClient(_Common):
         return await self._send(_migrated_call(lease_id))
 
     async def directives(self, *, client: str | None = None, lease: str | None = None,
-                         after: int = 0, timeout: float = 25.0
+                         after: int = 0, timeout: float = 25.0,
+                         kinds: Sequence[str] | None = None
                          ) -> tuple[list[dict[str, Any]], int]:
-        """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor."""
-        return await self._send(_directives_call(client, lease, after, timeout))
+        """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor.
+        ``kinds``: which to hear of (default: migrate, shrink, killed; notices when named)."""
+        return await self._send(_directives_call(client, lease, after, timeout, kinds))
 
     async def metrics(self) -> str:
         return await self._send(_metrics_call())

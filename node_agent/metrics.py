@@ -1,69 +1,128 @@
-"""Prometheus text exposition of the node's GPUs and leases, in bytes."""
+"""/metrics: the node's GPUs and the caller's leases as Prometheus metrics, labelled as DCGM's are."""
 
 from __future__ import annotations
 
+import functools
+import os
+import pwd
+import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    StateSetMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from node_agent.ledger import STATES
+
 if TYPE_CHECKING:
+    from node_agent.ledger import Lease
     from node_agent.service import Agent, Caller
 
+# NVIDIA's DCGM exporter names its GPU labels so; series that share them join its own.
+GPU_LABELS = ("gpu", "UUID", "modelName", "hostname")
+# Per lease, then the GPU labels of each device it runs on. The state is a metric of its
+# own: as a label it would start a new series at every change.
+LEASE_LABELS = ("lease", "kernel_id", "user", "kind")
 
-def _labels(**labels: object) -> str:
-    def esc(v: object) -> str:
-        return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"
+def hostname() -> str:
+    """The node's name as the DCGM exporter gives it: $NODE_NAME (a Kubernetes DaemonSet sets
+    it), else the host's name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+@functools.lru_cache(maxsize=1024)
+def user_name(uid: int) -> str:
+    """The owner's login name, or the uid where it has none; looked up once per uid (a
+    directory service can be slow, and this runs on the agent's loop)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class AgentCollector(Collector):
+    """One scrape: metric families from the agent's state now, as ``caller`` may see it —
+    every GPU; the caller's own leases (an admin's: all)."""
+
+    def __init__(self, agent: Agent, caller: Caller) -> None:
+        self.agent = agent
+        self.caller = caller
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self.agent
+        host = hostname()
+        gpu_labels = {g.uuid: [str(g.index), g.uuid, g.name, host] for g in agent.gpus}
+
+        def on(uuid: str) -> list[str]:
+            # A device the backend no longer lists keeps its UUID, the one label it still has.
+            return gpu_labels.get(uuid) or ["", uuid, "", host]
+
+        for name, help_text, value in (
+            ("gpufrac_gpu_memory_total_bytes", "Device memory of the GPU.",
+             lambda g: g.memory_total),
+            ("gpufrac_gpu_memory_used_bytes", "Device memory in use, all processes.",
+             lambda g: g.memory_used),
+            ("gpufrac_gpu_healthy", "1 when the GPU answers normally.",
+             lambda g: int(g.healthy)),
+        ):
+            family = GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
+            for gpu in agent.gpus:
+                family.add_metric(gpu_labels[gpu.uuid], value(gpu))
+            yield family
+
+        leases = agent.visible(self.caller)
+        lease_labels = {lease.id: _lease_labels(lease) for lease in leases}
+        for name, attr, help_text in (
+            ("gpufrac_lease_request_bytes", "request", "Guaranteed memory of the lease, per device."),
+            ("gpufrac_lease_limit_bytes", "limit", "Most memory the lease may use, per device."),
+            ("gpufrac_lease_usage_bytes", "usage", "Device memory the lease's processes hold."),
+            ("gpufrac_lease_compute_request_ratio", "compute_request",
+             "Share of the GPU's compute the lease asked for (0-1)."),
+            ("gpufrac_lease_compute_limit_ratio", "compute_limit",
+             "Most of the GPU's compute the lease may use (0-1; enforced only under CUDA MPS)."),
+            ("gpufrac_lease_compute_usage_ratio", "compute_usage",
+             "SM utilization of the lease's processes, as sampled by the driver (0-1)."),
+        ):
+            family = GaugeMetricFamily(name, help_text, labels=LEASE_LABELS + GPU_LABELS)
+            for lease in leases:
+                value = getattr(lease, attr)
+                if value is None:
+                    continue  # not asked for, or not sampled: no series rather than a false 0
+                if attr == "compute_usage":
+                    value /= 100  # sampled in percent
+                for uuid in lease.physical:
+                    family.add_metric(lease_labels[lease.id] + on(uuid), value)
+            yield family
+
+        states = StateSetMetricFamily(
+            "gpufrac_lease_state", "The lease's state: pending, active, migrating, shrinking or "
+            "killed (1 for the one it is in).", labels=LEASE_LABELS)
+        for lease in leases:
+            states.add_metric(lease_labels[lease.id],
+                              {state: state == lease.state for state in (*STATES, lease.state)})
+        yield states
+
+        actions = CounterMetricFamily("gpufrac_actions", "Directives and kills issued by the agent.",
+                                      labels=["action"])
+        for action in ("migrations", "shrinks", "kills"):
+            actions.add_metric([action], agent.counters[action])
+        yield actions
+        yield GaugeMetricFamily("gpufrac_poll_seconds", "Duration of the last poll of the GPUs.",
+                                value=agent.tick_seconds)
+
+
+def _lease_labels(lease: Lease) -> list[str]:
+    # An empty label is an absent one to Prometheus: a job has no kernel.
+    return [lease.id, lease.kernel_id or "", user_name(lease.owner_uid), lease.kind]
 
 
 def render_metrics(agent: Agent, caller: Caller) -> str:
-    """Metrics the caller may see: every GPU; their own leases (all, for admins)."""
-    lines: list[str] = []
-
-    def family(name: str, kind: str, help_text: str) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-
-    family("gpufrac_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.")
-    for g in agent.gpus:
-        lines.append(f"gpufrac_gpu_memory_total_bytes{_labels(gpu=g.uuid, index=g.index)} {g.memory_total}")
-    family("gpufrac_gpu_memory_used_bytes", "gauge", "Device memory in use, all processes.")
-    for g in agent.gpus:
-        lines.append(f"gpufrac_gpu_memory_used_bytes{_labels(gpu=g.uuid, index=g.index)} {g.memory_used}")
-    family("gpufrac_gpu_healthy", "gauge", "1 when the GPU answers normally.")
-    for g in agent.gpus:
-        lines.append(f"gpufrac_gpu_healthy{_labels(gpu=g.uuid, index=g.index)} {int(g.healthy)}")
-
-    leases = agent.visible(caller)
-    for metric, attr, help_text in (
-        ("gpufrac_lease_request_bytes", "request", "Guaranteed memory of the lease, per device."),
-        ("gpufrac_lease_limit_bytes", "limit", "Most memory the lease may use, per device."),
-        ("gpufrac_lease_usage_bytes", "usage", "Device memory the lease's processes hold."),
-    ):
-        family(metric, "gauge", help_text)
-        for lease in leases:
-            for gpu in lease.physical:
-                labels = _labels(lease=lease.id, gpu=gpu, kind=lease.kind, state=lease.state,
-                                 owner_uid=lease.owner_uid)
-                lines.append(f"{metric}{labels} {getattr(lease, attr)}")
-    for metric, attr, help_text in (
-        ("gpufrac_lease_compute_request_ratio", "compute_request",
-         "Share of the GPU's compute the lease asked for (0-1)."),
-        ("gpufrac_lease_compute_limit_ratio", "compute_limit",
-         "Most of the GPU's compute the lease may use (0-1; enforced only under CUDA MPS)."),
-        ("gpufrac_lease_compute_usage_ratio", "compute_usage",
-         "SM utilization of the lease's processes, as sampled by the driver (0-1)."),
-    ):
-        family(metric, "gauge", help_text)
-        for lease in leases:
-            value = getattr(lease, attr)
-            if value is None:
-                continue  # not asked for, or not sampled: no series rather than a false 0
-            ratio = value / 100 if attr == "compute_usage" else value
-            for gpu in lease.physical:
-                lines.append(f"{metric}{_labels(lease=lease.id, gpu=gpu)} {ratio:g}")
-    family("gpufrac_actions_total", "counter", "Directives and kills issued by the agent.")
-    for action in ("migrations", "shrinks", "kills"):
-        lines.append(f"gpufrac_actions_total{_labels(action=action)} {agent.counters[action]}")
-    family("gpufrac_poll_seconds", "gauge", "Duration of the last poll of the GPUs.")
-    lines.append(f"gpufrac_poll_seconds {agent.tick_seconds:.6f}")
-    return "\n".join(lines) + "\n"
+    """The Prometheus text exposition of what ``caller`` may see."""
+    return generate_latest(AgentCollector(agent, caller)).decode()

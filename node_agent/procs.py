@@ -1,10 +1,12 @@
-"""Processes as the agent sees them: owner and start time from /proc; kills that miss reused pids."""
+"""Processes as the agent sees them: owner and start time; kills that miss reused pids."""
 
 from __future__ import annotations
 
 import os
 import signal
 from dataclasses import dataclass
+
+import psutil
 
 
 @dataclass(frozen=True)
@@ -16,24 +18,36 @@ class ProcessIdentity:
     start_time: int
 
 
+def _stat(pid: int) -> tuple[str, int] | None:
+    """The state letter and start time (clock ticks since boot) from /proc/<pid>/stat.
+
+    Read by hand: psutil gives the start only as wall-clock time (boot time plus ticks), which
+    a clock step moves, while the ledger compares it across agent restarts.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return fields[0].decode("ascii", "replace"), int(fields[19])
+
+
 def identify(pid: int) -> ProcessIdentity | None:
     """The process's real uid and start time, or None when there is no such process."""
     if pid <= 0:
         return None
+    # The start time first, then the owner: a pid reused in between pairs the new owner
+    # with the old start time, which matches no live process, never the reverse.
+    stat = _stat(pid)
+    if stat is None or stat[0] == "Z":  # a zombie holds no memory and cannot be signalled usefully
+        return None
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            status = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        uid = psutil.Process(pid).uids().real
+    except psutil.Error:
         return None
-    # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] == "Z":  # a zombie holds no memory and cannot be signalled usefully
-        return None
-    start_time = int(fields[19])
-    uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
-    return ProcessIdentity(pid, uid, start_time)
+    return ProcessIdentity(pid, uid, stat[1])
 
 
 def ancestors(pid: int, depth: int = 64) -> list[int]:
@@ -41,11 +55,9 @@ def ancestors(pid: int, depth: int = 64) -> list[int]:
     found: list[int] = []
     while len(found) < depth:
         try:
-            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-                stat = f.read()
-        except OSError:
+            pid = psutil.Process(pid).ppid()
+        except psutil.Error:
             break
-        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
         if pid <= 1:
             break
         found.append(pid)

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +27,11 @@ from node_agent.quantities import (
 log = logging.getLogger("gpufrac.agent")
 
 MAX_WAIT = 60.0
+# What a client is asked to do, and what it is only told (heard of when asked for by kind).
+ACTIONS = ("migrate", "shrink", "killed")
+NOTICES = ("resized", "bursting")
+# A lease said to burst is not said to again for this long (seconds).
+BURSTING_QUIET_S = 60.0
 
 
 def _ordinal(n: int) -> str:
@@ -168,6 +173,9 @@ class Agent:
         self.config = config or AgentConfig()
         self.gpus: list[GpuInfo] = []
         self._reported: dict[str, int] = {}
+        # When each lease was last said to burst: a usage that hovers at the request must
+        # not flood its follower with notices.
+        self._bursting_said: dict[str, float] = {}
         # lease id -> (pid, start time) of what its processes started that uses a GPU
         self._children: dict[str, list[tuple[int, int]]] = {}
         self._directive_added = asyncio.Event()
@@ -247,6 +255,7 @@ class Agent:
         return members
 
     def _update_usage(self, m: Measurement) -> None:
+        now = time.monotonic()
         self._children = {}
         members = self._members(m)
         for lease in list(self.ledger.leases.values()):
@@ -274,7 +283,18 @@ class Agent:
                     compute = busy if compute is None else max(compute, busy)
             if not seen and lease.id in self._reported:
                 usage = self._reported[lease.id]
+            was_bursting = lease.usage > lease.request
             self.ledger.set_usage(lease.id, usage, compute)
+            if (usage > lease.request and not was_bursting and lease.state == "active"
+                    and now - self._bursting_said.get(lease.id, -BURSTING_QUIET_S)
+                    >= BURSTING_QUIET_S):
+                self._bursting_said[lease.id] = now
+                self._directive(
+                    lease, "bursting",
+                    f"using {format_bytes(usage)}, above its {format_bytes(lease.request)} "
+                    "guarantee: the memory above it is loaned and may be asked back",
+                    usage=usage, request=lease.request, limit=lease.limit,
+                    gpu=lease.physical[0] if lease.physical else None)
 
     def _forget_dead(self, now: float) -> None:
         for lease in list(self.ledger.leases.values()):
@@ -488,19 +508,28 @@ class Agent:
         changes = {"request": req, "limit": lim, "request_spec": str(request),
                    "limit_spec": str(limit), "compute_request": compute_request,
                    "compute_limit": compute_limit}
+        # Whoever follows the lease (the Jupyter server) hears of the change as it happens.
+        notice = {"request_spec": changes["request_spec"], "limit_spec": changes["limit_spec"],
+                  "request": req, "limit": lim}
+        said = f"request {format_bytes(req)}, limit {format_bytes(lim)}"
         if policy.fits_in_place(self.devices(), others,
                                 replace(lease.placement(), request=req, limit=lim)):
-            return self.ledger.update(lease.id, **changes, reason="request changed in place")
+            with self.ledger.transaction():
+                lease = self.ledger.update(lease.id, **changes, reason="request changed in place")
+                self._directive(lease, "resized", said, **notice)
+            return lease
         logical, physical, moves = self._place(lease.kind, req, lim, len(lease.logical), others)
         if physical == lease.physical:
             # It stays; whatever must make room moves, and it is told nothing (there is
             # nothing for it to do).
             with self.ledger.transaction():
                 self._start_moves(moves, f"make room for {self._describe(lease)}")
-                return self.ledger.update(
+                lease = self.ledger.update(
                     lease.id, **changes, logical=logical,
                     reason="request changed; it stays where it runs"
                     + (f" and {len(moves)} other lease(s) move to make room" if moves else ""))
+                self._directive(lease, "resized", said, **notice)
+            return lease
         reason = (f"moved from {self._labels(lease.physical)} to {self._labels(physical)} "
                   f"because its request changed to {format_bytes(req)}")
         with self.ledger.transaction():
@@ -508,6 +537,7 @@ class Agent:
             deadline = time.time() + self.config.migrate_grace
             lease = self.ledger.update(lease.id, **changes, logical=logical, target=physical,
                                        state="migrating", deadline=deadline, reason=reason)
+            self._directive(lease, "resized", said, **notice)
             self._directive(lease, "migrate", reason, from_gpu=lease.physical[0],
                             to_gpu=physical[0], deadline=deadline, cause="request_changed")
         return lease
@@ -518,6 +548,7 @@ class Agent:
     def _release(self, lease: Lease) -> None:
         self.ledger.delete(lease.id)
         self._reported.pop(lease.id, None)
+        self._bursting_said.pop(lease.id, None)
         self._activate_pending()
 
     def register_pid(self, caller: Caller, lease_id: str, pid: int) -> Lease:
@@ -729,7 +760,7 @@ class Agent:
 
     async def wait_directives(
         self, caller: Caller, *, client: str | None, lease_id: str | None, after: int,
-        timeout: float,
+        timeout: float, kinds: Sequence[str] = ACTIONS,
     ) -> tuple[list[Directive], int]:
         if lease_id is not None:
             self.lease(caller, lease_id)
@@ -740,13 +771,15 @@ class Agent:
             event = self._directive_added
             # A client name is anyone's to write on a lease, so by name a caller hears only of
             # its own leases (an admin too); an admin follows another user's lease by its id.
-            found = [
+            own = [
                 d for d in self.ledger.directives_after(after, client, lease_id)
                 if d.owner_uid == caller.uid or (caller.admin and lease_id is not None)
             ]
+            found = [d for d in own if d.kind in kinds]
             remaining = deadline - time.monotonic()
             if found or remaining <= 0:
-                last = found[-1].seq if found else max(after, 0)
+                # Past what the caller may see but did not ask for, so it is not read again.
+                last = own[-1].seq if own else max(after, 0)
                 return found, last
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), remaining)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -20,3 +21,24 @@ def test_bench_script_imports(script: Path) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # runs imports and definitions; main() stays behind __main__
+
+
+@pytest.mark.parametrize("script", BENCH, ids=lambda p: p.name)
+def test_bench_scripts_use_only_public_names_and_never_the_tests(script: Path) -> None:
+    """What a benchmark measures must be what users run: public names, no test scaffolding."""
+    tree = ast.parse(script.read_text())
+    imported_modules = {alias.asname or alias.name for node in ast.walk(tree)
+                        if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            root = (node.module or "").split(".")[0]
+            assert root not in ("tests", "support", "e2e", "conftest"), ast.unparse(node)
+            assert not any(a.name.startswith("_") for a in node.names), ast.unparse(node)
+        elif isinstance(node, ast.Import):
+            assert all(a.name.split(".")[0] not in ("tests", "support") for a in node.names)
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+              and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+              and node.value.id in imported_modules):
+            raise AssertionError(f"{script.name}:{node.lineno} uses the private {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            assert node.value not in ("tests", "tests/"), f"{script.name}:{node.lineno} reaches into tests"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from node_agent.client import AgentError, AgentUnavailable, AsyncAgentClient, default_socket_path
@@ -43,11 +44,12 @@ class AgentLink(AsyncAgentClient):
 
     async def directives(
         self, *, client: str | None = None, lease: str | None = None, after: int = 0,
-        timeout: float = 25.0, wait: float | None = None,
+        timeout: float = 25.0, wait: float | None = None, kinds: Sequence[str] | None = None,
     ) -> tuple[list[dict[str, Any]], int]:
         """Long-poll directives newer than ``after`` for ``client`` (or ``lease``), waiting up
         to ``wait`` (or ``timeout``) s; returns them and the last seq. Cancelling it closes
         its connection."""
         return await super().directives(
-            client=client, lease=lease, after=after, timeout=timeout if wait is None else wait
+            client=client, lease=lease, after=after, timeout=timeout if wait is None else wait,
+            kinds=kinds,
         )

@@ -114,8 +114,8 @@ class GpuFrac(ExtensionApp):
 
     lease_poll_interval = Float(
         5.0,
-        help="Seconds between looks at this server's leases (bursting events, %gpu request, "
-        "a GPU share for kernels that have none).",
+        help="Seconds between looks for a GPU share for kernels that started without one "
+        "(bursting and %gpu request changes come from the agent as they happen).",
     ).tag(config=True)
 
     agent_check_interval = Float(
@@ -223,7 +223,6 @@ class GpuFrac(ExtensionApp):
         # While the server looks for (or starts) its agent, kernels wait for it to be set.
         self._agent_looking = False
         self._agent_checked = asyncio.Event()
-        self._bursting: dict[str, bool] = {}
         self.kernel_settings = KernelSettings(
             socket_path=self.agent_socket,
             client_name=self.client_name,
@@ -252,7 +251,7 @@ class GpuFrac(ExtensionApp):
         await self.release_stale_leases()
         self.listener = DirectiveListener(
             self.link, self.client_name, serverapp.kernel_manager, self.events,
-            self.migrate_grace_period, self.log,
+            self.migrate_grace_period, self.kernel_settings.remember_request, self.log,
         )
         self._spawn(self.listener.run())
         self._spawn(self._watch_leases())
@@ -346,7 +345,6 @@ class GpuFrac(ExtensionApp):
     def _kernel_launched(self, kernel_id: str, info: dict[str, Any]) -> None:
         """After each launch: when it restored, wait for the kernel hook's report."""
         reason = info.get("reason")
-        self._bursting.pop(kernel_id, None)
         if reason is not None:
             self._spawn(self._follow_restore(kernel_id, reason))
 
@@ -375,7 +373,7 @@ class GpuFrac(ExtensionApp):
         )
 
     async def _watch_leases(self) -> None:
-        """Bursting events, the user's ``%gpu request`` remembered, a GPU for kernels without one."""
+        """A GPU share for kernels that started without one, once there is room."""
         while True:
             await asyncio.sleep(self.lease_poll_interval)
             try:
@@ -390,22 +388,6 @@ class GpuFrac(ExtensionApp):
             for kernel_id, provisioner in provisioners.items():
                 if provisioner.lease is None and provisioner.launches and not provisioner.closed:
                     await self._give_gpu(kernel_id, provisioner)
-        if not any(p.lease for p in provisioners.values()):
-            return
-        try:
-            leases = {lease["id"]: lease for lease in await self.link.leases()}
-        except Exception as err:  # the agent watch reports the agent going away
-            self.log.debug("gpufrac: lease watch: %s", err)
-            return
-        for kernel_id, provisioner in provisioners.items():
-            if provisioner.lease is None or provisioner.lease["id"] not in leases:
-                continue
-            lease = provisioner.lease = leases[provisioner.lease["id"]]
-            self._note_request(provisioner, lease)
-            bursting = bool(lease.get("bursting"))
-            if bursting and not self._bursting.get(kernel_id):
-                self._emit_bursting(kernel_id, provisioner, lease)
-            self._bursting[kernel_id] = bursting
 
     async def _give_gpu(self, kernel_id: str, provisioner: GpuFracProvisioner) -> None:
         """A kernel that started without a GPU share gets one once there is room."""
@@ -550,28 +532,3 @@ class GpuFrac(ExtensionApp):
                               lease["id"], lease.get("kernel_id"), server_pid)
             except AgentError as err:
                 self.log.info("gpufrac: stale lease %s not released: %s", lease["id"], err)
-
-    def _note_request(self, provisioner: GpuFracProvisioner, lease: dict[str, Any]) -> None:
-        asked = provisioner.asked_share
-        spec = (lease.get("request_spec"), lease.get("limit_spec"))
-        if asked is not None and spec[0] and spec != asked:
-            # The user changed the request in the kernel (%gpu request): remember it.
-            provisioner.asked_share = (str(spec[0]), spec[1])
-            self.kernel_settings.remember_request(str(spec[0]), spec[1])
-
-    def _emit_bursting(
-        self, kernel_id: str, provisioner: GpuFracProvisioner, lease: dict[str, Any]
-    ) -> None:
-        from node_agent.quantities import format_bytes
-
-        uuids = lease_gpus(lease)
-        uuid = uuids[0] if uuids else None
-        index = provisioner.gpus.get(uuid or "", {}).get("index")
-        self.events.emit(
-            kernel_id, "bursting",
-            f"Using {format_bytes(int(lease.get('usage') or 0))}, above its "
-            f"{format_bytes(int(lease.get('request') or 0))} guarantee on GPU {index}: the memory "
-            "above the guarantee is loaned and may be asked back.",
-            gpu_uuid=uuid, gpu_index=index, request=lease.get("request"),
-            limit=lease.get("limit"), usage=lease.get("usage"),
-        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -16,9 +17,13 @@ from jupyter_gpufrac.server.provisioner import GpuFracProvisioner, gpu_label
 from node_agent.quantities import format_bytes
 
 LONG_POLL_S = 25.0
+# Every kind: the server acts on migrate and killed, tells people of shrink, resized, bursting.
+HEARD = ("migrate", "shrink", "killed", "resized", "bursting")
 MAX_BACKOFF_S = 10.0
 # Time left before the agent's deadline for the restart itself after the checkpoint.
 RESTART_MARGIN_S = 10.0
+# How long a process the agent reported killed may take to be gone.
+KILL_SETTLE_S = 2.0
 # How long a cut-off cell may take to end after its interrupt before the kernel restarts anyway.
 INTERRUPT_WAIT_S = 5.0
 
@@ -46,6 +51,7 @@ class DirectiveListener:
         kernel_manager: Any,
         events: KernelEventLog,
         grace_period: float,
+        remember_request: Callable[[str, str | None], None],
         log: logging.Logger,
     ) -> None:
         self.link = link
@@ -53,6 +59,7 @@ class DirectiveListener:
         self.kernel_manager = kernel_manager
         self.events = events
         self.grace_period = grace_period
+        self.remember_request = remember_request
         self.log = log
         self.after = 0
         self.connected = False
@@ -67,7 +74,7 @@ class DirectiveListener:
             try:
                 # Not yet connected: a poll that answers at once tells us the agent is there.
                 directives, last = await self.link.directives(
-                    client=self.client_name, after=self.after,
+                    client=self.client_name, after=self.after, kinds=HEARD,
                     wait=LONG_POLL_S if self.connected else 0.0,
                 )
             except asyncio.CancelledError:
@@ -131,6 +138,10 @@ class DirectiveListener:
                     self.shrink(kernel_id, directive)
                 elif kind == "killed":
                     await self.killed(kernel_id, directive)
+                elif kind == "resized":
+                    self.resized(kernel_id, directive)
+                elif kind == "bursting":
+                    self.bursting(kernel_id, directive)
                 else:
                     self.log.warning("unknown directive %r for kernel %s", kind, kernel_id)
             except asyncio.CancelledError:
@@ -289,6 +300,34 @@ class DirectiveListener:
             usage=directive.get("usage"),
         )
 
+    def resized(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """The user changed the share in the kernel (``%gpu request``): their next kernels ask
+        for it too."""
+        provisioner = self._provisioner(kernel_id)
+        request, limit = directive.get("request_spec"), directive.get("limit_spec")
+        if provisioner is None or not isinstance(request, str) or not request:
+            return
+        spec = (request, limit if isinstance(limit, str) else None)
+        if provisioner.asked_share is not None and spec != provisioner.asked_share:
+            provisioner.asked_share = spec
+            self.remember_request(*spec)
+
+    def bursting(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """The kernel began to use loaned memory: say so, once per burst."""
+        provisioner = self._provisioner(kernel_id)
+        if provisioner is None:
+            return
+        uuid = directive.get("gpu")
+        index = provisioner.gpus.get(str(uuid), {}).get("index")
+        self.events.emit(
+            kernel_id, "bursting",
+            f"Using {format_bytes(int(directive.get('usage') or 0))}, above its "
+            f"{format_bytes(int(directive.get('request') or 0))} guarantee on GPU {index}: the "
+            "memory above the guarantee is loaned and may be asked back.",
+            gpu_uuid=uuid, gpu_index=index, request=directive.get("request"),
+            limit=directive.get("limit"), usage=directive.get("usage"),
+        )
+
     async def killed(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """Tell the user; make sure the kernel comes back once, restoring its last checkpoint."""
         provisioner = self._provisioner(kernel_id)
@@ -308,31 +347,41 @@ class DirectiveListener:
         )
         killed_at = float(directive.get("created") or time.time())
         # A launch that began after the kill has read the killed lease and restores by itself.
-        already_back = provisioner.last_launch_started >= killed_at
-        if not already_back:
-            provisioner.request_restore({
-                "cause": contract.CAUSE_MIGRATED if moved else contract.CAUSE_OOM_KILLED,
-                "message": message,
-                "from_gpu": (provisioner.lease or {}).get("physical_gpu") if moved else gpu,
-                "to_gpu": gpu,
-            })
+        if provisioner.last_launch_started >= killed_at:
+            return
+        provisioner.request_restore({
+            "cause": contract.CAUSE_MIGRATED if moved else contract.CAUSE_OOM_KILLED,
+            "message": message,
+            "from_gpu": (provisioner.lease or {}).get("physical_gpu") if moved else gpu,
+            "to_gpu": gpu,
+        })
+        await self._restart_dead(kernel_id, provisioner)
+
+    async def _restart_dead(self, kernel_id: str, provisioner: GpuFracProvisioner) -> None:
+        """Restart a killed kernel now, not on jupyter_client's restarter's next poll (up to
+        ``time_to_dead`` seconds later), and never a second time when the restarter began.
+
+        With the restarter stopped and one turn of the loop given to a poll already under way
+        (it runs without pausing from finding the kernel dead to firing its restart callback),
+        the callback count says whether it took the restart on; if not, nobody else will.
+        """
         kernel = self.kernel_manager.get_kernel(kernel_id)
-        if already_back:
-            return
-        # jupyter_client's restarter brings dead kernels back; restarting here as well would
-        # start the kernel twice. Step in only when it is off or has not acted in time.
-        launches = provisioner.launches
-        restarter = getattr(kernel, "_restarter", None)
-        wait_s = 0.0
-        if getattr(kernel, "autorestart", False) and restarter is not None:
-            wait_s = 3 * float(getattr(restarter, "time_to_dead", 3.0)) + 15.0
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and provisioner.launches == launches:
-            await asyncio.sleep(0.2)
-        if provisioner.launches != launches or kernel_id not in self.kernel_manager:
-            return
-        if await kernel.is_alive():
-            self.log.info("kernel %s: reported killed but alive; leaving it be", kernel_id)
-            return
-        self.log.info("kernel %s: not restarted after the kill; restarting it", kernel_id)
-        await self._restart(kernel_id, now=True)
+        restarts, launches = provisioner.restarter_restarts, provisioner.launches
+        restarter = bool(getattr(kernel, "autorestart", False))
+        if restarter:
+            kernel.stop_restarter()
+        try:
+            await asyncio.sleep(0)
+            deadline = time.monotonic() + KILL_SETTLE_S
+            while await kernel.is_alive():  # the notice may come a moment before the exit
+                if time.monotonic() >= deadline:
+                    self.log.info("kernel %s: reported killed but alive; leaving it be", kernel_id)
+                    return
+                await asyncio.sleep(0.05)
+            if provisioner.restarter_restarts != restarts or provisioner.launches != launches:
+                return
+            self.log.info("kernel %s: killed by the agent; restarting it now", kernel_id)
+            await self._restart(kernel_id, now=True)
+        finally:
+            if restarter and kernel_id in self.kernel_manager:
+                kernel.start_restarter()

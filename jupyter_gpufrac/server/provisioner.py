@@ -70,6 +70,9 @@ class GpuFracProvisioner(LocalProvisioner):
         self._restart_reason: dict[str, Any] | None = None
         self._moving = False
         self._watching_restarts = False
+        # How often jupyter_client's restarter began a restart: whoever else would restart
+        # the kernel checks it first, so that it never starts twice.
+        self.restarter_restarts = 0
         self._settings_cache: KernelSettings | None = None
         # (request_spec, limit_spec) of the lease as created: a change means `%gpu request`.
         self.asked_share: tuple[str, str | None] | None = None
@@ -133,6 +136,7 @@ class GpuFracProvisioner(LocalProvisioner):
         A kill the agent announces brings a better reason first; this one covers the rest
         (a SIGKILL from outside, the kernel's own crash, the system's OOM killer).
         """
+        self.restarter_restarts += 1
         if self._restart_reason is not None:
             return
         gpu = (self.lease or {}).get("physical_gpu")

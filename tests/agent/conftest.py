@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support import AgentProcess
+
+from harness.agent import AgentProcess
 
 ALLOCATE = (
     "import sys\n"

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from support import AgentProcess, free_port, nvml_works, wait_for
 from unix_users import as_user
 
+from harness.agent import AgentProcess, free_port, nvml_works, wait_for
 from node_agent import procs
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
 from node_agent.quantities import GiB
@@ -48,9 +48,23 @@ def test_lease_lifecycle(start_agent: Callable[..., AgentProcess], holders: Call
     h.hold(200)
     assert wait_for(lambda: c.lease(lease["id"])["bursting"], what="bursting")
     assert [x["id"] for x in c.leases()] == [lease["id"]]
-    metrics = c.metrics()
-    assert f'gpufrac_lease_request_bytes{{lease="{lease["id"]}"' in metrics
-    assert "gpufrac_gpu_memory_total_bytes" in metrics
+    # Metrics carry DCGM's GPU labels, so that dashboards join them with its own.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for f in text_string_to_metric_families(c.metrics()) for s in f.samples]
+    gpu = next(g for g in node["gpus"] if g["uuid"] == lease["physical_gpu"])
+    dcgm = {"gpu": str(gpu["index"]), "UUID": gpu["uuid"], "modelName": gpu["name"]}
+    [request] = [s for s in samples if s.name == "gpufrac_lease_request_bytes"]
+    assert request.value == GiB // 4 and request.labels["hostname"]
+    assert request.labels.items() >= {"lease": lease["id"], "kernel_id": "k1", "kind": "notebook",
+                                      **dcgm}.items()
+    assert any(s.name == "gpufrac_gpu_memory_total_bytes" and s.labels.items() >= dcgm.items()
+               for s in samples)
+    # The state is a state set of its own, not a label of the values (a new series each change).
+    assert "state" not in request.labels
+    states = {s.labels["gpufrac_lease_state"]: s.value for s in samples
+              if s.name == "gpufrac_lease_state" and s.labels["lease"] == lease["id"]}
+    assert states == {"pending": 0, "active": 1, "migrating": 0, "shrinking": 0, "killed": 0}
     c.release(lease["id"])
     assert c.leases() == []
     with pytest.raises(AgentError) as err:
@@ -210,8 +224,11 @@ def test_users_see_only_their_own_leases(
     assert root.lease(mine["id"])["request_spec"] == "0.25"
     # root is an admin and sees both.
     assert {x["id"] for x in root.leases()} == {mine["id"], their_id}
-    # Metrics show others' leases only to admins.
-    assert mine["id"] not in as_user(NOBODY, lambda: agent.client().metrics())["ok"]
+    # Metrics show others' leases only to admins; every GPU to everyone.
+    seen = as_user(NOBODY, lambda: agent.client().metrics())["ok"]
+    assert mine["id"] not in seen and f'lease="{their_id}"' in seen
+    assert seen.count("gpufrac_gpu_healthy{") == 2
+    assert mine["id"] in root.metrics()
     # The node shows every share on each GPU, others' without lease id or owner.
     shares = [s for g in as_user(NOBODY, lambda: agent.client().node())["ok"]["gpus"]
               for s in g["shares"]]
@@ -348,3 +365,16 @@ def test_second_agent_on_same_socket_or_state_refused(start_agent: Callable[...,
     )
     assert out.returncode == 1 and "already answers" in out.stderr
     assert agent.client().ping()
+
+
+def test_notices_come_only_to_whoever_asks_for_them(start_agent: Callable[..., AgentProcess]) -> None:
+    c = start_agent().client()
+    lease = c.create_lease(client="t", request="0.25", limit="1")
+    _, cursor = c.directives(client="t", after=-1, timeout=0)
+    c.resize(lease["id"], request="0.5", limit="1")
+    assert c.directives(client="t", after=cursor, timeout=0) == ([], cursor + 1)
+    heard, _ = c.directives(client="t", after=cursor, timeout=0, kinds=["resized", "migrate"])
+    assert [(d["kind"], d["request_spec"], d["limit_spec"]) for d in heard] == [("resized", "0.5", "1")]
+    with pytest.raises(AgentError) as err:
+        c.directives(client="t", after=cursor, timeout=0, kinds=["resized", "reboot"])
+    assert err.value.status == 400 and err.value.field == "kinds" and "bursting" in err.value.message

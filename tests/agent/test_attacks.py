@@ -16,9 +16,9 @@ from typing import Any
 
 import psutil
 import pytest
-from support import AgentProcess, http_bytes, raw_request, wait_for
 from unix_users import ADMINS, ATTACKER, VICTIM, User, as_user, group, user
 
+from harness.agent import AgentProcess, http_bytes, raw_request, wait_for
 from node_agent.api import REQUEST_TIMEOUT
 from node_agent.cli import main as cli_main
 from node_agent.client import AgentClient, AgentError

@@ -1,7 +1,9 @@
-"""The command line: the README's demo, and `run`'s exit status, signals and clean-up."""
+"""The command line: the README's demo, `run`'s status, signals and clean-up, options, config files."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import signal
 import subprocess
 import sys
@@ -9,9 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support import AgentProcess, wait_for
 
+from harness.agent import AgentProcess, wait_for
+from node_agent import cli
 from node_agent.client import AgentClient, AgentUnavailable
+from node_agent.service import AgentConfig
 
 
 def test_demo_places_spreads_and_compacts() -> None:
@@ -93,3 +97,158 @@ def test_hints_to_start_an_agent_give_the_exact_command(tmp_path: Path) -> None:
         raise AssertionError("nothing listens there")
     with pytest.raises(AgentUnavailable, match=f"--state-dir {state}`"):
         AgentClient(sock, state_dir=state).leases()
+
+
+# --- the command line as a traitlets Application: options, config files, errors -------------
+@pytest.fixture
+def no_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No config file but the test's own: the node's and the user's folders are empty."""
+    monkeypatch.setattr(cli, "SYSTEM_CONFIG_DIR", str(tmp_path / "etc"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("GPUFRAC_AGENT_SOCKET", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_socket_and_state_dir_go_before_or_after_the_subcommand(
+    where: str, no_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock, state = str(no_config / "none.sock"), str(no_config / "state")
+    options = ["--socket", sock, f"--state-dir={state}"]
+    argv = [*options, "status"] if where == "before" else ["status", *options]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"start one with `gpufrac-agent serve --socket {sock} --state-dir {state}`" in err
+    # Which socket it was, and why that one (issue #13).
+    assert f"gpufrac-agent status: used the socket {sock} (given with --socket)" in err
+    assert cli.main(["release", "l-0123456789ab", "--socket", sock]) == 1
+    assert f"gpufrac-agent release: used the socket {sock} (given with --socket)" in (
+        capsys.readouterr().err)
+
+
+def test_an_unreachable_default_socket_says_how_to_name_another(
+    no_config: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(no_config))
+    assert cli.main(["status"]) == 1
+    err = capsys.readouterr().err
+    assert f"used the socket {no_config}/gpufrac/agent.sock (this user's default; --socket" in err
+    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", str(no_config / "env.sock"))
+    assert cli.main(["status"]) == 1
+    assert f"{no_config}/env.sock (from $GPUFRAC_AGENT_SOCKET)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["serve", "--poll-interval", "abc"], "--poll-interval: expected a number of at least 0.01, got 'abc'"),
+    (["serve", "--max-leases-per-user=0"], "--max-leases-per-user: expected a whole number of at least 1"),
+    (["serve", "--headroom", "2"], "--headroom: expected a number from 0 to 1, got 2.0"),
+    (["serve", "--log-level", "loud"], "--log-level: expected debug, info, warning or error, got 'loud'"),
+    (["serve", "--max-workloads-per-gpu", "two"], "--max-workloads-per-gpu: expected a whole number"),
+    (["serve", "--context-size", "0.5"], "--context-size: expected a memory size such as 500Mi, got '0.5'"),
+    (["serve", "--tcp", "localhost"], "--tcp: expected HOST:PORT"),
+    (["serve", "--bogus", "1"], "unrecognized option --bogus"),
+    (["run", "--gpus", "0", "--", "true"], "--gpus: expected a whole number of at least 1, got 0"),
+    (["run", "--timeout", "soon", "--", "true"], "--timeout: expected a number of at least 0, got 'soon'"),
+    (["status", "extra"], "gpufrac-agent status: unexpected argument 'extra'"),
+    (["release"], "gpufrac-agent release: expected one lease id"),
+    ([], "gpufrac-agent: give a subcommand: one of serve, status, run, release, demo"),
+    (["lease"], "gpufrac-agent: no subcommand 'lease'"),
+])
+def test_bad_values_name_the_option_and_what_it_takes(
+    argv: list[str], said: str, no_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_serve_settings_are_the_agent_config_and_documented() -> None:
+    traits = cli.ServeApp.class_traits(config=True)
+    defaults = AgentConfig()
+    for field in dataclasses.fields(AgentConfig):
+        assert traits[field.name].default_value == getattr(defaults, field.name), field.name
+    assert cli.ServeApp().agent_config() == defaults
+    for command in (cli.GpuFracAgent, *cli.COMMANDS):
+        for name, trait in command.class_own_traits(config=True).items():
+            assert trait.help, f"{command.__name__}.{name} has no help"
+
+
+def test_help_and_help_all(no_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("serve", "status", "run", "release", "demo"))
+    assert "/etc/gpufrac/gpufrac_agent_config.py" in out and "--socket" in out
+    assert cli.main(["--help-all"]) == 0
+    out = capsys.readouterr().out
+    for command in cli.COMMANDS:
+        for name in command.class_own_traits(config=True):
+            assert f"--{command.__name__}.{name}" in out
+    for argv in (["serve", "--help"], ["help", "serve"]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "--poll-interval" in out and "--no-node-scheduler" in out
+        assert f"Default: {AgentConfig().reclaim_grace}" in out
+    assert cli.main(["run", "--help"]) == 0
+    assert "-- CMD [ARGS...]" in capsys.readouterr().out
+
+
+def test_config_files_in_order_under_the_command_line(
+    no_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (no_config / "etc").mkdir()
+    (no_config / "xdg" / "gpufrac").mkdir(parents=True)
+    (no_config / "etc" / "gpufrac_agent_config.py").write_text(
+        f"c.GpuFracAgent.socket = {str(no_config / 'node.sock')!r}\n"
+        f"c.GpuFracAgent.state_dir = {str(no_config / 'state')!r}\n"
+        "c.ServeApp.poll_interval = 0.5\nc.ServeApp.reclaim_grace = 5\n")
+    (no_config / "xdg" / "gpufrac" / "gpufrac_agent_config.json").write_text(
+        json.dumps({"StatusApp": {"socket": str(no_config / "user.sock")},
+                    "ServeApp": {"reclaim_grace": 7}}))
+    mine = no_config / "mine.py"
+    mine.write_text("c.ServeApp.headroom = 0.2\nc.ServeApp.reclaim_grace = 9\n")
+
+    assert cli.main(["status"]) == 1
+    err = capsys.readouterr().err
+    user_file = no_config / "xdg" / "gpufrac" / "gpufrac_agent_config.json"
+    assert f"used the socket {no_config}/user.sock (from " in err and str(user_file) in err
+    assert f"--state-dir {no_config}/state`" in err, "the node's file sets what the user's does not"
+
+    app = cli.GpuFracAgentApp()
+    app.initialize(["--config", str(mine), "serve", "--headroom", "0.3"])
+    config = app.subapp.agent_config()
+    assert (config.poll_interval, config.reclaim_grace, config.headroom) == (0.5, 9, 0.3)
+    assert app.subapp.socket == str(no_config / "node.sock")
+
+    mine.write_text("c.ServeApp.poll_interval = 'often'\n")
+    assert cli.main(["serve", "--config", str(mine)]) == 2
+    assert (f"{mine}: c.ServeApp.poll_interval: expected a number of at least 0.01, got 'often'"
+            in capsys.readouterr().err)
+    mine.write_text("c.ServeApp.poll_interval =\n")
+    assert cli.main(["serve", "--config", str(mine)]) == 2
+    assert f"cannot read the config file {mine}: SyntaxError" in capsys.readouterr().err
+    assert cli.main(["status", "--config", str(no_config / "missing.py")]) == 2
+    assert "--config: expected an existing .py or .json file" in capsys.readouterr().err
+
+
+def test_an_option_given_twice_keeps_its_last_value(no_config: Path) -> None:
+    # As with argparse: scripts append to a command line rather than edit it.
+    app = cli.GpuFracAgentApp()
+    app.initialize(["serve", "--orphan-grace", "600", "--simulate", "1x1GiB", "--orphan-grace=0.2"])
+    assert app.subapp.agent_config().orphan_grace == 0.2
+
+
+def test_a_config_file_others_can_write_is_refused(
+    no_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A config file is Python the agent runs, as root on a real node.
+    folder = no_config / "xdg" / "gpufrac"
+    folder.mkdir(parents=True)
+    planted = folder / "gpufrac_agent_config.py"
+    planted.write_text("c.ServeApp.admin_group = 'everyone'\n")
+    planted.chmod(0o666)
+    assert cli.main(["serve", "--simulate", "1x1GiB"]) == 2
+    assert f"refusing the config file {planted}: {planted} is writable by group or others" in (
+        capsys.readouterr().err)
+    planted.chmod(0o644)
+    folder.chmod(0o777)
+    assert cli.main(["status"]) == 2
+    assert f"{folder} is writable by group or others (mode 0777)" in capsys.readouterr().err

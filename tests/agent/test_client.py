@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import AgentProcess
 from unix_users import as_user
 
+from harness.agent import AgentProcess
 from jupyter_gpufrac.server.agent_link import AgentLink
 from node_agent.client import (
     AgentClient,
@@ -61,7 +61,8 @@ def test_both_clients_call_every_endpoint(
         assert c.report_usage(lease["id"], 2**20) is None
         assert c.resize(lease["id"], limit="0.75")["limit_spec"] == "0.75"
         assert c.lease(lease["id"])["id"] == lease["id"]
-        assert c.directives(client="sync", after=-1, timeout=0) == ([], 0)
+        # From now on: past the notice of the resize above.
+        assert c.directives(client="sync", after=-1, timeout=0) == ([], 1)
         assert "gpufrac" in c.metrics()
         with pytest.raises(AgentError, match="active, not migrating"):
             c.migrated(lease["id"])
@@ -73,7 +74,7 @@ def test_both_clients_call_every_endpoint(
             mine = await a.create_lease(client="async", request="0.25", kernel_id="k2")
             assert (await a.resize(mine["id"], request="0.5"))["request_spec"] == "0.5"
             assert {x["id"] for x in await a.leases()} == {lease["id"], mine["id"]}
-            assert await a.directives(lease=mine["id"], after=-1, timeout=0) == ([], 0)
+            assert await a.directives(lease=mine["id"], after=-1, timeout=0) == ([], 2)
             assert "gpufrac" in await a.metrics()
             assert (await a.register_pid(mine["id"], other.pid))["pids"] == [other.pid]
             assert await a.report_usage(mine["id"], 2**20) is None

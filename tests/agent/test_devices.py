@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from support import wait_for
 
+from harness.agent import wait_for
 from node_agent.devices import (
     BackendUnavailable,
     GpuBackend,

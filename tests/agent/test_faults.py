@@ -9,8 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from support import AgentProcess, wait_for
-
+from harness.agent import AgentProcess, wait_for
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
 
 from .conftest import Holder

@@ -12,7 +12,8 @@ import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import AgentProcess, http_bytes, raw_request
+
+from harness.agent import AgentProcess, http_bytes, raw_request
 
 FIELDS = ["kind", "request", "limit", "devices", "client", "kernel_id", "name", "pid", "bytes",
           "uid", "owner_uid", "x"]

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import ROOT, AgentProcess, wait_for
 
+from harness.agent import ROOT, AgentProcess, wait_for
 from node_agent.devices.nvml import MIG_UNSUPPORTED
 
 from .fake_nvml import DRIVER, VARIANTS, FakeNode, Gpu, Proc, Sample, build

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support import AgentProcess, wait_for
+
+from harness.agent import AgentProcess, wait_for
 
 from .conftest import Holder
 

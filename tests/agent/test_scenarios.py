@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support import AgentProcess, wait_for
 
+from harness.agent import AgentProcess, wait_for
 from node_agent.client import AgentClient, AgentError
 
 from .conftest import Holder
@@ -520,8 +520,11 @@ def test_a_compute_share_is_recorded_measured_and_shown(
                              "status"], capture_output=True, text=True, check=True).stdout
     assert "% of 0.25-0.5" in status
     assert "compute shares: recorded, not enforced (no CUDA MPS on this node)" in status
-    metrics = c.metrics()
-    assert f'gpufrac_lease_compute_limit_ratio{{lease="{lease["id"]}"' in metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert [s.value for f in text_string_to_metric_families(c.metrics()) for s in f.samples
+            if s.name == "gpufrac_lease_compute_limit_ratio" and s.labels["lease"] == lease["id"]
+            ] == [0.5]
     # A compute share is a fraction, whole, with its limit not below its request.
     for body, field in (({"compute_request": "4Gi"}, "compute_request"),
                         ({"compute_request": "0.5", "compute_limit": "0.25"}, "compute_limit"),

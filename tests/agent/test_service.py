@@ -13,6 +13,8 @@ from node_agent.ledger import Ledger
 from node_agent.policy import JOB, NOTEBOOK
 from node_agent.quantities import parse_quantity
 from node_agent.service import (
+    ACTIONS,
+    NOTICES,
     Agent,
     AgentConfig,
     Caller,
@@ -92,3 +94,31 @@ def test_a_job_waits_for_the_notebook_it_moves_and_starts_once_the_move_is_done(
     moved = agent.migrated(ME, spread.id)
     assert moved.physical == spread.logical
     assert agent.ledger.leases[job.id].state == "active"
+
+
+def kinds(agent: Agent) -> list[tuple[str, dict[str, object]]]:
+    directives, _ = asyncio.run(
+        agent.wait_directives(ME, client="t", lease_id=None, after=0, timeout=0,
+                              kinds=(*ACTIONS, *NOTICES)))
+    return [(d.kind, d.body) for d in directives]
+
+
+def test_the_follower_hears_of_a_new_share_and_of_a_burst_as_they_happen(agent: Agent) -> None:
+    """No polling: a resize and the start of a burst each leave one notice for the lease."""
+    lease = agent.create_lease(ME, ask("0.25", "1"))
+    agent.resize(ME, lease.id, Resize(request=parse_quantity("0.5", "request")))
+    [(kind, body)] = kinds(agent)
+    assert kind == "resized" and (body["request_spec"], body["limit_spec"]) == ("0.5", "1")
+    above = lease.request * 2 + 1
+    agent.report_usage(ME, lease.id, above)
+    asyncio.run(agent.tick())
+    agent.report_usage(ME, lease.id, 0)
+    asyncio.run(agent.tick())
+    agent.report_usage(ME, lease.id, above)
+    asyncio.run(agent.tick())  # bursting again at once: not said twice in a minute
+    said = [body for kind, body in kinds(agent) if kind == "bursting"]
+    assert len(said) == 1 and said[0]["usage"] == above and said[0]["request"] == 2 * lease.request
+    # Asked for by default are only the directives that ask for something.
+    actions, last = asyncio.run(
+        agent.wait_directives(ME, client="t", lease_id=None, after=0, timeout=0))
+    assert actions == [] and last == 2, "notices skipped, and not read again"

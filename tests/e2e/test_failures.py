@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import wait_for
 
-from .jupyter_process import running_server
+from harness.agent import wait_for
+from harness.jupyter import running_server
 
 pytestmark = pytest.mark.e2e
 

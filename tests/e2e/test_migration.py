@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from support import AgentProcess, wait_for
 
-from .jupyter_process import Server, running_server
+from harness.agent import AgentProcess, wait_for
+from harness.jupyter import Server, running_server
 
 pytestmark = pytest.mark.e2e
 

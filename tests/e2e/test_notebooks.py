@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import AgentProcess
 
-from .jupyter_process import Reply, Server
+from harness.agent import AgentProcess
+from harness.jupyter import Reply, Server
+
 from .test_sequences import Sequence, disturbable_node
 
 pytestmark = pytest.mark.e2e

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support import AgentProcess, wait_for
 
-from .jupyter_process import Server, running_server
+from harness.agent import AgentProcess, wait_for
+from harness.jupyter import Server, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -78,6 +78,10 @@ def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, S
     output = borrower.ok("print(keep['numbers'], 'big' in globals())")
     assert "[1, 2, 3] False" in output and "g" in output.split("[1, 2, 3]")[0]
     assert server.kernel_status(borrower.kernel_id)["lease"]["state"] == "active"
+    # Restarted at the kill's notice and once only: jupyter_client's restarter did not start
+    # the kernel a second time.
+    kinds = server.events(borrower.kernel_id)
+    assert kinds[kinds.index("oom_killed"):].count("restored") == 1, kinds
     # The owner was never touched.
     assert owner.ok("print(os.getpid(), mine.numel())").split() == [owner_pid, str(400 * 2**20 // 4)]
     borrower.close()

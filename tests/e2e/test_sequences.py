@@ -27,9 +27,10 @@ from typing import Any
 
 import pytest
 import websocket
-from support import AgentProcess, wait_for
 
-from .jupyter_process import Notebook, Server, running_server
+from harness.agent import AgentProcess, wait_for
+from harness.jupyter import Notebook, Server, running_server
+
 from .sequence_cells import (
     BURST,
     CUT_OFF,

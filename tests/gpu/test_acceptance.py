@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import AgentProcess, nvml_works, wait_for
+
+from harness.agent import AgentProcess, nvml_works, wait_for
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import AgentProcess
+
+from harness.agent import AgentProcess
 
 with warnings.catch_warnings():
     # torch warns once when numpy is absent; it is optional here.

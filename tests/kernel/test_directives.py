@@ -8,8 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from support import AgentProcess, wait_for
-
+from harness.agent import AgentProcess, wait_for
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from node_agent.client import AgentClient
 

@@ -8,8 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from support import AgentProcess, wait_for
-
+from harness.agent import AgentProcess, wait_for
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer

@@ -10,7 +10,8 @@ import pytest
 # pytest-jupyter ships its fixtures as a module rather than an entry point; importing them
 # here keeps them (and their autouse event loop) to this directory.
 from pytest_jupyter.jupyter_server import *  # noqa: F403
-from support import AgentProcess
+
+from harness.agent import AgentProcess
 
 
 @pytest.fixture(autouse=True)

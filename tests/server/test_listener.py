@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import AgentProcess
+
+from harness.agent import AgentProcess
 
 from .conftest import gpufrac_config
 

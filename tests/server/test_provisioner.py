@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
-from support import AgentProcess
 
+from harness.agent import AgentProcess
 from jupyter_gpufrac.server.launch import EXT_ARGUMENT, build_kernel_env, kernel_arguments
 from jupyter_gpufrac.server.provisioner import GpuFracProvisioner
 

@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from support import AgentProcess
 from tornado.httpclient import HTTPClientError
 
+from harness.agent import AgentProcess
 from jupyter_gpufrac.contract import EVENT_SCHEMA_ID as SCHEMA_ID
 
 from .conftest import gpufrac_config

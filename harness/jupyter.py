@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import websocket
-from support import free_port, rest_call, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness.agent import free_port, rest_call, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
