@@ -133,7 +133,6 @@ def parse_resize(body: dict[str, Any]) -> Resize:
     _reject_unknown(body, ("request", "limit", "compute_request", "compute_limit"))
     return Resize(
         request=_quantity(body, "request"), limit=_quantity(body, "limit"),
-        limit_is_request="request" in body,
         compute_request=_compute_fraction(body, "compute_request"),
         compute_limit=_compute_fraction(body, "compute_limit"),
     )

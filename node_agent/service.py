@@ -141,12 +141,11 @@ class CreateLease:
 
 @dataclass(frozen=True)
 class Resize:
-    """A new share for a lease; None keeps what it has. A request named without a limit
-    (even as null) sets the limit to the request."""
+    """A new share for a lease; None keeps what it has (a kept limit below a new request
+    rises to it)."""
 
     request: Quantity | None = None
     limit: Quantity | None = None
-    limit_is_request: bool = False
     compute_request: float | None = None
     compute_limit: float | None = None
 
@@ -419,15 +418,20 @@ class Agent:
                  lease.id, ask.kind, caller.uid, format_bytes(req), logical, physical, len(moves))
         return self.ledger.leases[lease.id]
 
+    def _smallest_usable(self) -> int:
+        """What fractions resolve against: the smallest healthy GPU's usable memory."""
+        healthy = [g.memory_usable for g in self.gpus if g.healthy]
+        if not healthy:
+            raise Conflict(None, "this node has no healthy GPU to place a lease on")
+        return min(healthy)
+
     def _resolve_share(self, request: Quantity, limit: Quantity) -> tuple[int, int]:
         """Request and limit in bytes; fractions resolve against the smallest healthy GPU's
         usable memory, so a lease fits wherever it lands. A share counts its process's CUDA
         context, as NVML does: a request smaller than a context could never be kept."""
         healthy = [g for g in self.gpus if g.healthy]
-        if not healthy:
-            raise Conflict(None, "this node has no healthy GPU to place a lease on")
         try:
-            req, lim = check_share(request, limit, min(g.memory_usable for g in healthy))
+            req, lim = check_share(request, limit, self._smallest_usable())
         except QuantityError as exc:
             raise Refused(exc.field, exc.message) from exc
         if req < MIN_SHARE:
@@ -497,9 +501,13 @@ class Agent:
         if lease.state not in ("active", "shrinking"):
             raise Conflict("lease", f"lease is {lease.state}; change it once it is active")
         request = change.request or parse_quantity(lease.request_spec, "request")
-        limit = change.limit or (
-            request if change.limit_is_request else parse_quantity(lease.limit_spec, "limit")
-        )
+        limit = change.limit or parse_quantity(lease.limit_spec, "limit")
+        if change.limit is None:
+            # The limit stays as it was, unless the new request is above it: then it rises
+            # to the request (a limit below the request would be refused).
+            usable = self._smallest_usable()
+            if limit.bytes_of(usable) < request.bytes_of(usable):
+                limit = request
         req, lim = self._resolve_share(request, limit)
         others = self.planning_view(exclude=lease.id)
         compute_request, compute_limit = _compute_share(

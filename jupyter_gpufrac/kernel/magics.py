@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     req.add_argument("request", help="guaranteed share, e.g. 0.25 or 4Gi")
     req.add_argument("--limit", help="most this kernel may use, e.g. 0.8 or 12Gi "
-                     "(default: unchanged)")
+                     "(default: unchanged, or the new request where that is larger)")
     req.add_argument("--no-checkpoint", action="store_true",
                      help="do not checkpoint before asking (a move then loses the variables)")
     ck = sub.add_parser("checkpoint", help="save the notebook's variables now",
@@ -218,9 +218,8 @@ class GpuMagic:
             limit = parse_quantity(args.limit, "limit") if args.limit is not None else None
             total = env.gpu_total
             if total:
-                current_limit = limit or (parse_quantity(hook.limit, "limit")
-                                          if hook.limit else request)
-                check_share(request, current_limit, total)
+                # Without --limit the agent keeps the limit or raises it to the request.
+                check_share(request, limit or request, total)
         except QuantityError as exc:
             raise UsageError(str(exc)) from None
         if not env.has_lease or not env.lease_id:

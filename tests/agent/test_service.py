@@ -74,7 +74,7 @@ def test_a_resize_stays_where_it_fits_and_keeps_its_compute_share(agent: Agent) 
         "active", lease.physical, "request changed in place")
     assert (grown.request, grown.limit) == (2 * lease.request, lease.limit), "limit kept"
     half = parse_quantity("0.5", "request")
-    pinned = agent.resize(ME, lease.id, Resize(request=half, limit_is_request=True))
+    pinned = agent.resize(ME, lease.id, Resize(request=half, limit=half))
     assert pinned.limit == pinned.request == grown.request
     assert (grown.compute_request, grown.compute_limit) == (0.5, 0.5)
     with pytest.raises(Refused) as refused:
@@ -122,3 +122,13 @@ def test_the_follower_hears_of_a_new_share_and_of_a_burst_as_they_happen(agent: 
     actions, last = asyncio.run(
         agent.wait_directives(ME, client="t", lease_id=None, after=0, timeout=0))
     assert actions == [] and last == 2, "notices skipped, and not read again"
+
+
+def test_a_new_request_keeps_the_limit_unless_it_is_above_it(agent: Agent) -> None:
+    """`%gpu request X` says the limit is unchanged: it is, unless X is above it."""
+    roomy = agent.create_lease(ME, ask("0.25", "0.75"))
+    kept = agent.resize(ME, roomy.id, Resize(request=parse_quantity("0.5", "request")))
+    assert (kept.request_spec, kept.limit_spec, kept.limit) == ("0.5", "0.75", roomy.limit)
+    tight = agent.create_lease(ME, ask("0.25"))
+    raised = agent.resize(ME, tight.id, Resize(request=parse_quantity("0.5", "request")))
+    assert raised.limit == raised.request == 2 * tight.request and raised.limit_spec == "0.5"
