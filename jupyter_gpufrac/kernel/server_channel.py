@@ -39,8 +39,9 @@ def register(hook: Any) -> bool:
 
     def opened(comm: Any, msg: dict[str, Any]) -> None:
         # Shell messages are handled between cells, so a checkpoint here sees a settled namespace.
+        # The asker closes the comm: a close from here would reach every frontend on IOPub,
+        # and JupyterLab reports a close of a comm it never saw as an error.
         comm.send(answer(hook, msg.get("content", {}).get("data")))
-        comm.close()
 
     manager.register_target(contract.COMM_TARGET, opened)
     return True

@@ -38,6 +38,12 @@ def ask_message(session: Any, ask: str) -> tuple[str, dict[str, Any]]:
     return comm_id, session.msg("comm_open", content)
 
 
+def close_message(session: Any, comm_id: str) -> dict[str, Any]:
+    """The comm_close the asker sends once answered (the kernel never closes it itself)."""
+    message: dict[str, Any] = session.msg("comm_close", {"comm_id": comm_id, "data": {}})
+    return message
+
+
 def answer_in(msg: dict[str, Any], comm_id: str) -> dict[str, Any] | None:
     """The kernel's answer if ``msg`` (IOPub) carries it; ChannelError if it closed unanswered."""
     content = msg.get("content") or {}
@@ -93,6 +99,7 @@ async def ask(kernel: Any, question: str, timeout: float) -> dict[str, Any]:
                 continue
             found = answer_in(reply, comm_id)
             if found is not None:
+                client.shell_channel.send(close_message(client.session, comm_id))
                 return found
     finally:
         client.stop_channels()

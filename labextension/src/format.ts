@@ -21,6 +21,41 @@ export function formatBytes(bytes: number | null | undefined): string {
 }
 
 /**
+ * "2.1/4.0 GiB", "300/512 MiB": usage against request in one unit, the one
+ * that suits the larger of the two, so the pair reads at a glance
+ * (jupyter-resource-usage's "Mem: 200 MB"). "–" for a figure not sampled,
+ * "<0.1" for one too small to show in that unit.
+ */
+export function usageOfRequest(
+  usage: number | null | undefined,
+  request: number | null | undefined
+): string {
+  const known = (x: number | null | undefined): x is number =>
+    x !== null && x !== undefined && isFinite(x);
+  const scale = Math.max(
+    known(usage) ? Math.abs(usage) : 0,
+    known(request) ? Math.abs(request) : 0
+  );
+  const inGiB = scale >= GiB;
+  const figure = (x: number | null | undefined): string => {
+    if (!known(x)) {
+      return '–';
+    }
+    const v = x / (inGiB ? GiB : MiB);
+    const text = !inGiB || v >= 100 ? v.toFixed(0) : v.toFixed(1);
+    // A CUDA context alone is 50 MiB: "0.0" would read as nothing used.
+    if (v > 0 && Number(text) === 0) {
+      return inGiB ? '<0.1' : '<1';
+    }
+    return text;
+  };
+  const unit = inGiB ? 'GiB' : 'MiB';
+  return known(request)
+    ? `${figure(usage)}/${figure(request)} ${unit}`
+    : `${figure(usage)} ${unit}`;
+}
+
+/**
  * A short GPU name for the status bar: vendor words go, and a simulated
  * device's "Simulated" prefix goes too because the item says "simulated" on
  * its own.

@@ -4,11 +4,11 @@
  */
 import { IDisposable } from '@lumino/disposable';
 import { Message } from '@lumino/messaging';
+import { h, VirtualDOM, VirtualElement } from '@lumino/virtualdom';
 import { Widget } from '@lumino/widgets';
 
 import { IGpuFracEvent, ILease } from './api';
 import { LEASE_STATE_WORDS } from './contract';
-import { h, replaceChildren } from './dom';
 import { describeEvent, formatBytes, formatTime, gpuLabel } from './format';
 import { GpuFracModel } from './model';
 import { usageBar } from './usageBar';
@@ -44,20 +44,6 @@ export class GpuFracPanel extends Widget {
     this._prefix = `jp-gpufrac-panel-${nextId++}`;
     // The model polls the node (every 5 s while the page is visible).
     this._nodeWatch = _model.watchNode();
-    const refresh = h(
-      'button',
-      {
-        class: 'jp-gpufrac-Panel-refresh jp-mod-styled',
-        type: 'button',
-        'aria-label': 'Refresh GPU information'
-      },
-      'Refresh'
-    );
-    refresh.addEventListener('click', () => void this.refresh());
-    this.node.appendChild(
-      h('div', { class: 'jp-gpufrac-Panel-header' }, this._title, refresh)
-    );
-    this.node.appendChild(this._body);
     _model.changed.connect(this._render, this);
     this._render();
   }
@@ -91,30 +77,55 @@ export class GpuFracPanel extends Widget {
       return;
     }
     const path = this._model.status?.notebook || this._model.path;
-    this._title.textContent = path
-      ? `GPU lease — ${notebookName(path)}`
-      : 'GPU lease';
-    this._title.title = path;
-    // Only the body is rebuilt: the header's button keeps keyboard focus.
-    replaceChildren(
-      this._body,
-      this._kernelSection(),
-      this._nodeSection(),
-      this._historySection()
+    // VirtualDOM.render diffs against the last rendering: the header's button
+    // stays the same element, so it keeps the keyboard focus.
+    VirtualDOM.render(
+      [
+        h.div(
+          { className: 'jp-gpufrac-Panel-header' },
+          h.h2(
+            path ? { title: path } : {},
+            path ? `GPU lease — ${notebookName(path)}` : 'GPU lease'
+          ),
+          h.button(
+            {
+              className: 'jp-gpufrac-Panel-refresh jp-mod-styled',
+              type: 'button',
+              'aria-label': 'Refresh GPU information',
+              onclick: this._onRefresh
+            },
+            'Refresh'
+          )
+        ),
+        h.div(
+          { className: 'jp-gpufrac-Panel-body' },
+          this._kernelSection(),
+          this._nodeSection(),
+          this._historySection()
+        )
+      ],
+      this.node
     );
   }
 
-  private _section(key: string, heading: string, ...body: Node[]): HTMLElement {
+  private _onRefresh = (): void => {
+    void this.refresh();
+  };
+
+  private _section(
+    key: string,
+    heading: string,
+    ...body: h.Child[]
+  ): VirtualElement {
     const headingId = `${this._prefix}-${key}`;
-    return h(
-      'section',
-      { class: `jp-gpufrac-Panel-section`, 'aria-labelledby': headingId },
-      h('h3', { id: headingId }, heading),
+    return h.section(
+      { className: 'jp-gpufrac-Panel-section', 'aria-labelledby': headingId },
+      h.h3({ id: headingId }, heading),
       ...body
     );
   }
 
-  private _kernelSection(): HTMLElement {
+  private _kernelSection(): VirtualElement {
     const model = this._model;
     const status = model.status;
     const view = model.view();
@@ -123,20 +134,21 @@ export class GpuFracPanel extends Widget {
       return this._section(
         'kernel',
         'This kernel',
-        h('p', {}, 'Open a notebook to see its GPU lease.')
+        h.p('Open a notebook to see its GPU lease.')
       );
     }
-    const stateLine = h(
-      'p',
-      { class: 'jp-gpufrac-Panel-state' },
-      h(
-        'span',
+    const stateLine = h.p(
+      { className: 'jp-gpufrac-Panel-state' },
+      h.span(
         {
-          class: 'jp-gpufrac-State',
-          'data-state': state,
-          'data-severity': view.severity,
-          'data-seconds-left':
-            view.secondsLeft !== null ? String(view.secondsLeft) : undefined
+          className: 'jp-gpufrac-State',
+          dataset: {
+            state,
+            severity: view.severity,
+            ...(view.secondsLeft !== null
+              ? { 'seconds-left': String(view.secondsLeft) }
+              : {})
+          }
         },
         view.label
       ),
@@ -144,38 +156,32 @@ export class GpuFracPanel extends Widget {
     );
     // The server's sentence in full: the notifications only have room for its start.
     const reason = view.reason
-      ? h('p', { class: 'jp-gpufrac-Panel-reason' }, view.reason)
+      ? h.p({ className: 'jp-gpufrac-Panel-reason' }, view.reason)
       : null;
-    const error =
-      !status && model.error
-        ? h('p', { class: 'jp-gpufrac-Panel-note' }, `(${model.error})`)
-        : null;
     if (!status) {
-      return this._section(
-        'kernel',
-        'This kernel',
-        ...[stateLine, reason, error].filter((n): n is HTMLElement => !!n)
-      );
+      const error = model.error
+        ? h.p({ className: 'jp-gpufrac-Panel-note' }, `(${model.error})`)
+        : null;
+      return this._section('kernel', 'This kernel', stateLine, reason, error);
     }
-    const rows: Array<[string, Node | string]> = [];
+    const rows: Array<[string, h.Child]> = [];
     const restore = status.restore;
     if (restore) {
       // First: what the user must redo. Each lost name with why, and the cell cut off.
       const facts = restoreFactsOf(restore);
       const advice = restoreAdvice(facts);
       if (advice) {
-        rows.push(['What to do', h('strong', {}, advice)]);
+        rows.push(['What to do', h.strong(advice)]);
       }
       rows.push([
         'Last restore',
-        h(
-          'span',
+        h.span(
           {
-            class: 'jp-gpufrac-Panel-restore',
-            'data-ok': restore.ok ? 'true' : 'false'
+            className: 'jp-gpufrac-Panel-restore',
+            dataset: { ok: restore.ok ? 'true' : 'false' }
           },
           `${restoreSummary(facts, { reasons: true, advice: false })}.`,
-          restore.time ? ` (${formatTime(restore.time)})` : ''
+          restore.time ? ` (${formatTime(restore.time)})` : null
         )
       ]);
       if (restore.interrupted_cell) {
@@ -196,9 +202,8 @@ export class GpuFracPanel extends Widget {
       rows.push(['Device', `${status.gpu.name}, ${status.gpu.uuid}`]);
       rows.push([
         'Memory',
-        h(
-          'span',
-          { class: 'jp-gpufrac-Panel-usage' },
+        h.span(
+          { className: 'jp-gpufrac-Panel-usage' },
           usageBar(status),
           view.verified
             ? ` ${formatBytes(status.usage)} used of ${formatBytes(status.request)} guaranteed, ${formatBytes(status.limit)} limit`
@@ -225,16 +230,11 @@ export class GpuFracPanel extends Widget {
       }
     }
     rows.push(['Kernel', status.kernel_id]);
-    const dl = h('dl', { class: 'jp-gpufrac-Panel-facts' });
-    for (const [term, value] of rows) {
-      dl.appendChild(h('dt', {}, term));
-      dl.appendChild(h('dd', {}, value));
-    }
-    return this._section(
-      'kernel',
-      'This kernel',
-      ...[stateLine, reason, dl].filter((n): n is HTMLElement => !!n)
+    const facts = h.dl(
+      { className: 'jp-gpufrac-Panel-facts' },
+      rows.map(([term, value]) => [h.dt(term), h.dd(value)]).flat()
     );
+    return this._section('kernel', 'This kernel', stateLine, reason, facts);
   }
 
   /** Explains logical vs physical placement in the words of DESIGN.md. */
@@ -256,118 +256,99 @@ export class GpuFracPanel extends Widget {
   }
 
   /** Why nothing about the share is verified, while the agent does not answer. */
-  private _agentNote(): HTMLElement[] {
+  private _agentNote(): VirtualElement | null {
     const agent = this._model.agent;
     const node = this._model.node;
     if (!agent.down && node?.agent?.available !== false) {
-      return [];
+      return null;
     }
     const why = (agent.reason ?? node?.agent?.error ?? '').trim();
-    return [
-      h(
-        'p',
-        { class: 'jp-gpufrac-Panel-agent' },
-        `GPU agent unreachable${why ? `: ${why}` : '.'}${node ? ' The figures below are the last known ones.' : ''}`
-      )
-    ];
+    return h.p(
+      { className: 'jp-gpufrac-Panel-agent' },
+      `GPU agent unreachable${why ? `: ${why}` : '.'}${node ? ' The figures below are the last known ones.' : ''}`
+    );
   }
 
-  private _nodeSection(): HTMLElement {
+  private _nodeSection(): VirtualElement {
     const node = this._model.node;
     if (!node) {
       return this._section(
         'node',
         'GPUs on this node',
-        ...this._agentNote(),
-        h(
-          'p',
-          {},
+        this._agentNote(),
+        h.p(
           this._model.nodeError
             ? `Not available: ${this._model.nodeError}`
             : 'Loading…'
         )
       );
     }
-    const intro: Node[] = [];
-    if (node.simulated) {
-      intro.push(
-        h(
-          'p',
-          { class: 'jp-gpufrac-Panel-note' },
+    const simulated = node.simulated
+      ? h.p(
+          { className: 'jp-gpufrac-Panel-note' },
           'This node is simulated: no real GPU is used.'
         )
-      );
-    }
-    intro.push(...this._agentNote());
+      : null;
     const leases = new Map(node.leases.map(l => [l.id, l]));
-    const table = h(
-      'table',
-      { class: 'jp-gpufrac-Panel-gpus' },
-      h(
-        'thead',
-        {},
-        h(
-          'tr',
-          {},
-          h('th', { scope: 'col' }, 'GPU'),
-          h('th', { scope: 'col' }, 'Memory'),
-          h('th', { scope: 'col' }, 'Your leases')
-        )
-      )
-    );
-    const body = h('tbody');
-    for (const gpu of node.gpus) {
+    const rows = node.gpus.map(gpu => {
       const mine = (gpu.leases ?? [])
         .map(id => leases.get(id))
         .filter((l): l is ILease => l !== undefined);
-      const list = h('ul', { class: 'jp-gpufrac-Panel-leases' });
-      for (const lease of mine) {
-        list.appendChild(
-          h(
-            'li',
-            {
-              'data-current':
-                lease.kernel_id === this._model.kernelId ? 'true' : undefined
-            },
+      const list = h.ul(
+        { className: 'jp-gpufrac-Panel-leases' },
+        mine.map(lease =>
+          h.li(
+            lease.kernel_id === this._model.kernelId
+              ? { dataset: { current: 'true' } }
+              : {},
             this._leaseLine(lease)
           )
-        );
-      }
-      body.appendChild(
-        h(
-          'tr',
-          { 'data-gpu-index': String(gpu.index) },
-          h(
-            'th',
-            { scope: 'row' },
-            gpuLabel(gpu),
-            gpu.healthy
-              ? ''
-              : h('span', { class: 'jp-gpufrac-Panel-unhealthy' }, ' unhealthy')
-          ),
-          h(
-            'td',
-            { class: 'jp-gpufrac-Panel-memory' },
-            usageBar({
-              usage: gpu.memory_used,
-              request: gpu.memory_total,
-              limit: gpu.memory_total
-            }),
-            h(
-              'span',
-              {},
-              `${formatBytes(gpu.memory_used)} of ${formatBytes(gpu.memory_total)}`,
-              gpu.utilization !== null && gpu.utilization !== undefined
-                ? `, ${gpu.utilization}% busy`
-                : ''
-            )
-          ),
-          h('td', {}, mine.length ? list : 'none')
         )
       );
-    }
-    table.appendChild(body);
-    return this._section('node', 'GPUs on this node', ...intro, table);
+      return h.tr(
+        { dataset: { 'gpu-index': String(gpu.index) } },
+        h.th(
+          { scope: 'row' },
+          gpuLabel(gpu),
+          gpu.healthy
+            ? null
+            : h.span({ className: 'jp-gpufrac-Panel-unhealthy' }, ' unhealthy')
+        ),
+        h.td(
+          { className: 'jp-gpufrac-Panel-memory' },
+          usageBar({
+            usage: gpu.memory_used,
+            request: gpu.memory_total,
+            limit: gpu.memory_total
+          }),
+          h.span(
+            `${formatBytes(gpu.memory_used)} of ${formatBytes(gpu.memory_total)}`,
+            gpu.utilization !== null && gpu.utilization !== undefined
+              ? `, ${gpu.utilization}% busy`
+              : null
+          )
+        ),
+        h.td(mine.length ? list : 'none')
+      );
+    });
+    const table = h.table(
+      { className: 'jp-gpufrac-Panel-gpus' },
+      h.thead(
+        h.tr(
+          h.th({ scope: 'col' }, 'GPU'),
+          h.th({ scope: 'col' }, 'Memory'),
+          h.th({ scope: 'col' }, 'Your leases')
+        )
+      ),
+      h.tbody(rows)
+    );
+    return this._section(
+      'node',
+      'GPUs on this node',
+      simulated,
+      this._agentNote(),
+      table
+    );
   }
 
   private _leaseLine(lease: ILease): string {
@@ -389,7 +370,7 @@ export class GpuFracPanel extends Widget {
     return `${who}${current}: ${formatBytes(lease.usage)} of ${formatBytes(lease.request)}–${formatBytes(lease.limit)}, ${LEASE_STATE_WORDS[lease.state] ?? lease.state}`;
   }
 
-  private _historySection(): HTMLElement {
+  private _historySection(): VirtualElement {
     const events: IGpuFracEvent[] = [
       ...(this._model.status?.events ?? [])
     ].reverse();
@@ -397,40 +378,38 @@ export class GpuFracPanel extends Widget {
       return this._section(
         'history',
         'Recent history',
-        h('p', {}, 'Nothing happened to this kernel yet.')
+        h.p('Nothing happened to this kernel yet.')
       );
     }
-    const list = h('ol', { class: 'jp-gpufrac-Panel-history', reversed: '' });
-    for (const event of events.slice(0, 20)) {
-      const text = describeEvent(event);
-      const when = event.time
-        ? new Date(event.time * 1000).toISOString()
-        : undefined;
-      list.appendChild(
-        h(
-          'li',
-          {
-            'data-event': event.event,
-            'data-ok':
-              event.event === 'restored'
-                ? event.ok === true
-                  ? 'true'
-                  : 'false'
-                : undefined
-          },
-          h('time', { datetime: when }, formatTime(event.time)),
-          ' ',
-          text
-        )
-      );
-    }
-    return this._section('history', 'Recent history', list);
+    const items = events.slice(0, 20).map(event =>
+      h.li(
+        {
+          dataset: {
+            event: event.event,
+            ...(event.event === 'restored'
+              ? { ok: event.ok === true ? 'true' : 'false' }
+              : {})
+          }
+        },
+        h.time(
+          event.time
+            ? { datetime: new Date(event.time * 1000).toISOString() }
+            : {},
+          formatTime(event.time)
+        ),
+        ' ',
+        describeEvent(event)
+      )
+    );
+    return this._section(
+      'history',
+      'Recent history',
+      h.ol({ className: 'jp-gpufrac-Panel-history', reversed: '' }, items)
+    );
   }
 
   private _nodeWatch: IDisposable;
   private readonly _prefix: string;
-  private readonly _title = h('h2');
-  private readonly _body = h('div', { class: 'jp-gpufrac-Panel-body' });
 }
 
 function ellipsis(text: string, max: number): string {

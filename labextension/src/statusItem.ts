@@ -1,13 +1,13 @@
 /**
- * The status bar item: "GPU 1 · 16GiB · simulated [▮▮▯|▯] bursting".
+ * The status bar item: "GPU 1: 2.1/4.0 GiB", and a short state word when
+ * there is news ("· bursting", "· moving in 23 s"); the tooltip has the rest.
  * It is a focusable button; Enter, Space or a click open the details panel.
  */
+import { h, VirtualDOM } from '@lumino/virtualdom';
 import { Widget } from '@lumino/widgets';
 
-import { h, replaceChildren } from './dom';
-import { formatBytes, gpuLabel } from './format';
 import { GpuFracModel } from './model';
-import { usageBar } from './usageBar';
+import { statusDescription, statusLabel } from './view';
 
 export class GpuStatusItem extends Widget {
   constructor(
@@ -51,49 +51,51 @@ export class GpuStatusItem extends Widget {
   private _render(): void {
     const status = this._model.status;
     const view = this._model.view();
-    const state = view.state;
-    const gpu = status?.gpu ?? null;
+    const label = statusLabel(status, view);
+    const description = statusDescription(status, view);
     const node = this.node;
-    node.dataset.state = state;
+    node.dataset.state = view.state;
     node.dataset.severity = view.severity;
-    node.dataset.gpuIndex = gpu ? String(gpu.index) : '';
+    node.dataset.gpuIndex = status?.gpu ? String(status.gpu.index) : '';
+    node.title = description.title;
+    node.setAttribute('aria-label', description.ariaLabel);
 
-    // Without a GPU the state word says it all ("no GPU", "unavailable").
-    const label = gpu ? gpuLabel(gpu) : state === 'no-gpu' ? '' : 'GPU';
-    const figures = {
-      usage: status?.usage,
-      request: status?.request,
-      limit: status?.limit
-    };
-    // Without the agent the figures are the last known ones, not a guarantee.
-    const numbers = gpu
-      ? view.verified
-        ? `${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} guaranteed, ${formatBytes(figures.limit)} limit`
-        : `last known: ${formatBytes(figures.usage)} used, ${formatBytes(figures.request)} requested, ${formatBytes(figures.limit)} limit`
-      : '';
-    const reason = view.reason ? ` ${view.reason}` : '';
-    const summary = [label, numbers, view.label].filter(Boolean).join(', ');
-    node.title = `${summary}. ${view.help}${reason}\nClick for details.`;
-    node.setAttribute(
-      'aria-label',
-      `GPU lease: ${summary}.${reason} Press Enter for details.`
-    );
-
-    replaceChildren(
-      node,
-      label ? h('span', { class: 'jp-gpufrac-StatusItem-gpu' }, label) : null,
-      gpu ? usageBar(figures, 'jp-gpufrac-StatusItem-bar') : null,
-      h(
-        'span',
-        {
-          class: 'jp-gpufrac-StatusItem-state',
-          'data-state': state,
-          'data-severity': view.severity,
-          'data-seconds-left':
-            view.secondsLeft !== null ? String(view.secondsLeft) : undefined
-        },
-        view.label
-      )
+    // Strings become text nodes: nothing from the server is parsed as HTML.
+    // One inline span, so the separators keep their spaces in the flex item.
+    VirtualDOM.render(
+      h.span(
+        { className: 'jp-gpufrac-StatusItem-label' },
+        label.gpu
+          ? h.span({ className: 'jp-gpufrac-StatusItem-gpu' }, label.gpu)
+          : null,
+        label.gpu && label.figures ? ': ' : null,
+        label.figures
+          ? h.span(
+              {
+                className: 'jp-gpufrac-StatusItem-figures',
+                dataset: { verified: String(view.verified) }
+              },
+              label.figures
+            )
+          : null,
+        label.word && (label.gpu || label.figures) ? ' · ' : null,
+        label.word
+          ? h.span(
+              {
+                className: 'jp-gpufrac-StatusItem-state',
+                dataset: {
+                  state: view.state,
+                  severity: view.severity,
+                  ...(view.secondsLeft !== null
+                    ? { 'seconds-left': String(view.secondsLeft) }
+                    : {})
+                }
+              },
+              label.word
+            )
+          : null
+      ),
+      node
     );
   }
 }

@@ -3,7 +3,7 @@
  * and colour, whether it may look like a success, and the notification texts.
  * No DOM, no JupyterLab: `npm test` runs it under Node.
  */
-import { formatBytes } from './format';
+import { formatBytes, gpuLabel, usageOfRequest } from './format';
 import { IGpuFracEvent, IKernelStatus, ILease, IRestore } from './api';
 
 /** JupyterLab cuts notification messages longer than this (mid-word). */
@@ -162,6 +162,122 @@ export function stateView(
     ].includes(shown),
     secondsLeft:
       deadline !== null ? Math.max(0, Math.ceil(deadline - nowSeconds)) : null
+  };
+}
+
+// -- the status bar item -----------------------------------------------------
+
+/**
+ * The status bar item's line, "GPU 1: 2.1/4.0 GiB · bursting": it shares the
+ * bar with JupyterLab's own items (and jupyter-resource-usage's "Mem: 200 MB"),
+ * so it says the numbers and, only when there is news, one short word; the
+ * device, the limit and the whole story go to the tooltip and the panel.
+ */
+export interface IStatusLabel {
+  /** "GPU 1"; "GPU" while no GPU is known; '' without a lease ("no GPU" says it). */
+  gpu: string;
+  /** Usage against request ("2.1/4.0 GiB"), "?" while the agent cannot verify them, '' when not shown. */
+  figures: string;
+  /** A short state word; '' while the lease is plainly guaranteed. */
+  word: string;
+  /** The whole line as read. */
+  text: string;
+}
+
+/** The status bar's words; the panel and the tooltip keep the long ones. */
+const SHORT: Record<string, string> = {
+  guaranteed: '',
+  bursting: 'bursting',
+  shrinking: 'shrinking',
+  migrating: 'moving',
+  'oom-killed': 'stopped',
+  restored: 'restored',
+  'restore-incomplete': 'losses',
+  'agent-unreachable': 'agent unreachable',
+  'no-gpu': 'no GPU',
+  unavailable: 'unavailable',
+  unknown: ''
+};
+
+/** "moving in 23 s" (the countdown is the news), "bursting", or ''. */
+export function shortStateWord(view: IStateView): string {
+  if (view.state === 'move-pending') {
+    if (view.secondsLeft === null) {
+      return 'moving soon';
+    }
+    return view.secondsLeft > 0
+      ? `moving in ${view.secondsLeft} s`
+      : 'moving now';
+  }
+  return SHORT[view.state] ?? view.label;
+}
+
+/**
+ * Figures only while the agent vouches for them (`verified`); "?" while it
+ * does not answer, so a last known figure never passes for a current one; none
+ * while a shrink, move or kill is changing them (the tooltip has the last
+ * known ones).
+ */
+export function statusLabel(
+  status: IKernelStatus | null,
+  view: IStateView
+): IStatusLabel {
+  const device = status?.gpu ?? null;
+  const gpu = device
+    ? `GPU ${device.index}`
+    : view.state === 'no-gpu'
+      ? ''
+      : 'GPU';
+  let figures = '';
+  if (view.state === 'unknown') {
+    figures = '…';
+  } else if (device && view.verified) {
+    figures = usageOfRequest(status?.usage, status?.request);
+  } else if (device && view.state === 'agent-unreachable') {
+    figures = '?';
+  }
+  const word = shortStateWord(view);
+  const head = figures ? `${gpu}: ${figures}` : gpu;
+  return {
+    gpu,
+    figures,
+    word,
+    text: [head, word].filter(Boolean).join(' · ')
+  };
+}
+
+/** The tooltip and the screen reader's words for the status bar item. */
+export interface IStatusDescription {
+  title: string;
+  ariaLabel: string;
+}
+
+/**
+ * Everything the item leaves out: the device, usage, request and limit (as
+ * last known while unverified), the state in full and why.
+ */
+export function statusDescription(
+  status: IKernelStatus | null,
+  view: IStateView
+): IStatusDescription {
+  const gpu = status?.gpu ?? null;
+  const device = gpu ? gpuLabel(gpu) : '';
+  const memory = !gpu
+    ? ''
+    : view.verified
+      ? `${formatBytes(status?.usage)} used of ${formatBytes(status?.request)} guaranteed, ${formatBytes(status?.limit)} limit`
+      : `last known: ${formatBytes(status?.usage)} used, ${formatBytes(status?.request)} requested, ${formatBytes(status?.limit)} limit (not verified)`;
+  const reason = view.reason ? ` ${view.reason}` : '';
+  const lines = [
+    device,
+    memory && `${memory.charAt(0).toUpperCase()}${memory.slice(1)}.`,
+    `${view.label.charAt(0).toUpperCase()}${view.label.slice(1)}: ${view.help}${reason}`,
+    'Click for details.'
+  ];
+  const summary = [device, memory, view.label].filter(Boolean).join(', ');
+  return {
+    title: lines.filter(Boolean).join('\n'),
+    ariaLabel: `GPU lease: ${summary}.${reason} Press Enter for details.`
   };
 }
 

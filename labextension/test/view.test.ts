@@ -8,6 +8,7 @@ import { test } from 'node:test';
 
 import { IGpuFracEvent, IKernelStatus, ILease } from '../src/api';
 import { KERNEL_STATES } from '../src/contract';
+import { usageOfRequest } from '../src/format';
 import {
   computeLine,
   countdownLabel,
@@ -19,7 +20,9 @@ import {
   restoredNotice,
   restoreFactsOf,
   restoreSummary,
-  stateView
+  stateView,
+  statusDescription,
+  statusLabel
 } from '../src/view';
 
 const NOW = 1_763_760_000;
@@ -351,4 +354,142 @@ test('every kernel state of the contract has words and help; one is a success', 
     // Only a restore the kernel verified may look like a success.
     assert.equal(view.success, state === 'restored', state);
   }
+});
+
+// -- the status bar item -------------------------------------------------------
+
+const GiB = 1024 ** 3;
+const MiB = 1024 ** 2;
+
+function label(
+  state: string,
+  extra: Partial<IKernelStatus> = {},
+  agent = UP,
+  now = NOW
+): string {
+  const s = status(state, extra);
+  return statusLabel(s, stateView(state, s, agent, now)).text;
+}
+
+test('usage against request in one unit, the one of the larger figure', () => {
+  assert.equal(usageOfRequest(2.1 * GiB, 4 * GiB), '2.1/4.0 GiB');
+  assert.equal(usageOfRequest(300 * MiB, 4 * GiB), '0.3/4.0 GiB');
+  // Small but not nothing: a CUDA context alone is about 50 MiB.
+  assert.equal(usageOfRequest(49 * MiB, 4 * GiB), '<0.1/4.0 GiB');
+  assert.equal(usageOfRequest(0, 4 * GiB), '0.0/4.0 GiB');
+  assert.equal(usageOfRequest(0.2 * MiB, 512 * MiB), '<1/512 MiB');
+  assert.equal(usageOfRequest(300 * MiB, 512 * MiB), '300/512 MiB');
+  // Bursting past a small request: the unit follows the usage.
+  assert.equal(usageOfRequest(1.5 * GiB, 512 * MiB), '1.5/0.5 GiB');
+  assert.equal(usageOfRequest(120 * GiB, 141 * GiB), '120/141 GiB');
+  assert.equal(usageOfRequest(null, 4 * GiB), '–/4.0 GiB');
+  assert.equal(usageOfRequest(2 * GiB, null), '2.0 GiB');
+});
+
+test('the status item is numeric, with a word only when there is news', () => {
+  assert.equal(label('guaranteed', { usage: 2.1 * GiB }), 'GPU 1: 2.1/4.0 GiB');
+  assert.equal(
+    label('bursting', { usage: 5.2 * GiB }),
+    'GPU 1: 5.2/4.0 GiB · bursting'
+  );
+  assert.equal(label('restored'), 'GPU 1: 1.0/4.0 GiB · restored');
+  assert.equal(label('restore-incomplete'), 'GPU 1: 1.0/4.0 GiB · losses');
+  // While the figures are changing the word alone: the tooltip has the last known ones.
+  assert.equal(label('shrinking'), 'GPU 1 · shrinking');
+  assert.equal(
+    label('move-pending', { deadline: NOW + 23 }),
+    'GPU 1 · moving in 23 s'
+  );
+  assert.equal(
+    label('move-pending', { deadline: NOW - 1 }),
+    'GPU 1 · moving now'
+  );
+  assert.equal(label('migrating'), 'GPU 1 · moving');
+  assert.equal(label('oom-killed'), 'GPU 1 · stopped');
+  // No lease, or no answer from the server: no GPU number to show.
+  assert.equal(label('no-gpu', { gpu: null }), 'no GPU');
+  assert.equal(
+    statusLabel(null, stateView('unavailable', null, UP, NOW)).text,
+    'GPU · unavailable'
+  );
+  assert.equal(
+    statusLabel(null, stateView('unknown', null, UP, NOW)).text,
+    'GPU: …'
+  );
+});
+
+test('the status item never shows unverified figures as current', () => {
+  // The agent down: any state, the usage is unknown ("?"), never "guaranteed".
+  for (const state of ['guaranteed', 'bursting', 'restored', 'migrating']) {
+    const s = status(state, { usage: 2.1 * GiB });
+    const view = stateView(state, s, DOWN, NOW);
+    const line = statusLabel(s, view);
+    assert.equal(line.text, 'GPU 1: ? · agent unreachable', state);
+    assert.equal(line.figures, '?');
+    const text = statusDescription(s, view);
+    assert.doesNotMatch(text.ariaLabel, /guaranteed/, state);
+    assert.match(text.title, /^Last known: 2\.1 GiB used, 4\.0 GiB requested/m);
+    assert.match(text.title, /cannot be verified/);
+  }
+  // The server's own agent-unreachable state reads the same.
+  assert.equal(label('agent-unreachable'), 'GPU 1: ? · agent unreachable');
+  // Only states the agent vouches for show figures at all.
+  for (const state of KERNEL_STATES) {
+    const s = status(state);
+    const view = stateView(state, s, UP, NOW);
+    const figures = statusLabel(s, view).figures;
+    assert.equal(
+      /\d/.test(figures),
+      view.verified,
+      `${state}: ${JSON.stringify(figures)}`
+    );
+  }
+});
+
+test('the status item stays short; the tooltip has the device, limit and story', () => {
+  // About 6.7 px a character at JupyterLab's 13 px UI font (the browser test
+  // measures): the plain line within 20 characters, any line within 32.
+  assert.ok(
+    label('guaranteed', { usage: 12.5 * GiB, request: 16 * GiB }).length <= 20
+  );
+  for (const state of [...KERNEL_STATES, 'unknown', 'unavailable']) {
+    for (const agent of [UP, DOWN]) {
+      const s = status(state, {
+        usage: 99.9 * GiB,
+        request: 99.9 * GiB,
+        deadline: NOW + 100,
+        gpu: { uuid: 'GPU-7', index: 15, name: 'NVIDIA H100 80GB HBM3' }
+      });
+      const text = statusLabel(s, stateView(state, s, agent, NOW)).text;
+      assert.ok(text.length <= 32, `${state}: ${text}`);
+    }
+  }
+  const s = status('bursting', { usage: 5.2 * GiB });
+  const { title, ariaLabel } = statusDescription(
+    s,
+    stateView('bursting', s, UP, NOW)
+  );
+  assert.equal(
+    title,
+    [
+      'GPU 1 · 16GiB · simulated',
+      '5.2 GiB used of 4.0 GiB guaranteed, 8.0 GiB limit.',
+      'Bursting: Using loaned memory above its guaranteed share; it may be asked to give it back.',
+      'Click for details.'
+    ].join('\n')
+  );
+  assert.equal(
+    ariaLabel,
+    'GPU lease: GPU 1 · 16GiB · simulated, 5.2 GiB used of 4.0 GiB guaranteed, 8.0 GiB limit, bursting. Press Enter for details.'
+  );
+  // The countdown in full, with the reason, in the tooltip.
+  const pending = status('move-pending', {
+    deadline: NOW + 23,
+    reason: 'A job needs GPU 1.'
+  });
+  assert.match(
+    statusDescription(pending, stateView('move-pending', pending, UP, NOW))
+      .title,
+    /^Moving in 23 s — cell still running: .* A job needs GPU 1\.$/m
+  );
 });

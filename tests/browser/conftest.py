@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from support import free_port, rest_call
+
+from harness.agent import free_port, rest_call
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILT_LABEXTENSION = ROOT / "jupyter_gpufrac" / "labextension"

@@ -1,9 +1,11 @@
 """The labextension in real headless Chromium, against a real server.
 
 One JupyterLab, one notebook, one story: the notebook's kernel is spread to
-GPU 1 of the simulated node; a whole-GPU job (`gpufrac-agent run --gpus 1`)
-makes the agent move it back to GPU 0 while a cell still runs: the status item
-counts down ("moving in 23 s — cell still running") on GPU 1 and never says
+GPU 1 of the simulated node, and the status item says so in numbers ("GPU 1:
+0.3/4.0 GiB"), narrow enough (measured) to leave the status bar's right end on
+screen at 1024 px beside jupyter-resource-usage; a whole-GPU job (`gpufrac-agent
+run --gpus 1`) makes the agent move it back to GPU 0 while a cell still runs:
+the status item counts down ("GPU 1 · moving in 23 s") and never says
 "migrating" before the move starts; once the cell ends the kernel moves; the
 status item and a notification say so, and what was kept; the details panel
 (opened from the keyboard) shows the node and the history; the notebook still
@@ -12,8 +14,8 @@ contract, must give notifications that say why and what was lost, with no
 success mark unless the restore was verified, and never cut mid-word without a
 "Details" action that opens the whole text. Last, the GPU agent stops
 answering (SIGSTOP): widget and panel say "agent unreachable" with the reason
-within seconds, never "guaranteed", and recover when it answers again. No
-errors may reach the browser console.
+within seconds, never "guaranteed" nor a current-looking figure ("GPU 0: ?"),
+and recover when it answers again. No errors may reach the browser console.
 
 Screenshots of the item and the panel in the light and dark themes go to a temp
 dir, or to docs/screenshots with GPUFRAC_UPDATE_SCREENSHOTS=1.
@@ -33,7 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from support import wait_for
+
+from harness.agent import wait_for
 
 if TYPE_CHECKING:
     from conftest import Lab
@@ -77,6 +80,17 @@ SCHEMA_ID = "https://jupyter-gpufrac.github.io/events/kernel/v1"
 # Chromium reports these for reasons outside the extension; nothing else may
 # reach the console as an error.
 IGNORED_CONSOLE = (re.compile(r"favicon"),)
+
+# The status item beside JupyterLab's own (issue #13): its plain line, and any
+# line with a state word, at most this wide (px) at JupyterLab's default font.
+PLAIN_WIDTH_MAX = 160
+WORDED_WIDTH_MAX = 230
+# "GPU 1: 2.1/4.0 GiB": usage against request ("<0.1" when small), nothing else.
+FIGURES = r"(<)?\d+(\.\d)?/\d+(\.\d)? (GiB|MiB)"
+PLAIN_LINE = re.compile(rf"^GPU \d+: {FIGURES}$")
+# jupyter-resource-usage's item (align left, rank 2), as it reads with a few
+# hundred MB used; the narrow-window check puts a copy of it in the status bar.
+RESOURCE_USAGE_TEXT = "Mem: 200.52 MB"
 
 
 def _wait_for(what: str, check: Callable[[], object], timeout: float, lab: Lab) -> object:
@@ -184,10 +198,17 @@ def test_widget_follows_kernel_through_migration(
             # The status item shows the notebook kernel's GPU.
             item = page.locator(".jp-gpufrac-StatusItem")
             expect(item).to_have_attribute("data-gpu-index", "1", timeout=90_000)
-            expect(item).to_contain_text("GPU 1")
-            expect(item).to_contain_text("simulated")
+            # Numbers at a glance; the device, the limit and the state in the tooltip.
+            expect(item).to_have_attribute("data-state", "guaranteed", timeout=30_000)
+            expect(item).to_have_text(PLAIN_LINE)
+            expect(item).to_have_text(re.compile(r"^GPU 1: "))
+            expect(item).to_have_attribute(
+                "title", re.compile(r"^GPU 1 · .*simulated\n.* guaranteed, .* limit\.\n")
+            )
             expect(item).to_have_attribute("role", "button")
             expect(item).to_have_attribute("aria-label", re.compile(r"GPU lease: GPU 1"))
+            widths = {"guaranteed": _item_width(item, PLAIN_WIDTH_MAX)}
+            _assert_bell_on_screen_at_1024(page)
 
             # Some state worth restoring.
             page.locator(".jp-Notebook .jp-Cell").first.click()
@@ -223,9 +244,12 @@ def test_widget_follows_kernel_through_migration(
             # never "migrating" before anything moved.
             state_word = item.locator(".jp-gpufrac-StatusItem-state")
             expect(item).to_have_attribute("data-state", "move-pending", timeout=60_000)
-            expect(state_word).to_have_text(re.compile(r"^moving in \d+ s — cell still running$"))
+            expect(state_word).to_have_text(re.compile(r"^moving in \d+ s$"))
+            expect(item).to_have_text(re.compile(r"^GPU 1 · moving in \d+ s$"))
+            expect(item).to_have_attribute("title", re.compile(r"Moving in \d+ s — cell still running"))
             expect(item).to_have_attribute("data-gpu-index", "1")
             expect(item).not_to_contain_text("migrating")
+            widths["move-pending"] = _item_width(item, WORDED_WIDTH_MAX)
             first_left = int(state_word.get_attribute("data-seconds-left") or "0")
             page.wait_for_timeout(2200)
             expect(item).to_have_attribute("data-state", "move-pending")
@@ -248,6 +272,8 @@ def test_widget_follows_kernel_through_migration(
             expect(toast).to_contain_text(re.compile(r"\bjob\b"))
             expect(toast).to_contain_text(re.compile(r"\d+ of \d+ variables restored"), timeout=60_000)
             expect(item).to_have_attribute("data-state", "restored", timeout=30_000)
+            expect(item).to_have_text(re.compile(rf"^GPU 0: {FIGURES} · restored$"))
+            widths["restored"] = _item_width(item, WORDED_WIDTH_MAX)
             # Verified by the kernel: the one success mark there is.
             expect(toast).to_have_class(re.compile("Toastify__toast--success"), timeout=30_000)
             expect(toast).to_contain_text("demo.ipynb")
@@ -267,6 +293,12 @@ def test_widget_follows_kernel_through_migration(
             expect(panel.locator(".jp-gpufrac-State")).to_have_text("restored")
             expect(panel.locator(".jp-gpufrac-Panel-restore")).to_have_attribute("data-ok", "true")
             expect(panel.locator("h2")).to_contain_text("demo.ipynb")
+            # The panel re-renders by diffing (VirtualDOM.render): the button that
+            # was clicked is the same element afterwards and keeps the focus.
+            refresh = panel.get_by_role("button", name="Refresh GPU information")
+            refresh.click()
+            page.wait_for_timeout(1500)
+            expect(refresh).to_be_focused()
             page.screenshot(path=str(shots / "lab-light.png"))
             # The panel alone, without the toast over it.
             for close in page.locator(".Toastify__toast").get_by_title("Hide notification").all():
@@ -395,6 +427,12 @@ def test_widget_follows_kernel_through_migration(
             page.screenshot(path=str(shots / "notifications-dark.png"))
             for close in page.locator(".Toastify__toast").get_by_title("Hide notification").all():
                 close.click()
+            # Text from the server only ever becomes text: markup in a message is shown, not parsed.
+            markup = '<img src="x" class="gpufrac-injected" onerror="window.gpufracInjected = 1">'
+            _emit(lab, kernel_id, "placed", f"Placed on GPU 0. {markup}")
+            expect(history).to_contain_text(markup, timeout=20_000)
+            expect(page.locator("img.gpufrac-injected")).to_have_count(0)
+            assert page.evaluate("window.gpufracInjected") is None
 
             # [server] The agent stops answering: within seconds no view says
             # "guaranteed"; the reason is shown; it comes back when the agent does.
@@ -407,8 +445,14 @@ def test_widget_follows_kernel_through_migration(
                 expect(item).to_have_attribute("data-state", "agent-unreachable", timeout=8_000)
                 noticed_s = time.monotonic() - stopped_at
                 expect(item.locator(".jp-gpufrac-StatusItem-state")).to_have_text("agent unreachable")
+                # No figure that could pass for a current one; the last known in the tooltip.
+                expect(item).to_have_text("GPU 0: ? · agent unreachable")
                 expect(item).not_to_have_attribute("aria-label", re.compile("guaranteed"))
                 expect(item).to_have_attribute("title", re.compile("cannot be verified"))
+                last_known = re.compile(r"^Last known: .* \(not verified\)\.$", re.M)
+                expect(item).to_have_attribute("title", last_known)
+                widths["agent-unreachable"] = _item_width(item, WORDED_WIDTH_MAX)
+                _assert_bell_on_screen_at_1024(page)
                 expect(panel.locator(".jp-gpufrac-State")).to_have_text("agent unreachable")
                 expect(panel.locator(".jp-gpufrac-Panel-reason")).to_contain_text("cannot be verified")
                 expect(panel.locator(".jp-gpufrac-Panel-usage")).not_to_contain_text("guaranteed")
@@ -424,6 +468,8 @@ def test_widget_follows_kernel_through_migration(
                 os.kill(agent_pid, signal.SIGCONT)
             expect(item).not_to_have_attribute("data-state", "agent-unreachable", timeout=30_000)
             expect(panel.locator(".jp-gpufrac-Panel-agent")).to_have_count(0, timeout=30_000)
+            expect(item).not_to_contain_text("?")
+            print("status item width (px): " + ", ".join(f"{k} {v:.0f}" for k, v in widths.items()))
         except Exception as err:
             # What CI needs to tell a frontend bug from a server one.
             with contextlib.suppress(Exception):
@@ -446,6 +492,47 @@ def test_widget_follows_kernel_through_migration(
                     job.wait()
 
     assert not console_errors, "errors in the browser console:\n" + "\n".join(console_errors)
+
+
+def _item_width(item: Locator, most: float) -> float:
+    """The status item's rendered width, at most `most` px (issue #13)."""
+    box = item.bounding_box()
+    assert box is not None
+    assert box["width"] <= most, f"status item {item.inner_text()!r} is {box['width']:.0f} px wide (> {most})"
+    return float(box["width"])
+
+
+def _assert_bell_on_screen_at_1024(page: Page) -> None:
+    """In a 1024 px window, beside a copy of jupyter-resource-usage's item, the
+    status bar's right end (the notification bell) stays on screen."""
+    from playwright.sync_api import expect
+
+    size = page.viewport_size
+    page.set_viewport_size({"width": 1024, "height": 768})
+    page.evaluate(
+        """text => {
+          const ours = document.querySelector('#jp-main-statusbar .jp-gpufrac-StatusItem');
+          const item = document.createElement('div');
+          item.className = 'lm-Widget jp-StatusBar-Item gpufrac-test-resource-usage';
+          const label = document.createElement('span');
+          label.className = 'jp-StatusBar-TextItem';
+          label.textContent = text;
+          item.appendChild(label);
+          ours.parentElement.insertBefore(item, ours);
+        }""",
+        RESOURCE_USAGE_TEXT,
+    )
+    try:
+        stand_in = page.locator(".gpufrac-test-resource-usage")
+        expect(stand_in).to_be_visible()
+        bell = page.locator("#jp-main-statusbar .jp-Notification-Status")
+        expect(bell).to_be_in_viewport(ratio=1)
+        box = bell.bounding_box()
+        assert box is not None and box["x"] + box["width"] <= 1024, box
+    finally:
+        page.evaluate("() => document.querySelector('.gpufrac-test-resource-usage')?.remove()")
+        if size:
+            page.set_viewport_size(size)
 
 
 def _shoot_item(page: Page, item: Locator, path: Path) -> None:

@@ -80,7 +80,7 @@ class Kernel:
 
     def ask(self, question: str, timeout: float = 30.0) -> dict[str, Any]:
         """Ask the kernel over the server's comm (kernel_channel's messages, a blocking client)."""
-        from jupyter_gpufrac.server.kernel_channel import answer_in, ask_message
+        from jupyter_gpufrac.server.kernel_channel import answer_in, ask_message, close_message
 
         comm_id, msg = ask_message(self.client.session, question)
         self.client.shell_channel.send(msg)
@@ -90,6 +90,7 @@ class Kernel:
             except Empty as exc:
                 raise TimeoutError(f"no answer to {question!r} within {timeout} s") from exc
             if found is not None:
+                self.client.shell_channel.send(close_message(self.client.session, comm_id))
                 return found
 
     def value(self, expression: str) -> Any:

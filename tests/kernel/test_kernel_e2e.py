@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -191,6 +193,12 @@ def test_the_kernel_answers_the_servers_questions_once_each(tmp_path: Path) -> N
         assert k.ask(contract.ASK_RESTORE_REPORT) == {"ok": True, "report": None}
         wrong = k.ask("reboot")
         assert wrong["ok"] is False and "checkpoint, restore-report" in wrong["error"]
+        # The kernel never closes the comms: a close would reach every open notebook page.
+        broadcast = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                broadcast.append(k.client.get_iopub_msg(timeout=0.5)["msg_type"])
+        assert "comm_close" not in broadcast, broadcast
         # A question is not a cell: no execution count, no history.
         assert k.value("len(In)") == 3 and k.value("x") == 41  # "", "x = 41", this one
     header = Checkpointer(ckdir).read_header()  # what the ask saved is the last good state
