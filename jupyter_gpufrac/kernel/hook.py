@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -28,7 +28,7 @@ from jupyter_gpufrac.kernel import (
 )
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
-from jupyter_gpufrac.kernel.import_hook import ImportWatcher
+from jupyter_gpufrac.kernel.import_hook import after_import
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class GpuFracHook:
         self.poll_timeout = poll_timeout
         self.started = time.time()
         self._lock = threading.RLock()
-        self._import_watcher = ImportWatcher(["torch"], self.on_torch_imported)
-        self._tensorflow_watcher = ImportWatcher(["tensorflow"], self.on_tensorflow_imported)
+        # What turns the after-import callbacks off again (``%unload_ext``).
+        self._import_hooks: list[Callable[[], None]] = []
         self.tensorflow_capped: list[str] = []
         self._cells_path = environment.checkpoint_dir / store.CELLS_FILE
         self._previous_cells = self._read_previous_cells()
@@ -90,17 +90,9 @@ class GpuFracHook:
         self.ip.events.register("pre_execute", self.pre_execute)
         self.ip.events.register("pre_run_cell", self.pre_run_cell)
         self.ip.events.register("post_run_cell", self.post_run_cell)
-        torch = torch_adapter.torch_module()
-        if torch is not None:
-            self.on_torch_imported(torch)
-        else:
-            self._import_watcher.install()
+        self._import_hooks.append(after_import("torch", self.on_torch_imported))
         if self.env.has_lease and self.limit is not None:
-            tensorflow = sys.modules.get("tensorflow")
-            if tensorflow is not None:
-                self.on_tensorflow_imported(tensorflow)
-            else:
-                self._tensorflow_watcher.install()
+            self._import_hooks.append(after_import("tensorflow", self.on_tensorflow_imported))
         if self.env.restore:
             self.restore_at_start()
         elif self.env.checkpoint_dir_stable:
@@ -128,8 +120,8 @@ class GpuFracHook:
                                 ("post_run_cell", self.post_run_cell)):
             with contextlib.suppress(ValueError):
                 self.ip.events.unregister(event, callback)
-        self._import_watcher.uninstall()
-        self._tensorflow_watcher.uninstall()
+        for off in self._import_hooks:
+            off()
         if self.torch_seen:
             self.ip.set_custom_exc((), None)
         if self.watcher is not None:
@@ -144,14 +136,12 @@ class GpuFracHook:
             if self.torch_seen:
                 return
             self.torch_seen = True
-        self._import_watcher.uninstall()
         if torch_adapter.oom_exception_types():
             self.ip.set_custom_exc(torch_adapter.gpu_error_types(), _oom_handler(self))
         self.apply_cap()
 
     def on_tensorflow_imported(self, tensorflow: types.ModuleType) -> None:
         """Cap TensorFlow at the limit (less the context) before it touches a GPU."""
-        self._tensorflow_watcher.uninstall()
         if self.limit is not None:
             self.tensorflow_capped = frameworks.cap_tensorflow(
                 tensorflow, max(0, self.limit - self.env.context))

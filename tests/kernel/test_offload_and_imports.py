@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from jupyter_gpufrac.kernel import offload
-from jupyter_gpufrac.kernel.import_hook import ImportWatcher
+from jupyter_gpufrac.kernel.import_hook import after_import
 
 from .kernels import REPO
 
@@ -90,41 +91,46 @@ def test_offload_frees_what_output_caches_and_containers_hold() -> None:
     assert {r.name for r in back} == {"kept", "batch", "named", "pair"} and left == []
 
 
-def test_import_watcher_runs_after_the_module_is_complete(tmp_path: Path) -> None:
+def test_the_after_import_callback_sees_the_finished_module_once(tmp_path: Path) -> None:
     (tmp_path / "gpufrac_probe_pkg").mkdir()
     (tmp_path / "gpufrac_probe_pkg" / "__init__.py").write_text("VALUE = 41\nVALUE += 1\n")
     seen: list[int] = []
-    watcher = ImportWatcher(["gpufrac_probe_pkg"], lambda m: seen.append(m.VALUE))
     sys.path.insert(0, str(tmp_path))
-    watcher.install()
+    off = after_import("gpufrac_probe_pkg", lambda m: seen.append(m.VALUE))
     try:
         import gpufrac_probe_pkg  # type: ignore[import-not-found]
 
-        assert seen == [42]
-        assert type(gpufrac_probe_pkg.__loader__).__name__ != "_CallbackLoader"
+        importlib.reload(gpufrac_probe_pkg)
+        assert seen == [42], "after the module body ran, and once"
+        late: list[int] = []
+        after_import("gpufrac_probe_pkg", lambda m: late.append(m.VALUE))
+        assert late == [42], "a module imported already: at once"
     finally:
-        watcher.uninstall()
+        off()
         sys.path.remove(str(tmp_path))
         sys.modules.pop("gpufrac_probe_pkg", None)
 
 
-def test_failing_callback_never_breaks_the_import(tmp_path: Path) -> None:
+def test_failing_or_turned_off_callbacks_never_break_the_import(tmp_path: Path) -> None:
     (tmp_path / "gpufrac_probe_bad.py").write_text("X = 1\n")
+    (tmp_path / "gpufrac_probe_off.py").write_text("X = 2\n")
 
     def boom(module: Any) -> None:
         raise RuntimeError("callback failure")
 
-    watcher = ImportWatcher(["gpufrac_probe_bad"], boom)
+    called: list[str] = []
     sys.path.insert(0, str(tmp_path))
-    watcher.install()
+    after_import("gpufrac_probe_bad", boom)
+    after_import("gpufrac_probe_off", lambda m: called.append(m.__name__))()
     try:
         import gpufrac_probe_bad  # type: ignore[import-not-found]
+        import gpufrac_probe_off  # type: ignore[import-not-found]
 
-        assert gpufrac_probe_bad.X == 1
+        assert (gpufrac_probe_bad.X, gpufrac_probe_off.X, called) == (1, 2, [])
     finally:
-        watcher.uninstall()
         sys.path.remove(str(tmp_path))
         sys.modules.pop("gpufrac_probe_bad", None)
+        sys.modules.pop("gpufrac_probe_off", None)
 
 
 def test_the_kernel_package_imports_neither_jupyter_server_nor_torch() -> None:
