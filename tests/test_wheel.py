@@ -83,3 +83,9 @@ def test_labextension_output_dir_matches_shared_data() -> None:
     shared = project["tool"]["hatch"]["build"]["targets"]["wheel"]["shared-data"]
     assert shared["jupyter_gpufrac/labextension"] == f"share/jupyter/labextensions/{LABEXT_NAME}"
     assert pkg["name"] == LABEXT_NAME
+
+
+def test_wheel_ships_the_systemd_unit_and_the_event_schema(wheel_files: dict[str, bytes]) -> None:
+    unit = wheel_files["node_agent/systemd/gpufrac-agent.service"].decode()
+    assert "ExecStart=@EXEC_START@" in unit  # install-service fills it in
+    assert SCHEMA_ID.encode() in wheel_files["jupyter_gpufrac/events/kernel.yaml"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -252,3 +253,28 @@ def test_a_config_file_others_can_write_is_refused(
     folder.chmod(0o777)
     assert cli.main(["status"]) == 2
     assert f"{folder} is writable by group or others (mode 0777)" in capsys.readouterr().err
+
+
+def test_install_service_writes_a_unit_that_runs_this_agent_as_the_system_agent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["install-service", "--unit-dir", str(tmp_path), "--admin-group", "root"]) == 0
+    unit = (tmp_path / "gpufrac-agent.service").read_text()
+    [exec_start] = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    assert exec_start.split("=", 1)[1].split() == [
+        sys.executable, "-m", "node_agent", "serve", "--socket", "/run/gpufrac/agent.sock",
+        "--state-dir", "/var/lib/gpufrac", "--admin-group", "root"]
+    assert "RuntimeDirectory=gpufrac" in unit and "StateDirectoryMode=0700" in unit
+    assert "systemctl daemon-reload && systemctl enable --now gpufrac-agent" in capsys.readouterr().out
+    # The command it names parses: the service would start, not fail on its options.
+    args = exec_start.split("=", 1)[1].split()[3:]
+    assert cli.main([*args, "--help"]) == 0
+    verify = shutil.which("systemd-analyze")
+    if verify is not None:  # present on a systemd host: it checks the unit as systemd reads it
+        done = subprocess.run([verify, "verify", str(tmp_path / "gpufrac-agent.service")],
+                              capture_output=True, text=True, timeout=60, check=False)
+        problems = [line for line in done.stderr.splitlines()
+                    if "gpufrac-agent.service" in line and "nvidia-persistenced" not in line]
+        assert problems == [], done.stderr
+    assert cli.main(["install-service", "--unit-dir", str(tmp_path), "--admin-group", "nope-x"]) == 2
+    assert "--admin-group: no group 'nope-x'" in capsys.readouterr().err
