@@ -24,12 +24,17 @@ SIMULATED = "GPUFRAC_SIMULATED"
 CHECKPOINT_DIR = "GPUFRAC_CHECKPOINT_DIR"
 RESTORE = "GPUFRAC_RESTORE"
 RESTART_REASON = "GPUFRAC_RESTART_REASON"
+# Where the request and limit came from, JSON {"request": SOURCE, "limit": SOURCE or null}.
+SHARE_SOURCE = "GPUFRAC_SHARE_SOURCE"
+# The file holding the user's remembered %gpu request for this environment (--reset removes it).
+REMEMBERED_REQUEST = "GPUFRAC_REMEMBERED_REQUEST"
 
 # Set anew by every launch and removed from the inherited environment first, so that a
 # value from an earlier launch (a restore flag, an old GPU) never leaks into the next one.
 LAUNCH_VARIABLES = (
     LEASE_ID, KERNEL_ID, REQUEST, LIMIT, GPU_UUID, GPU_INDEX, GPU_NAME, GPU_TOTAL, CONTEXT,
-    SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, *FRAMEWORK_CAPS,
+    SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, SHARE_SOURCE, REMEMBERED_REQUEST,
+    *FRAMEWORK_CAPS,
 )
 
 # The IPython extension the kernel loads.
@@ -40,8 +45,16 @@ COMM_TARGET = "jupyter_gpufrac"
 ASK_CHECKPOINT = "checkpoint"  # answer: {"ok": true, "checkpoint": {...}} or {"ok": false, "error"}
 ASK_RESTORE_REPORT = "restore-report"  # answer: {"ok": true, "report": {...} or null}
 ASKS = (ASK_CHECKPOINT, ASK_RESTORE_REPORT)
-# In the server's data folder: the user's last `%gpu request`, the share of their next kernel.
-LAST_REQUEST_FILE = "last-request.json"
+# In the server's data folder: the user's last `%gpu request` in one environment (by the
+# server's sys.prefix), the share of their next kernels there: last-request-<key>.json.
+LAST_REQUEST_FILE = "last-request-{environment}.json"
+
+# Where a share came from, as people read it.
+SOURCE_KERNELSPEC = "kernelspec"
+SOURCE_REMEMBERED = "your last %gpu request here"
+SOURCE_CONFIG = "c.GpuFrac"
+SOURCE_RUNAI = "RUNAI_GPU_MEMORY_LIMIT"
+SOURCE_MAGIC = "%gpu request"
 
 # Why a kernel was restarted: the "cause" of RESTART_REASON.
 CAUSE_MIGRATED = "migrated"

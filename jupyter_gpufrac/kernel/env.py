@@ -44,6 +44,10 @@ class KernelEnv:
     checkpoint_dir_stable: bool = False
     restore: bool = False
     restart_reason: RestartReason | None = None
+    # Where the request and the limit came from ({"request": "kernelspec", ...}), if said.
+    share_source: dict[str, str | None] = field(default_factory=dict)
+    # The server's file remembering the user's %gpu request here (``--reset`` removes it).
+    remembered_request: Path | None = None
     problems: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -113,6 +117,20 @@ def default_checkpoint_dir(kernel_id: str | None, home: Path | None = None) -> P
     return base / (kernel_id or f"pid-{os.getpid()}")
 
 
+def _share_source(raw: str, problems: list[str]) -> dict[str, str | None]:
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not all(
+            isinstance(data.get(k), str | None) for k in ("request", "limit")):
+        problems.append(f"{contract.SHARE_SOURCE} is not the expected JSON: {raw[:80]!r}")
+        return {}
+    return {"request": data.get("request"), "limit": data.get("limit")}
+
+
 def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelEnv:
     """Read the kernel's environment; never raises (malformed values land in ``problems``)."""
     problems: list[str] = []
@@ -148,5 +166,8 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_dir_stable=bool(raw_dir or kernel_id),
         restore=restore,
         restart_reason=parse_restart_reason(raw_reason) if raw_reason else None,
+        share_source=_share_source(env.get(contract.SHARE_SOURCE, ""), problems),
+        remembered_request=(Path(env[contract.REMEMBERED_REQUEST])
+                            if env.get(contract.REMEMBERED_REQUEST, "").strip() else None),
         problems=tuple(problems),
     )

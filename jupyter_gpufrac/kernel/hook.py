@@ -59,6 +59,7 @@ class GpuFracHook:
         self.env = environment
         self.request = environment.request
         self.limit = environment.limit
+        self.share_source: dict[str, str | None] = dict(environment.share_source)
         self.checkpointer = Checkpointer(environment.checkpoint_dir)
         self.state = ladder.LadderState()
         self.cap: int | None = None

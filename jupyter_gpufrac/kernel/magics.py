@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import messages, torch_adapter
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
@@ -49,9 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "If the new share does not fit on this GPU, the agent moves the kernel to one where it "
         "fits: the server restarts it there and its variables come back.",
     )
-    req.add_argument("request", help="guaranteed share, e.g. 0.25 or 4Gi")
+    req.add_argument("request", nargs="?", help="guaranteed share, e.g. 0.25 or 4Gi")
     req.add_argument("--limit", help="most this kernel may use, e.g. 0.8 or 12Gi "
                      "(default: unchanged, or the new request where that is larger)")
+    req.add_argument("--reset", action="store_true",
+                     help="forget the request your last %%gpu request made the share of your "
+                     "next kernels in this environment (this kernel keeps its share)")
     req.add_argument("--no-checkpoint", action="store_true",
                      help="do not checkpoint before asking (a move then loses the variables)")
     ck = sub.add_parser("checkpoint", help="save the notebook's variables now",
@@ -119,8 +123,11 @@ class GpuMagic:
             where = f"{gpu} (index {env.gpu_index}, {env.gpu_uuid})" if env.gpu_uuid else gpu
             lines.append(f"gpufrac: lease {env.lease_id} on {where}"
                          + (" [simulated]" if env.simulated else ""))
-            lines.append(f"  request: {messages.fmt_share(hook.request, total)} guaranteed")
-            lines.append(f"  limit:   {messages.fmt_share(hook.limit, total)}")
+            came = hook.share_source
+            lines.append(f"  request: {messages.fmt_share(hook.request, total)} guaranteed"
+                         + (f" (from {came['request']})" if came.get("request") else ""))
+            lines.append(f"  limit:   {messages.fmt_share(hook.limit, total)}"
+                         + (f" (from {came['limit']})" if came.get("limit") else ""))
             usage, source = s["usage"], "PyTorch reserved"
             lease = hook.lease_info(timeout=2.0)
             if usage is None and lease is not None:
@@ -209,6 +216,12 @@ class GpuMagic:
     def do_request(self, args: argparse.Namespace) -> None:
         hook = self.hook
         env = hook.env
+        if args.reset:
+            self.forget_request()
+            if args.request is None:
+                return
+        if args.request is None:
+            raise UsageError("%gpu request: give the new request (e.g. 0.25 or 4Gi), or --reset")
         try:
             from node_agent.quantities import QuantityError, check_share, parse_quantity
         except ImportError as exc:  # the agent package is absent in this environment
@@ -247,9 +260,25 @@ class GpuMagic:
             return
         hook.request = int(lease.get("request", hook.request or 0))
         hook.limit = int(lease.get("limit", hook.limit or 0))
+        hook.share_source = {"request": contract.SOURCE_MAGIC, "limit": contract.SOURCE_MAGIC}
         hook.apply_cap()
         print(f"gpufrac: request is now {messages.fmt_share(hook.request, env.gpu_total)}, "
               f"limit {messages.fmt_share(hook.limit, env.gpu_total)}.")
+
+    def forget_request(self) -> None:
+        """``%gpu request --reset``: new kernels here take their kernelspec's or the default."""
+        path = self.hook.env.remembered_request
+        if path is None:
+            raise UsageError("%gpu request --reset: this kernel was not started by a Jupyter "
+                             "server with jupyter-gpufrac, so nothing is remembered for it")
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            print("gpufrac: no remembered request here; new kernels take their kernelspec's "
+                  "share or the server's default.")
+            return
+        print("gpufrac: forgot your remembered request; new kernels here take their "
+              "kernelspec's share or the server's default (this kernel keeps its own).")
 
     def do_checkpoint(self, args: argparse.Namespace) -> None:
         try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
+from traitlets import Bool, Float, Int, List, Unicode, default, validate
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.agent_link import (
@@ -43,6 +43,9 @@ class GpuFrac(ExtensionApp):
 
     name = "jupyter_gpufrac"
     load_other_extensions = True
+
+    # Bad c.GpuFrac settings, each a sentence naming the setting and what was expected.
+    config_problems = List(Unicode())
 
     agent_socket = Unicode(
         help="Unix socket of the node agent. Default: $GPUFRAC_AGENT_SOCKET, else the system "
@@ -143,7 +146,7 @@ class GpuFrac(ExtensionApp):
         try:
             parse_quantity(value, f"c.GpuFrac.{name}")
         except QuantityError as err:
-            raise TraitError(f"{err.field}: {err.message}") from None
+            return self._bad_setting(proposal, f"{err.field}: {err.message}")
         return value
 
     @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval",
@@ -152,8 +155,9 @@ class GpuFrac(ExtensionApp):
         value = float(proposal.value)
         smallest = 0.0 if proposal.trait.name == "migrate_grace_period" else 0.1
         if not value >= smallest or value == float("inf"):
-            raise TraitError(
-                f"c.GpuFrac.{proposal.trait.name}: expected seconds >= {smallest:g}, got {value!r}"
+            return self._bad_setting(
+                proposal,
+                f"c.GpuFrac.{proposal.trait.name}: expected seconds >= {smallest:g}, got {value!r}",
             )
         return value
 
@@ -161,10 +165,12 @@ class GpuFrac(ExtensionApp):
     def _validate_path(self, proposal: Any) -> str:
         value = os.path.expanduser(str(proposal.value).strip())
         if not value:
-            raise TraitError(f"c.GpuFrac.{proposal.trait.name}: expected a path, got an empty string")
+            return self._bad_setting(
+                proposal, f"c.GpuFrac.{proposal.trait.name}: expected a path, got an empty string")
         if not os.path.isabs(value):
-            raise TraitError(
-                f"c.GpuFrac.{proposal.trait.name}: expected an absolute path, got {proposal.value!r}"
+            return self._bad_setting(
+                proposal,
+                f"c.GpuFrac.{proposal.trait.name}: expected an absolute path, got {proposal.value!r}",
             )
         return value
 
@@ -172,11 +178,20 @@ class GpuFrac(ExtensionApp):
     def _validate_simulate(self, proposal: Any) -> str:
         value = str(proposal.value).strip()
         if value and not _SIMULATE_SPEC.match(value):
-            raise TraitError(
-                "c.GpuFrac.embedded_agent_simulate: expected COUNTxMEMORY like 2x16GiB or "
-                f"4xH100-80GB, got {proposal.value!r}"
-            )
+            return self._bad_setting(
+                proposal, "c.GpuFrac.embedded_agent_simulate: expected COUNTxMEMORY like 2x16GiB "
+                f"or 4xH100-80GB, got {proposal.value!r}")
         return value
+
+    def _bad_setting(self, proposal: Any, problem: str) -> Any:
+        """A setting that is wrong: said once in the log and in every kernel's widget, and
+        the default kept, so the rest of the extension runs; kernels get no GPU lease until
+        it is fixed (a share from a default nobody chose would hide the mistake)."""
+        if problem not in self.config_problems:
+            self.config_problems.append(problem)
+            self.log.error("jupyter_gpufrac: %s; kernels start without a GPU lease until it is "
+                           "fixed and the server restarted", problem)
+        return proposal.trait.default_value
 
     def check_limits(self) -> None:
         """request <= limit where both are of one kind (fractions, or bytes)."""
@@ -186,21 +201,17 @@ class GpuFrac(ExtensionApp):
         limit = parse_quantity(self.default_limit, "c.GpuFrac.default_limit")
         for a, b in ((request.fraction, limit.fraction), (request.nbytes, limit.nbytes)):
             if a is not None and b is not None and b < a:
-                raise TraitError(
-                    f"c.GpuFrac.default_limit: must be at least default_request "
-                    f"({self.default_request}), got {self.default_limit}"
-                )
+                problem = (f"c.GpuFrac.default_limit: must be at least default_request "
+                           f"({self.default_request}), got {self.default_limit}")
+                if problem not in self.config_problems:
+                    self.config_problems.append(problem)
+                    self.log.error("jupyter_gpufrac: %s", problem)
+                return
 
     # -- wiring ------------------------------------------------------------------------
 
     def initialize_settings(self) -> None:
         """Events, the agent link and what every kernel's provisioner reads."""
-        if not self._linked:
-            # Linking failed, most likely on a bad c.GpuFrac value (logged just before with
-            # the trait's name); running on defaults instead would hide the mistake.
-            raise TraitError(
-                "jupyter_gpufrac is not loaded: its configuration is invalid (see the error above)"
-            )
         self.check_limits()
         # An empty string set in config skips validation (it equals the unset value): default.
         self.agent_socket = self.agent_socket or self._default_agent_socket()
@@ -232,6 +243,7 @@ class GpuFrac(ExtensionApp):
             events=self.events,
             on_launched=self._kernel_launched,
             agent_command=agent_command(self.agent_socket, self.agent_state_dir),
+            config_problems=tuple(self.config_problems),
         )
         self.settings["gpufrac_app"] = self
         self.log.info(

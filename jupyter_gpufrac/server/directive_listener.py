@@ -310,6 +310,8 @@ class DirectiveListener:
         spec = (request, limit if isinstance(limit, str) else None)
         if provisioner.asked_share is not None and spec != provisioner.asked_share:
             provisioner.asked_share = spec
+            provisioner.share_source = {"request": contract.SOURCE_MAGIC,
+                                        "limit": contract.SOURCE_MAGIC}
             self.remember_request(*spec)
 
     def bursting(self, kernel_id: str, directive: dict[str, Any]) -> None:

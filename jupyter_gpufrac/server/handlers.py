@@ -59,7 +59,7 @@ class NodeHandler(GpuFracHandler):
             "available": error is None,
             "error": error,
         }
-        self.write_json(node_model(node, leases, agent))
+        self.write_json(node_model(node, leases, agent, list(app.config_problems)))
 
 
 class KernelHandler(GpuFracHandler):

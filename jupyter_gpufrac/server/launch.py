@@ -120,10 +120,11 @@ def resolve_share(
     runai_limit = _optional(environ.get(RUNAI_LIMIT_VARIABLE) or None, RUNAI_LIMIT_VARIABLE)
     # (source, request, limit), first wins; each parsed here so that a typo names its field.
     sources: list[tuple[str, Quantity | None, Quantity | None]] = [
-        ("kernelspec", spec_request, spec_limit),
-        ("last %gpu request", _optional(last.get("request"), "%gpu request"),
+        (contract.SOURCE_KERNELSPEC, spec_request, spec_limit),
+        (contract.SOURCE_REMEMBERED, _optional(last.get("request"), "%gpu request"),
          _optional(last.get("limit"), "%gpu request --limit")),
-        ("c.GpuFrac", parse_quantity(default_request or DEFAULT_REQUEST, "c.GpuFrac.default_request"),
+        (contract.SOURCE_CONFIG,
+         parse_quantity(default_request or DEFAULT_REQUEST, "c.GpuFrac.default_request"),
          _optional(default_limit or None, "c.GpuFrac.default_limit")),
     ]
     # The last source always has a request, so this finds one.
@@ -135,9 +136,9 @@ def resolve_share(
     # smaller limit from another notebook's last request). The platform's limit beats the
     # config default.
     own = (request_source, sources[at][2])
-    runai = (RUNAI_LIMIT_VARIABLE, runai_limit)
+    runai = (contract.SOURCE_RUNAI, runai_limit)
     later = [(name, limit) for name, _, limit in sources[at + 1 :]]
-    limits = [runai, own] if request_source == "c.GpuFrac" else [own, runai, *later]
+    limits = [runai, own] if request_source == contract.SOURCE_CONFIG else [own, runai, *later]
     for limit_source, limit in limits:
         if limit is not None:
             return ShareSpec(request, limit, request_source, limit_source, *compute)
@@ -186,6 +187,8 @@ def build_kernel_env(
     simulated: bool,
     restart_reason: Mapping[str, Any] | None,
     hide_gpus: bool,
+    share_source: Mapping[str, str | None] | None = None,
+    remembered_request: str | None = None,
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -197,6 +200,8 @@ def build_kernel_env(
     env[contract.AGENT_SOCKET] = socket_path
     env[contract.KERNEL_ID] = kernel_id
     env[contract.CHECKPOINT_DIR] = checkpoint_dir
+    if remembered_request:
+        env[contract.REMEMBERED_REQUEST] = remembered_request
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -206,6 +211,8 @@ def build_kernel_env(
     env[contract.LEASE_ID] = str(lease["id"])
     env[contract.REQUEST] = str(int(lease["request"]))
     env[contract.LIMIT] = str(int(lease["limit"]))
+    if share_source is not None:
+        env[contract.SHARE_SOURCE] = json.dumps(dict(share_source), sort_keys=True)
     if uuids:
         gpu = gpus.get(uuids[0], {})
         env[contract.GPU_UUID] = uuids[0]

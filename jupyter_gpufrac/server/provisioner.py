@@ -37,6 +37,10 @@ def gpu_label(gpus: dict[str, dict[str, Any]], uuid: str | None) -> str:
     return f"GPU {index}" if index is not None else uuid
 
 
+
+class _Misconfigured(Exception):
+    """The server's own settings are wrong: no lease is asked for until they are fixed."""
+
 class GpuFracProvisioner(LocalProvisioner):
     """Launches a local kernel on the GPU the node agent leases to it.
 
@@ -76,6 +80,8 @@ class GpuFracProvisioner(LocalProvisioner):
         self._settings_cache: KernelSettings | None = None
         # (request_spec, limit_spec) of the lease as created: a change means `%gpu request`.
         self.asked_share: tuple[str, str | None] | None = None
+        # Where the share came from, for people: {"request": "kernelspec", "limit": ...}.
+        self.share_source: dict[str, str | None] | None = None
 
     # -- who we work for ---------------------------------------------------------------
 
@@ -169,6 +175,8 @@ class GpuFracProvisioner(LocalProvisioner):
         hide_gpus = False
         self.no_gpu_reason = None
         try:
+            if settings.config_problems and self.lease is None:
+                raise _Misconfigured("; ".join(settings.config_problems))
             node = await link.node()
             self.gpus = {gpu["uuid"]: gpu for gpu in node.get("gpus", [])}
             self.simulated = bool(node.get("simulated"))
@@ -186,6 +194,12 @@ class GpuFracProvisioner(LocalProvisioner):
                     "from_gpu": lease.get("physical_gpu"),
                     "to_gpu": lease.get("physical_gpu"),
                 }
+        except _Misconfigured as err:
+            hide_gpus = True  # not a GPU nobody manages: a shared node's are leased to others
+            self.no_gpu_reason = (
+                f"jupyter-gpufrac's configuration has a problem, so this kernel started without "
+                f"a GPU lease: {err}. Fix it in jupyter_server_config.py and restart the server."
+            )
         except AgentError as err:  # AgentUnavailable included
             if self.lease is not None:
                 # The agent went away (or failed) after we got our lease: stay where we ran.
@@ -224,6 +238,8 @@ class GpuFracProvisioner(LocalProvisioner):
             simulated=self.simulated,
             restart_reason=self.last_launch_reason,
             hide_gpus=hide_gpus,
+            share_source=self.share_source,
+            remembered_request=settings.remembered_request_path,
         )
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result
@@ -250,6 +266,8 @@ class GpuFracProvisioner(LocalProvisioner):
         )
         totals = [int(gpu["memory_total"]) for gpu in self.gpus.values() if gpu.get("memory_total")]
         limit = share.effective_limit(min(totals) if totals else None)
+        self.share_source = {"request": share.request_source,
+                             "limit": share.limit_source if limit is not None else None}
         self.log.info(
             "kernel %s: asking for request %s (%s), limit %s (%s)", self.kernel_id,
             share.request.spec, share.request_source, limit.spec if limit else None,

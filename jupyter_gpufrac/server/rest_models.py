@@ -112,6 +112,8 @@ def kernel_model(
         "limit": lease.get("limit") if lease else None,
         "usage": lease.get("usage") if lease else None,
         "lease": lease,
+        # Where request and limit came from (None: the lease predates this server process).
+        "share_source": getattr(provisioner, "share_source", None),
         "events": events,
     }
 
@@ -120,11 +122,13 @@ def node_model(
     node: dict[str, Any] | None,
     leases: list[dict[str, Any]],
     agent: dict[str, Any],
+    config_problems: list[str],
 ) -> dict[str, Any]:
-    """``GET /api/gpufrac/node``: the GPUs, which of this user's leases sit on each, the agent."""
+    """``GET /api/gpufrac/node``: the GPUs, which of this user's leases sit on each, the agent,
+    and what is wrong with this server's c.GpuFrac settings."""
     if node is None:
         return {"simulated": False, "backend": None, "mps": False, "agent": agent, "gpus": [],
-                "leases": []}
+                "leases": [], "config_problems": config_problems}
     simulated = bool(node.get("simulated"))
     gpus = []
     for gpu in node.get("gpus", []):
@@ -147,4 +151,5 @@ def node_model(
         "agent": agent,
         "gpus": gpus,
         "leases": leases,
+        "config_problems": config_problems,
     }

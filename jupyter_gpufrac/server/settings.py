@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shlex
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +30,20 @@ class KernelSettings:
     on_launched: Callable[[str, dict[str, Any]], None] | None = None
     # The exact command that starts the agent this server expects, for hints to people.
     agent_command: str = "gpufrac-agent serve"
+    # Bad c.GpuFrac settings: while there are any, kernels start without a GPU lease.
+    config_problems: tuple[str, ...] = ()
+
+    @property
+    def remembered_request_path(self) -> str:
+        """The user's remembered ``%gpu request`` for this server's environment."""
+        key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+        return os.path.join(self.checkpoint_root,
+                            contract.LAST_REQUEST_FILE.format(environment=key))
 
     def last_request(self) -> dict[str, Any] | None:
-        """The user's last ``%gpu request`` (request/limit specs), remembered across kernels."""
-        path = os.path.join(self.checkpoint_root, contract.LAST_REQUEST_FILE)
+        """The user's last ``%gpu request`` here (request/limit specs), remembered across
+        kernels and server restarts in this environment."""
+        path = self.remembered_request_path
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -42,7 +54,7 @@ class KernelSettings:
     def remember_request(self, request: str, limit: str | None) -> None:
         """Store a ``%gpu request`` so the user's next kernel asks for the same."""
         os.makedirs(self.checkpoint_root, mode=0o700, exist_ok=True)
-        path = os.path.join(self.checkpoint_root, contract.LAST_REQUEST_FILE)
+        path = self.remembered_request_path
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"request": request, "limit": limit}, f)

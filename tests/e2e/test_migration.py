@@ -197,14 +197,26 @@ def test_gpu_request_errors_and_the_next_kernel_remembers(node: tuple[AgentProce
     assert "request is now" in nb.ok("%gpu request 0.3 --limit 0.5 --no-checkpoint")
     lease = server.kernel_status(nb.kernel_id)["lease"]
     assert (lease["request_spec"], lease["limit_spec"]) == ("0.3", "0.5")
-    remembered = server.root.parent / "data" / "gpufrac" / "checkpoints" / "last-request.json"
-    wait_for(
-        lambda: remembered.exists() and json.loads(remembered.read_text())["request"] == "0.3",
-        10, "the server to remember the request", interval=0.2,
-    )
+    assert "(from %gpu request)" in nb.ok("%gpu")
+    # Remembered for this environment (the server's Python), in the user's own data folder.
+    folder = server.root.parent / "data" / "gpufrac" / "checkpoints"
+
+    def remembered() -> Path | None:
+        found = list(folder.glob("last-request-*.json"))
+        return found[0] if found and json.loads(found[0].read_text())["request"] == "0.3" else None
+
+    path = wait_for(remembered, 10, "the server to remember the request", interval=0.2)
     after = server.open_notebook("after.ipynb")
-    lease = server.kernel_status(after.kernel_id)["lease"]
-    assert (lease["request_spec"], lease["limit_spec"]) == ("0.3", "0.5")
-    for notebook in (nb, after):
+    status = server.kernel_status(after.kernel_id)
+    assert (status["lease"]["request_spec"], status["lease"]["limit_spec"]) == ("0.3", "0.5")
+    source = "your last %gpu request here"
+    assert status["share_source"] == {"request": source, "limit": source}
+    assert f"(from {source})" in after.ok("%gpu")
+    # --reset forgets it: the next kernel takes the server's default again.
+    assert "forgot your remembered request" in after.ok("%gpu request --reset")
+    assert not path.exists()
+    fresh = server.open_notebook("fresh.ipynb")
+    assert server.kernel_status(fresh.kernel_id)["share_source"]["request"] == "c.GpuFrac"
+    for notebook in (nb, after, fresh):
         notebook.close()
         server.api(f"/api/kernels/{notebook.kernel_id}", "DELETE")

@@ -37,6 +37,10 @@ def test_no_lease_mode_magics_errors_and_oom_help(tmp_path: Path) -> None:
         assert unknown.status == "error" and "unknown subcommand 'frobnicate'" in unknown.text
         no_lease = k.run("%gpu request 0.5")
         assert no_lease.status == "error" and "no GPU lease" in no_lease.text
+        nothing = k.run("%gpu request")
+        assert nothing.status == "error" and "give the new request" in nothing.text
+        no_server = k.run("%gpu request --reset")
+        assert no_server.status == "error" and "nothing is remembered for it" in no_server.text
 
         helped = k.run("%gpu --help")
         assert helped.status == "ok" and "request" in helped.stdout and "checkpoint" in helped.stdout

@@ -160,7 +160,7 @@ def test_oom_forms_and_whose_memory_ran_out() -> None:
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        (["request"], "the following arguments are required: request"),
+        (["request", "0.5", "extra"], "unrecognized arguments: extra"),
         (["request", "1", "--limit"], "argument --limit: expected one argument"),
         (["checkpoint", "--bogus"], "unrecognized arguments: --bogus"),
     ],

@@ -30,6 +30,7 @@ async def test_node_lists_gpus_and_agent(jp_fetch: Any, agent: AgentProcess) -> 
     node = await get_json(jp_fetch, "api", "gpufrac", "node")
     assert node["simulated"] is True and node["backend"] == "simulated"
     assert node["agent"] == {"socket": agent.socket, "embedded": False, "available": True, "error": None}
+    assert node["config_problems"] == []
     assert [gpu["index"] for gpu in node["gpus"]] == [0, 1]
     gpu = node["gpus"][0]
     assert gpu["memory_total"] == 2 * 2**30 and gpu["simulated"] is True and gpu["leases"] == []
@@ -52,6 +53,7 @@ async def test_kernel_status_and_events(jp_fetch: Any, jp_serverapp: Any, no_lea
         assert lease["kernel_id"] == kernel_id and lease["state"] == "active"
         assert status["gpu"]["uuid"] == lease["physical_gpu"] and status["gpu"]["simulated"] is True
         assert (status["request"], status["limit"]) == (2**30 // 2, 2 * 2**30)  # 0.25 and 1 of 2GiB
+        assert status["share_source"] == {"request": "c.GpuFrac", "limit": "c.GpuFrac"}
         [placed] = status["events"]
         assert placed["event"] == "placed" and placed["gpu_index"] == status["gpu"]["index"]
         assert "guaranteed" in placed["message"]
