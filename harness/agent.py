@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -181,3 +181,27 @@ def raw_request(path: str, request: bytes, timeout: float = 5.0) -> tuple[int, A
     if b"content-type: application/json" not in head.lower():
         return int(head.split()[1]), body.decode(errors="replace")
     return int(head.split()[1]), json.loads(body)
+
+
+@contextlib.contextmanager
+def full_listen_queue(path: str) -> Iterator[None]:
+    """A Unix socket at ``path`` that accepts nothing and whose listen queue is full: the
+    next connect() answers EAGAIN, as a swamped agent's does."""
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen(0)
+        queued: list[socket.socket] = []
+        try:
+            while True:
+                sock = socket.socket(socket.AF_UNIX)
+                sock.setblocking(False)
+                try:
+                    sock.connect(path)
+                except BlockingIOError:
+                    sock.close()
+                    break
+                queued.append(sock)
+            yield
+        finally:
+            for sock in queued:
+                sock.close()

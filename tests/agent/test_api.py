@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from unix_users import as_user
 
-from harness.agent import AgentProcess, free_port, nvml_works, wait_for
+from harness.agent import AgentProcess, free_port, full_listen_queue, nvml_works, wait_for
 from node_agent import procs
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
 from node_agent.quantities import GiB
@@ -131,26 +131,12 @@ def test_a_client_waits_out_a_full_listen_queue_then_says_the_agent_is_busy(
     tmp_path: Any,
 ) -> None:
     path = str(tmp_path / "busy.sock")
-    with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(path)
-        listener.listen(0)
-        queued = []
-        while True:  # fill the queue: the next connect() answers EAGAIN
-            sock = socket.socket(socket.AF_UNIX)
-            sock.setblocking(False)
-            try:
-                sock.connect(path)
-            except BlockingIOError:
-                sock.close()
-                break
-            queued.append(sock)
+    with full_listen_queue(path):
         started = time.monotonic()
         with pytest.raises(AgentUnavailable, match="too busy: its listen queue stayed full"):
             AgentClient(path, timeout=1.0).node()
         # It kept trying for its timeout (with backoff) before it gave up.
         assert time.monotonic() - started >= 0.5
-        for sock in queued:
-            sock.close()
 
 
 def test_resize_in_place_or_by_a_move(start_agent: Callable[..., AgentProcess]) -> None:

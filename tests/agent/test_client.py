@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from unix_users import as_user
 
-from harness.agent import AgentProcess
+from harness.agent import AgentProcess, full_listen_queue
 from jupyter_gpufrac.server.agent_link import AgentLink
 from node_agent.client import (
     AgentClient,
@@ -204,27 +204,13 @@ def test_an_agent_that_never_answers_times_out(silent: str) -> None:
 
 def test_the_async_client_also_waits_out_a_full_listen_queue(tmp_path: Path) -> None:
     path = str(tmp_path / "busy.sock")
-    with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(path)
-        listener.listen(0)
-        queued = []
-        while True:  # fill the queue: the next connect() answers EAGAIN
-            sock = socket.socket(socket.AF_UNIX)
-            sock.setblocking(False)
-            try:
-                sock.connect(path)
-            except BlockingIOError:
-                sock.close()
-                break
-            queued.append(sock)
+    with full_listen_queue(path):
         started, cpu = time.monotonic(), time.process_time()
         with pytest.raises(AgentUnavailable, match="too busy: its listen queue stayed full"):
             asyncio.run(AsyncAgentClient(path, timeout=1.0).node())
         assert time.monotonic() - started >= 0.5
         # It backed off rather than spin on connect() for all that time.
         assert time.process_time() - cpu < 0.5
-        for sock in queued:
-            sock.close()
 
 
 def test_one_connection_is_kept_and_replaced_after_the_agent_restarts(
