@@ -184,14 +184,18 @@ class GpuFrac(ExtensionApp):
         return value
 
     def _bad_setting(self, proposal: Any, problem: str) -> Any:
-        """A setting that is wrong: said once in the log and in every kernel's widget, and
-        the default kept, so the rest of the extension runs; kernels get no GPU lease until
+        """A setting that is wrong: noted, and its default kept so the rest of the extension
+        runs."""
+        self._note_problem(problem)
+        return proposal.trait.default_value
+
+    def _note_problem(self, problem: str) -> None:
+        """Said once in the log and in every kernel's widget; kernels get no GPU lease until
         it is fixed (a share from a default nobody chose would hide the mistake)."""
         if problem not in self.config_problems:
             self.config_problems.append(problem)
             self.log.error("jupyter_gpufrac: %s; kernels start without a GPU lease until it is "
                            "fixed and the server restarted", problem)
-        return proposal.trait.default_value
 
     def check_limits(self) -> None:
         """request <= limit where both are of one kind (fractions, or bytes)."""
@@ -201,11 +205,8 @@ class GpuFrac(ExtensionApp):
         limit = parse_quantity(self.default_limit, "c.GpuFrac.default_limit")
         for a, b in ((request.fraction, limit.fraction), (request.nbytes, limit.nbytes)):
             if a is not None and b is not None and b < a:
-                problem = (f"c.GpuFrac.default_limit: must be at least default_request "
-                           f"({self.default_request}), got {self.default_limit}")
-                if problem not in self.config_problems:
-                    self.config_problems.append(problem)
-                    self.log.error("jupyter_gpufrac: %s", problem)
+                self._note_problem(f"c.GpuFrac.default_limit: must be at least default_request "
+                                   f"({self.default_request}), got {self.default_limit}")
                 return
 
     # -- wiring ------------------------------------------------------------------------
