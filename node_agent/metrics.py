@@ -6,19 +6,21 @@ import functools
 import os
 import pwd
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     StateSetMetricFamily,
 )
 from prometheus_client.registry import Collector
 
 from node_agent.ledger import STATES
+from node_agent.stats import AgentStats
 
 if TYPE_CHECKING:
     from node_agent.ledger import Lease
@@ -29,6 +31,13 @@ GPU_LABELS = ("gpu", "UUID", "modelName", "hostname")
 # Per lease, then the GPU labels of each device it runs on. The state is a metric of its
 # own: as a label it would start a new series at every change.
 LEASE_LABELS = ("lease", "kernel_id", "user", "kind")
+# Leases that hold memory on their physical GPU: a moving one still runs where it was.
+RUNNING = ("active", "shrinking", "migrating")
+# Every cause a counter can have, exported at 0 before it first happens: a series that
+# appears only at its first event hides that event from rate() and increase().
+MOVE_CAUSES = ("compaction", "request_changed")
+SHRINK_CAUSES = ("reclaim", "limit")
+KILL_CAUSES = ("reclaim", "limit", "migrate_timeout")
 
 
 def hostname() -> str:
@@ -76,6 +85,7 @@ class AgentCollector(Collector):
             for gpu in agent.gpus:
                 family.add_metric(gpu_labels[gpu.uuid], value(gpu))
             yield family
+        yield from _gpu_shares(agent, gpu_labels)
 
         leases = agent.visible(self.caller)
         lease_labels = {lease.id: _lease_labels(lease) for lease in leases}
@@ -116,6 +126,76 @@ class AgentCollector(Collector):
         yield actions
         yield GaugeMetricFamily("gpufrac_poll_seconds", "Duration of the last poll of the GPUs.",
                                 value=agent.tick_seconds)
+        yield from _events(agent.stats, host)
+
+
+def _gpu_shares(agent: Agent, gpu_labels: dict[str, list[str]]) -> Iterator[Metric]:
+    """Per GPU, over every lease running on it (whoever owns it: sums carry no user data):
+    what is guaranteed, lent above the guarantees, and owed to leases under theirs."""
+    requested = dict.fromkeys(gpu_labels, 0)
+    loaned = dict.fromkeys(gpu_labels, 0)
+    owed = dict.fromkeys(gpu_labels, 0)
+    for lease in agent.ledger.leases.values():
+        if lease.state not in RUNNING:
+            continue
+        for uuid in lease.physical:
+            if uuid not in requested:
+                continue  # a GPU the backend no longer lists has no labels to give
+            # Usage is the lease's largest on any of its GPUs, a request is per device.
+            requested[uuid] += lease.request
+            loaned[uuid] += max(0, lease.usage - lease.request)
+            owed[uuid] += max(0, lease.request - lease.usage)
+    for name, help_text, values in (
+        ("gpufrac_gpu_requested_bytes",
+         "Sum of the requests (guaranteed memory) of the leases running on the GPU.", requested),
+        ("gpufrac_gpu_loaned_bytes",
+         "Memory the leases on the GPU use above their requests: what reclaim may take back.",
+         loaned),
+        ("gpufrac_gpu_owed_bytes",
+         "Memory the leases on the GPU are owed: their requests less what they use.", owed),
+    ):
+        family = GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
+        for uuid, labels in gpu_labels.items():
+            family.add_metric(labels, values[uuid])
+        yield family
+
+
+def _counter(name: str, help_text: str, counts: Mapping[str, int], known: tuple[str, ...],
+             host: str) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=["cause", "hostname"])
+    for key in dict.fromkeys((*known, *sorted(counts))):
+        family.add_metric([key, host], counts.get(key, 0))
+    return family
+
+
+def _events(stats: AgentStats, host: str) -> Iterator[Metric]:
+    """Node-wide tallies of what the agent did since it started (from zero at a restart).
+    ``hostname`` as on the GPU series, so that one dashboard variable selects a node."""
+    # One series rather than a `_created` beside every counter's: when the tallies began.
+    start = GaugeMetricFamily("gpufrac_agent_start_time_seconds",
+                              "When the agent started, in seconds since the epoch: the counters "
+                              "below count from then.", labels=["hostname"])
+    start.add_metric([host], stats.started)
+    yield start
+    yield _counter("gpufrac_moves_started",
+                   "Moves the agent asked for (migrate directives), by cause: compaction (room "
+                   "for a lease) or request_changed (a lease's own request grew).",
+                   stats.moves_started, MOVE_CAUSES, host)
+    durations = HistogramMetricFamily(
+        "gpufrac_move_duration_seconds",
+        "From a migrate directive to the end of the move, by outcome: migrated (the client "
+        "reported it done), migrate_timeout (killed at the deadline) or released (the lease "
+        "ended first). Moves under way when the agent restarted are not counted.",
+        labels=["outcome", "hostname"])
+    for outcome, hist in stats.move_seconds.items():  # every outcome, from the start
+        durations.add_metric([outcome, host], hist.cumulative(), sum_value=hist.total)
+    yield durations
+    yield _counter("gpufrac_shrinks", "Shrink directives sent, by cause: reclaim (an owner is "
+                   "owed the memory) or limit (the lease is above its limit).",
+                   stats.shrinks, SHRINK_CAUSES, host)
+    yield _counter("gpufrac_kills", "Leases whose processes the agent killed, by cause: reclaim, "
+                   "limit or migrate_timeout (a move not reported done by its deadline).",
+                   stats.kills, KILL_CAUSES, host)
 
 
 def _lease_labels(lease: Lease) -> list[str]:

@@ -23,6 +23,7 @@ from node_agent.quantities import (
     format_bytes,
     parse_quantity,
 )
+from node_agent.stats import MIGRATED, RELEASED, AgentStats
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -180,6 +181,8 @@ class Agent:
         self._directive_added = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0}
+        # Moves, shrinks and kills by cause, and move durations, for /metrics.
+        self.stats = AgentStats()
         self.tick_seconds = 0.0
 
     # --- life cycle ------------------------------------------------------------------
@@ -495,6 +498,7 @@ class Agent:
             self._directive(lease, "migrate", reason, from_gpu=move.from_gpus[0],
                             to_gpu=move.to_gpus[0], deadline=deadline, moved_bytes=move.moved_bytes)
             self.counters["migrations"] += 1
+            self.stats.move_started(lease.id, "compaction")
 
     def resize(self, caller: Caller, lease_id: str, change: Resize) -> Lease:
         lease = self.lease(caller, lease_id)
@@ -545,6 +549,7 @@ class Agent:
             deadline = time.time() + self.config.migrate_grace
             lease = self.ledger.update(lease.id, **changes, logical=logical, target=physical,
                                        state="migrating", deadline=deadline, reason=reason)
+            self.stats.move_started(lease.id, "request_changed")
             self._directive(lease, "resized", said, **notice)
             self._directive(lease, "migrate", reason, from_gpu=lease.physical[0],
                             to_gpu=physical[0], deadline=deadline, cause="request_changed")
@@ -555,6 +560,7 @@ class Agent:
 
     def _release(self, lease: Lease) -> None:
         self.ledger.delete(lease.id)
+        self.stats.move_ended(lease.id, RELEASED)  # a no-op unless it was on its way
         self._reported.pop(lease.id, None)
         self._bursting_said.pop(lease.id, None)
         self._activate_pending()
@@ -609,6 +615,7 @@ class Agent:
             )
             for pid, _ in lease.pids:
                 self._track(lease, pid)
+        self.stats.move_ended(lease.id, MIGRATED)
         self._activate_pending()
         return lease
 
@@ -650,6 +657,9 @@ class Agent:
         children = self._children.get(lease.id, [])
         killed = [pid for pid, start in (*lease.pids, *children) if procs.kill(pid, start)]
         self.counters["kills"] += 1
+        self.stats.killed(cause)
+        if lease.state == "migrating":
+            self.stats.move_ended(lease.id, cause)  # migrate_timeout: the move ends here
         where = lease.target if lease.state == "migrating" and lease.target else lease.physical
         with self.ledger.transaction():
             self.ledger.add_kill(lease.id, now, cause)
@@ -748,6 +758,7 @@ class Agent:
             self._directive(lease, "shrink", reason, request=lease.request, limit=lease.limit,
                             usage=lease.usage, deadline=step.at, **body)
         self.counters["shrinks"] += 1
+        self.stats.shrink_asked(step.cause or policy.RECLAIM)
 
     def _activate_pending(self) -> None:
         leases = self.ledger.leases

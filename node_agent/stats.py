@@ -1,0 +1,87 @@
+"""What the agent did, counted in memory for /metrics: moves and how long they took, shrinks
+and kills by cause.
+
+Kept apart from the ledger on purpose: these are node-wide tallies with no user data, and a
+write per event would cost a transaction for a number Prometheus only rates. They start from
+zero when the agent restarts; Prometheus's ``rate()`` and ``increase()`` treat a counter that
+goes down as a reset, so dashboards stay right.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+# Seconds from a `migrate` directive to `migrated`: an idle kernel moves in about a second, a
+# busy one waits out its cell or the grace (--migrate-grace, 120 s by default).
+MOVE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# How a move ends: the client reported it done, the agent killed the kernel at the deadline,
+# or the lease was released (the kernel shut down) before either.
+MIGRATED = "migrated"
+MIGRATE_TIMEOUT = "migrate_timeout"
+RELEASED = "released"
+OUTCOMES = (MIGRATED, MIGRATE_TIMEOUT, RELEASED)
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (not cumulative) and the sum, as a Prometheus histogram needs."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)  # the last is +Inf
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bucket (le is "<=").
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, count) pairs, ``+Inf`` last, as HistogramMetricFamily takes them."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class AgentStats:
+    """Tallies since the agent started. One asyncio loop writes them; the collector reads."""
+
+    # Wall-clock start (gpufrac_agent_start_time_seconds): another way to see a reset.
+    started: float = field(default_factory=time.time)
+    moves_started: Counter[str] = field(default_factory=Counter)  # by cause
+    shrinks: Counter[str] = field(default_factory=Counter)  # by cause
+    kills: Counter[str] = field(default_factory=Counter)  # by cause
+    move_seconds: dict[str, Histogram] = field(
+        default_factory=lambda: {o: Histogram(MOVE_BUCKETS) for o in OUTCOMES})
+    # Moves not ended yet: lease id -> monotonic start. A move under way when the agent
+    # restarted is not timed (its start is lost with the process), rather than timed wrong.
+    _moving: dict[str, float] = field(default_factory=dict)
+
+    def move_started(self, lease_id: str, cause: str) -> None:
+        self.moves_started[cause] += 1
+        # A lease sent elsewhere while on its way still makes one move from its user's view:
+        # timed from the first directive.
+        self._moving.setdefault(lease_id, time.monotonic())
+
+    def move_ended(self, lease_id: str, outcome: str) -> None:
+        started = self._moving.pop(lease_id, None)
+        if started is not None:
+            hist = self.move_seconds.setdefault(outcome, Histogram(MOVE_BUCKETS))
+            hist.observe(time.monotonic() - started)
+
+    def shrink_asked(self, cause: str) -> None:
+        self.shrinks[cause] += 1
+
+    def killed(self, cause: str) -> None:
+        self.kills[cause] += 1
