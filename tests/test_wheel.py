@@ -62,6 +62,7 @@ def test_wheel_contains_prebuilt_labextension(wheel_files: dict[str, bytes]) -> 
     assert build["load"] in labext, build["load"]
     assert build["extension"] == "./extension"
     assert "static/style.js" in labext
+    assert "schemas/jupyter-gpufrac/plugin.json" in labext  # the settings schema
     bundles = b"".join(data for name, data in labext.items() if name.endswith(".js"))
     assert SCHEMA_ID.encode() in bundles, "the bundle lacks the extension's code"
     assert b"jp-gpufrac-StatusItem" in bundles, "the bundle lacks the stylesheet"

@@ -115,6 +115,16 @@ export interface IRestore {
   time?: number;
 }
 
+/**
+ * Where a kernel's request and limit came from, in the server's words:
+ * "kernelspec", "c.GpuFrac", "%gpu request", "RUNAI_GPU_MEMORY_LIMIT", … (the
+ * list may grow; shown as given). `limit` is null when none was set.
+ */
+export interface IShareSource {
+  request: string;
+  limit?: string | null;
+}
+
 /** `GET /api/gpufrac/kernels/<id>` */
 export interface IKernelStatus {
   kernel_id: string;
@@ -130,6 +140,8 @@ export interface IKernelStatus {
   deadline?: number | null;
   notebook?: string | null;
   restore?: IRestore | null;
+  /** Absent from older servers, null for a lease older than the server process. */
+  share_source?: IShareSource | null;
 }
 
 export interface INodeGpu extends IGpuRef {
@@ -155,6 +167,11 @@ export interface INodeInfo {
   };
   gpus: INodeGpu[];
   leases: ILease[];
+  /**
+   * What is wrong with the server's c.GpuFrac settings, one sentence each;
+   * kernels start without a lease until fixed. Absent from older servers.
+   */
+  config_problems?: string[];
 }
 
 /** A failed request; `status` 0 means the server could not be reached. */

@@ -3,6 +3,7 @@
  * JupyterLab imports so every view says things the same way.
  */
 import { IGpuFracEvent, IGpuRef } from './api';
+import { defaultTrans, ITrans } from './trans';
 import { restoreFactsOf, restoreSummary } from './view';
 
 const GiB = 1024 ** 3;
@@ -30,12 +31,28 @@ export function usageOfRequest(
   usage: number | null | undefined,
   request: number | null | undefined
 ): string {
-  const known = (x: number | null | undefined): x is number =>
-    x !== null && x !== undefined && isFinite(x);
-  const scale = Math.max(
-    known(usage) ? Math.abs(usage) : 0,
-    known(request) ? Math.abs(request) : 0
-  );
+  return sameUnit(usage, request);
+}
+
+/** "2.1/4.0/8.0 GiB": usage, request and limit (the full status item). */
+export function usageOfShare(
+  usage: number | null | undefined,
+  request: number | null | undefined,
+  limit: number | null | undefined
+): string {
+  return sameUnit(usage, request, limit);
+}
+
+function known(x: number | null | undefined): x is number {
+  return x !== null && x !== undefined && isFinite(x);
+}
+
+/** The first figure always, the others only where known, in one unit. */
+function sameUnit(
+  first: number | null | undefined,
+  ...rest: Array<number | null | undefined>
+): string {
+  const scale = Math.max(0, ...[first, ...rest].filter(known).map(Math.abs));
   const inGiB = scale >= GiB;
   const figure = (x: number | null | undefined): string => {
     if (!known(x)) {
@@ -50,9 +67,7 @@ export function usageOfRequest(
     return text;
   };
   const unit = inGiB ? 'GiB' : 'MiB';
-  return known(request)
-    ? `${figure(usage)}/${figure(request)} ${unit}`
-    : `${figure(usage)} ${unit}`;
+  return `${[first, ...rest.filter(known)].map(figure).join('/')} ${unit}`;
 }
 
 /**
@@ -71,14 +86,14 @@ export function shortGpuName(gpu: IGpuRef): string {
 }
 
 /** "GPU 1 · 16GiB · simulated" */
-export function gpuLabel(gpu: IGpuRef): string {
-  const parts = [`GPU ${gpu.index}`];
+export function gpuLabel(gpu: IGpuRef, trans: ITrans = defaultTrans): string {
+  const parts = [trans.__('GPU %1', gpu.index)];
   const short = shortGpuName(gpu);
   if (short) {
     parts.push(short);
   }
   if (gpu.simulated) {
-    parts.push('simulated');
+    parts.push(trans.__('simulated'));
   }
   return parts.join(' · ');
 }
@@ -100,42 +115,68 @@ export function formatTime(unixSeconds: number | undefined): string {
 }
 
 /** "2 of 3 variables restored; lost: gen — re-run …; cell [7] … was cut off: re-run it" */
-export function restoredSummary(event: IGpuFracEvent): string {
-  return restoreSummary(restoreFactsOf(event));
+export function restoredSummary(
+  event: IGpuFracEvent,
+  trans: ITrans = defaultTrans
+): string {
+  return restoreSummary(restoreFactsOf(event), {}, trans);
 }
 
 /**
  * One sentence for people. The server writes `message` for exactly this; the
  * fallback only matters for events from an older server.
  */
-export function describeEvent(event: IGpuFracEvent): string {
+export function describeEvent(
+  event: IGpuFracEvent,
+  trans: ITrans = defaultTrans
+): string {
   if (event.message) {
     return event.message;
   }
-  const why = event.reason ? ` (${event.reason})` : '';
+  const why = event.reason ? trans.__(' (%1)', event.reason) : '';
+  const from = event.from_gpu_index ?? '?';
+  const to = event.to_gpu_index ?? '?';
   switch (event.event) {
     case 'placed':
-      return `Placed on GPU ${event.gpu_index ?? '?'}.`;
+      return trans.__('Placed on GPU %1.', event.gpu_index ?? '?');
     case 'bursting':
-      return `Bursting above its guaranteed ${formatBytes(event.request)}.`;
+      return trans.__(
+        'Bursting above its guaranteed %1.',
+        formatBytes(event.request)
+      );
     case 'shrink_requested':
-      return `Asked to shrink to its guaranteed ${formatBytes(event.request)}${why}.`;
+      return trans.__(
+        'Asked to shrink to its guaranteed %1%2.',
+        formatBytes(event.request),
+        why
+      );
     case 'migrating':
-      return `Moving from GPU ${event.from_gpu_index ?? '?'} to GPU ${event.to_gpu_index ?? '?'}${why}.`;
+      return trans.__('Moving from GPU %1 to GPU %2%3.', from, to, why);
     case 'migrated':
-      return `Moved from GPU ${event.from_gpu_index ?? '?'} to GPU ${event.to_gpu_index ?? '?'}${why}.`;
+      return trans.__('Moved from GPU %1 to GPU %2%3.', from, to, why);
     case 'oom_killed':
-      return `Killed to free GPU memory${why}; it restarts from its last checkpoint.`;
+      return trans.__(
+        'Killed to free GPU memory%1; it restarts from its last checkpoint.',
+        why
+      );
     case 'restored':
-      return `Restored: ${restoredSummary(event)}.`;
+      return trans.__('Restored: %1.', restoredSummary(event, trans));
     case 'no_gpu':
-      return `Running without a GPU${why}.`;
+      return trans.__('Running without a GPU%1.', why);
     case 'move_pending':
-      return `Moving to another GPU once the running cell ends, at most at ${formatTime(event.deadline)}${why}.`;
+      return trans.__(
+        'Moving to another GPU once the running cell ends, at most at %1%2.',
+        formatTime(event.deadline),
+        why
+      );
     case 'agent_unreachable':
-      return "The GPU agent does not answer; this kernel's GPU share cannot be verified.";
+      return trans.__(
+        "The GPU agent does not answer; this kernel's GPU share cannot be verified."
+      );
     case 'agent_reachable':
-      return 'The GPU agent answers again; GPU shares are verified again.';
+      return trans.__(
+        'The GPU agent answers again; GPU shares are verified again.'
+      );
     default:
       return event.event;
   }

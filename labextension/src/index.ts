@@ -1,7 +1,8 @@
 /**
  * Registers the jupyter-gpufrac frontend: the status bar item for the current
  * kernel's GPU lease, the details panel, and notifications when the GPU agent
- * moved, shrank or killed a kernel.
+ * moved, shrank or killed a kernel. Settings (schema/plugin.json) and the
+ * translator are optional: without them it runs on the defaults, in English.
  */
 import {
   JupyterFrontEnd,
@@ -9,18 +10,23 @@ import {
 } from '@jupyterlab/application';
 import { ICommandPalette } from '@jupyterlab/apputils';
 import { Session } from '@jupyterlab/services';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
+import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 
 import { GpuFracModel } from './model';
 import { InterventionNotifier } from './notify';
 import { GpuFracPanel } from './panel';
 import { GpuStatusItem } from './statusItem';
 import { CurrentKernelTracker } from './tracker';
+import { TRANSLATION_DOMAIN } from './trans';
+import { DEFAULT_SETTINGS, IGpuFracSettings, readSettings } from './view';
 
 const PLUGIN_ID = 'jupyter-gpufrac:plugin';
 
 export namespace CommandIDs {
   export const openPanel = 'gpufrac:open-panel';
+  export const toggleFullStatus = 'gpufrac:toggle-full-status';
 }
 
 const plugin: JupyterFrontEndPlugin<void> = {
@@ -28,16 +34,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description:
     'GPU lease status, details and notifications for notebook kernels.',
   autoStart: true,
-  optional: [IStatusBar, ICommandPalette],
+  optional: [IStatusBar, ICommandPalette, ISettingRegistry, ITranslator],
   activate: (
     app: JupyterFrontEnd,
     statusBar: IStatusBar | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
+    settingRegistry: ISettingRegistry | null,
+    translator: ITranslator | null
   ) => {
+    const trans = (translator ?? nullTranslator).load(TRANSLATION_DOMAIN);
     const services = app.serviceManager;
     const model = new GpuFracModel({
       serverSettings: services.serverSettings,
-      events: services.events
+      events: services.events,
+      trans
     });
     // app.shell is the ILabShell in JupyterLab; its currentChanged drives it.
     const tracker = new CurrentKernelTracker(
@@ -72,21 +82,32 @@ const plugin: JupyterFrontEndPlugin<void> = {
     };
 
     app.commands.addCommand(CommandIDs.openPanel, {
-      label: 'Show GPU Lease Details',
-      caption: 'The GPU lease of the current kernel and the GPUs of this node',
+      label: trans.__('Show GPU Lease Details'),
+      caption: trans.__(
+        'The GPU lease of the current kernel and the GPUs of this node'
+      ),
       execute: args => openPanel(args.kernelId as string | undefined)
     });
-    palette?.addItem({ command: CommandIDs.openPanel, category: 'GPU' });
+    palette?.addItem({
+      command: CommandIDs.openPanel,
+      category: trans.__('GPU')
+    });
 
     // Notifications name the notebook: the event's, else the followed
     // notebook's when it is that kernel, else the session's.
     const notebookOf = (kernelId: string): string | null =>
       (kernelId === model.kernelId && model.path) || kernelName(kernelId);
-    const notifier = new InterventionNotifier(notebookOf, id => openPanel(id));
+    const notifier = new InterventionNotifier(
+      notebookOf,
+      id => openPanel(id),
+      trans
+    );
     model.eventReceived.connect((_, event) => notifier.handle(event));
+    // Cheap when nothing is new: the notifier remembers what it showed.
+    model.changed.connect(() => notifier.configProblems(model.configProblems));
 
-    if (statusBar) {
-      const item = new GpuStatusItem(model, () => openPanel());
+    const item = statusBar ? new GpuStatusItem(model, () => openPanel()) : null;
+    if (statusBar && item) {
       statusBar.registerStatusItem(PLUGIN_ID, {
         item,
         align: 'left',
@@ -94,6 +115,49 @@ const plugin: JupyterFrontEndPlugin<void> = {
         isActive: () => tracker.hasKernelPanel,
         activeStateChanged: tracker.activeChanged
       });
+    }
+
+    // Settings apply live: the registry's `changed` fires on every save,
+    // from the Settings editor or from the command below.
+    let current: IGpuFracSettings = { ...DEFAULT_SETTINGS };
+    let settings: ISettingRegistry.ISettings | null = null;
+    const apply = () => {
+      current = readSettings(settings?.composite as Record<string, unknown>);
+      model.interval = current.refreshInterval;
+      if (item) {
+        item.mode = current.statusItem;
+      }
+      app.commands.notifyCommandChanged(CommandIDs.toggleFullStatus);
+    };
+    app.commands.addCommand(CommandIDs.toggleFullStatus, {
+      label: trans.__('Show GPU Name and Limit in the Status Bar'),
+      caption: trans.__(
+        'Switch the GPU status item between the short line and the full one'
+      ),
+      isToggled: () => current.statusItem === 'full',
+      isEnabled: () => settings !== null,
+      execute: () =>
+        settings?.set(
+          'statusItem',
+          current.statusItem === 'full' ? 'compact' : 'full'
+        )
+    });
+    palette?.addItem({
+      command: CommandIDs.toggleFullStatus,
+      category: trans.__('GPU')
+    });
+    if (settingRegistry) {
+      settingRegistry
+        .load(PLUGIN_ID)
+        .then(loaded => {
+          settings = loaded;
+          loaded.changed.connect(apply);
+          apply();
+        })
+        .catch(reason => {
+          // The defaults still work; an error would only alarm the console.
+          console.warn(`${PLUGIN_ID}: settings not loaded`, reason);
+        });
     }
   }
 };

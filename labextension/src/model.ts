@@ -36,7 +36,14 @@ import {
   RESTORE_INCOMPLETE
 } from './contract';
 import { eventKey } from './format';
-import { IAgentHealth, isTransitional, IStateView, stateView } from './view';
+import { defaultTrans, ITrans } from './trans';
+import {
+  IAgentHealth,
+  isTransitional,
+  IStateView,
+  MIN_REFRESH_MS,
+  stateView
+} from './view';
 
 /** Where a kernel stands when the server gave no status (yet). */
 export type LocalState = 'unknown' | 'unavailable';
@@ -54,9 +61,10 @@ function stateAfterEvent(event: IGpuFracEvent): string | undefined {
 }
 
 /**
- * Poll intervals (ms): settled, and while a move or a kill is under way. A
- * failing server is asked no more often than the settled pace, and never less
- * often either: the view must notice the agent's loss within 5 s.
+ * Poll intervals (ms): settled (the `refreshInterval` setting), and while a
+ * move or a kill is under way. A failing server is asked no more often than
+ * the settled pace, and never less often either: the view must notice the
+ * agent's loss within one settled interval (5 s by default).
  */
 const SETTLED_MS = 5000;
 const TRANSITION_MS = 1000;
@@ -80,12 +88,15 @@ export interface IModelOptions {
   events?: Event.IManager | null;
   /** Poll interval in ms while nothing is under way (default 5000). */
   interval?: number;
+  /** The views' words; English as written without one. */
+  trans?: ITrans;
 }
 
 export class GpuFracModel implements IDisposable {
   constructor(options: IModelOptions) {
     this._settings = options.serverSettings;
-    this._interval = options.interval ?? SETTLED_MS;
+    this._interval = Math.max(MIN_REFRESH_MS, options.interval ?? SETTLED_MS);
+    this.trans = options.trans ?? defaultTrans;
     this._events = options.events ?? null;
     this._events?.stream.connect(this._onEmission, this);
     this._poll = new Poll<void, ApiError, 'fetch'>({
@@ -107,6 +118,27 @@ export class GpuFracModel implements IDisposable {
           : 'when-hidden'
     });
     document.addEventListener('visibilitychange', this._onVisibility);
+  }
+
+  /** The views' words (the labextension's translation bundle). */
+  readonly trans: ITrans;
+
+  /** The settled poll interval, ms; follows the `refreshInterval` setting. */
+  get interval(): number {
+    return this._interval;
+  }
+
+  set interval(ms: number) {
+    const interval = Math.max(MIN_REFRESH_MS, Math.round(ms));
+    if (interval === this._interval || this._isDisposed) {
+      return;
+    }
+    this._interval = interval;
+    this._followPace();
+    // A new frequency counts from the next tick; a tick of the old, slow
+    // pace could be a minute away, so one fetch now starts the new pace.
+    void this._poll.refresh();
+    void this._nodePoll.refresh();
   }
 
   /** Fired whenever status, state or kernel change. */
@@ -174,7 +206,13 @@ export class GpuFracModel implements IDisposable {
 
   /** Label, help, reason, colour and countdown of the state, as of now. */
   view(nowSeconds: number = Date.now() / 1000): IStateView {
-    return stateView(this.serverState, this._status, this._agent, nowSeconds);
+    return stateView(
+      this.serverState,
+      this._status,
+      this._agent,
+      nowSeconds,
+      this.trans
+    );
   }
 
   /** Whether the GPU agent answers, as the newest signal says. */
@@ -185,6 +223,11 @@ export class GpuFracModel implements IDisposable {
   /** The node's GPUs and leases, from the last successful fetch. */
   get node(): INodeInfo | null {
     return this._node;
+  }
+
+  /** The server's c.GpuFrac settings problems, from the last node fetch. */
+  get configProblems(): readonly string[] {
+    return this._node?.config_problems ?? [];
   }
 
   /** Why the last node fetch failed, or null. */

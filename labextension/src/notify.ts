@@ -10,7 +10,15 @@ import { Notification } from '@jupyterlab/apputils';
 
 import { IGpuFracEvent } from './api';
 import { describeEvent } from './format';
-import { eventNotice, nameList, notebookName, restoredNotice } from './view';
+import { defaultTrans, ITrans } from './trans';
+import {
+  configProblemsNotice,
+  eventNotice,
+  MAX_NOTICE,
+  nameList,
+  notebookName,
+  restoredNotice
+} from './view';
 
 /** Finds the notebook a kernel serves: the tracker's, else the sessions'. */
 export type NotebookOf = (kernelId: string) => string | null;
@@ -31,12 +39,30 @@ interface IOpen {
 export class InterventionNotifier {
   /**
    * @param _notebookOf - the notebook of a kernel when the event names none
-   * @param _openDetails - opens the details panel on a kernel ("Details")
+   * @param _openDetails - opens the details panel, on a kernel if given ("Details")
    */
   constructor(
     private readonly _notebookOf: NotebookOf,
-    private readonly _openDetails: (kernelId: string) => void
+    private readonly _openDetails: (kernelId?: string) => void,
+    private readonly _trans: ITrans = defaultTrans
   ) {}
+
+  /**
+   * The server's c.GpuFrac settings problems: each one error notification,
+   * once per page, however often the node is fetched; it stays until read.
+   * The panel keeps them on top, in full.
+   */
+  configProblems(problems: readonly string[]): void {
+    const fresh = problems.filter(p => !this._configShown.has(p));
+    if (!fresh.length) {
+      return;
+    }
+    fresh.forEach(p => this._configShown.add(p));
+    Notification.error(configProblemsNotice(fresh, MAX_NOTICE, this._trans), {
+      autoClose: false,
+      actions: this._actions()
+    });
+  }
 
   /** Handle one new event of any kernel. */
   handle(event: IGpuFracEvent): void {
@@ -104,8 +130,11 @@ export class InterventionNotifier {
       // Unreachable stays until read; "answers again" goes by itself.
       const type: Notification.TypeOptions = down ? 'warning' : 'info';
       const autoClose = down ? (false as const) : 8000;
-      const names = nameList([...this._agentNotebooks].sort(), 2);
-      const message = eventNotice(describeEvent(last), names || null);
+      const names = nameList([...this._agentNotebooks].sort(), 2, this._trans);
+      const message = eventNotice(
+        describeEvent(last, this._trans),
+        names || null
+      );
       const options = { autoClose, actions: this._actions(last.kernel_id) };
       if (this._agentNotice !== null) {
         Notification.update({
@@ -123,12 +152,13 @@ export class InterventionNotifier {
     }, AGENT_GATHER_MS);
   }
 
-  private _actions(kernelId: string): Notification.IAction[] {
+  private _actions(kernelId?: string): Notification.IAction[] {
     return [
       {
-        label: 'Details',
-        caption:
-          'Show the whole message, the GPU lease and the history of this kernel',
+        label: this._trans.__('Details'),
+        caption: this._trans.__(
+          'Show the whole message, the GPU lease and the history of this kernel'
+        ),
         callback: () => this._openDetails(kernelId)
       }
     ];
@@ -139,7 +169,10 @@ export class InterventionNotifier {
     type: Notification.TypeOptions,
     autoClose: number | false
   ): void {
-    const message = eventNotice(describeEvent(event), this._notebook(event));
+    const message = eventNotice(
+      describeEvent(event, this._trans),
+      this._notebook(event)
+    );
     const open = this._open.get(event.kernel_id);
     const options = { autoClose, actions: this._actions(event.kernel_id) };
     // A move continues one story (pending, migrating, migrated): update, do not stack.
@@ -171,7 +204,12 @@ export class InterventionNotifier {
     const open = this._open.get(event.kernel_id);
     const joined =
       open !== undefined && Date.now() - open.since < JOIN_WINDOW_MS;
-    const notice = restoredNotice(event, this._notebook(event));
+    const notice = restoredNotice(
+      event,
+      this._notebook(event),
+      MAX_NOTICE,
+      this._trans
+    );
     const options = {
       message: notice.message,
       type: notice.type as Notification.TypeOptions,
@@ -188,6 +226,7 @@ export class InterventionNotifier {
   }
 
   private _open = new Map<string, IOpen>();
+  private _configShown = new Set<string>();
   private _agentNotice: string | null = null;
   private _agentNotebooks = new Set<string>();
   private _agentDown = false;

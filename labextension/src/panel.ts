@@ -13,8 +13,11 @@ import { describeEvent, formatBytes, formatTime, gpuLabel } from './format';
 import { GpuFracModel } from './model';
 import { usageBar } from './usageBar';
 import {
+  askedFor,
   cellLabel,
   computeLine,
+  configProblemsHeading,
+  memoryLine,
   notebookName,
   restoreAdvice,
   restoreFactsOf,
@@ -34,13 +37,15 @@ export class GpuFracPanel extends Widget {
     super();
     this.id = 'jp-gpufrac-panel';
     this.addClass('jp-gpufrac-Panel');
-    this.title.label = 'GPU lease';
-    this.title.caption =
-      'GPU lease of the current kernel and GPUs of this node';
+    const trans = _model.trans;
+    this.title.label = trans.__('GPU lease');
+    this.title.caption = trans.__(
+      'GPU lease of the current kernel and GPUs of this node'
+    );
     this.title.closable = true;
     this.node.tabIndex = -1;
     this.node.setAttribute('role', 'region');
-    this.node.setAttribute('aria-label', 'GPU lease details');
+    this.node.setAttribute('aria-label', trans.__('GPU lease details'));
     this._prefix = `jp-gpufrac-panel-${nextId++}`;
     // The model polls the node (every 5 s while the page is visible).
     this._nodeWatch = _model.watchNode();
@@ -76,6 +81,7 @@ export class GpuFracPanel extends Widget {
     if (this.isDisposed) {
       return;
     }
+    const trans = this._model.trans;
     const path = this._model.status?.notebook || this._model.path;
     // VirtualDOM.render diffs against the last rendering: the header's button
     // stays the same element, so it keeps the keyboard focus.
@@ -85,20 +91,23 @@ export class GpuFracPanel extends Widget {
           { className: 'jp-gpufrac-Panel-header' },
           h.h2(
             path ? { title: path } : {},
-            path ? `GPU lease — ${notebookName(path)}` : 'GPU lease'
+            path
+              ? trans.__('GPU lease — %1', notebookName(path))
+              : trans.__('GPU lease')
           ),
           h.button(
             {
               className: 'jp-gpufrac-Panel-refresh jp-mod-styled',
               type: 'button',
-              'aria-label': 'Refresh GPU information',
+              'aria-label': trans.__('Refresh GPU information'),
               onclick: this._onRefresh
             },
-            'Refresh'
+            trans.__('Refresh')
           )
         ),
         h.div(
           { className: 'jp-gpufrac-Panel-body' },
+          this._configSection(),
           this._kernelSection(),
           this._nodeSection(),
           this._historySection()
@@ -125,16 +134,33 @@ export class GpuFracPanel extends Widget {
     );
   }
 
+  /**
+   * The server's c.GpuFrac settings problems, on top: until they are fixed no
+   * kernel gets a lease, which explains everything below.
+   */
+  private _configSection(): VirtualElement | null {
+    const problems = this._model.configProblems;
+    if (!problems.length) {
+      return null;
+    }
+    return h.div(
+      { className: 'jp-gpufrac-Panel-config', role: 'alert' },
+      h.p(configProblemsHeading(problems.length, this._model.trans)),
+      h.ul(problems.map(problem => h.li(problem)))
+    );
+  }
+
   private _kernelSection(): VirtualElement {
     const model = this._model;
+    const trans = model.trans;
     const status = model.status;
     const view = model.view();
     const state = view.state;
     if (model.kernelId === null) {
       return this._section(
         'kernel',
-        'This kernel',
-        h.p('Open a notebook to see its GPU lease.')
+        trans.__('This kernel'),
+        h.p(trans.__('Open a notebook to see its GPU lease.'))
       );
     }
     const stateLine = h.p(
@@ -162,97 +188,123 @@ export class GpuFracPanel extends Widget {
       const error = model.error
         ? h.p({ className: 'jp-gpufrac-Panel-note' }, `(${model.error})`)
         : null;
-      return this._section('kernel', 'This kernel', stateLine, reason, error);
+      return this._section(
+        'kernel',
+        trans.__('This kernel'),
+        stateLine,
+        reason,
+        error
+      );
     }
     const rows: Array<[string, h.Child]> = [];
     const restore = status.restore;
     if (restore) {
       // First: what the user must redo. Each lost name with why, and the cell cut off.
       const facts = restoreFactsOf(restore);
-      const advice = restoreAdvice(facts);
+      const advice = restoreAdvice(facts, trans);
       if (advice) {
-        rows.push(['What to do', h.strong(advice)]);
+        rows.push([trans.__('What to do'), h.strong(advice)]);
       }
       rows.push([
-        'Last restore',
+        trans.__('Last restore'),
         h.span(
           {
             className: 'jp-gpufrac-Panel-restore',
             dataset: { ok: restore.ok ? 'true' : 'false' }
           },
-          `${restoreSummary(facts, { reasons: true, advice: false })}.`,
+          `${restoreSummary(facts, { reasons: true, advice: false }, trans)}.`,
           restore.time ? ` (${formatTime(restore.time)})` : null
         )
       ]);
       if (restore.interrupted_cell) {
-        rows.push(['Cut-off cell', cellLabel(restore.interrupted_cell)]);
+        rows.push([
+          trans.__('Cut-off cell'),
+          cellLabel(restore.interrupted_cell)
+        ]);
       }
       if (
         restore.checkpoint_cell !== null &&
         restore.checkpoint_cell !== undefined
       ) {
         rows.push([
-          'Restored state',
-          `as it was after cell [${restore.checkpoint_cell}]`
+          trans.__('Restored state'),
+          trans.__('as it was after cell [%1]', restore.checkpoint_cell)
         ]);
       }
     }
     if (status.gpu) {
-      rows.push(['GPU', gpuLabel(status.gpu)]);
-      rows.push(['Device', `${status.gpu.name}, ${status.gpu.uuid}`]);
+      rows.push([trans.__('GPU'), gpuLabel(status.gpu, trans)]);
+      rows.push([trans.__('Device'), `${status.gpu.name}, ${status.gpu.uuid}`]);
       rows.push([
-        'Memory',
+        trans.__('Memory'),
         h.span(
           { className: 'jp-gpufrac-Panel-usage' },
           usageBar(status),
-          view.verified
-            ? ` ${formatBytes(status.usage)} used of ${formatBytes(status.request)} guaranteed, ${formatBytes(status.limit)} limit`
-            : ` last known: ${formatBytes(status.usage)} used, ${formatBytes(status.request)} requested, ${formatBytes(status.limit)} limit (not verified)`
+          ` ${memoryLine(status, view.verified, trans)}`
         )
       ]);
     }
     const lease = status.lease;
+    // Where the share came from answers "why this much?"; a lease that
+    // predates the server process has specs but no sources.
+    const asked = askedFor(lease, status.share_source, trans);
+    if (asked) {
+      rows.push([
+        trans.__('Asked for'),
+        h.span({ className: 'jp-gpufrac-Panel-asked' }, asked)
+      ]);
+    }
     if (lease) {
-      rows.push(['Lease', `${lease.id} (${lease.kind})`]);
-      if (lease.request_spec || lease.limit_spec) {
-        rows.push([
-          'Asked for',
-          `request ${lease.request_spec ?? '–'}, limit ${lease.limit_spec ?? lease.request_spec ?? '–'}`
-        ]);
-      }
+      rows.push([trans.__('Lease'), `${lease.id} (${lease.kind})`]);
       const placement = this._placement(lease);
       if (placement) {
-        rows.push(['Placement', placement]);
+        rows.push([trans.__('Placement'), placement]);
       }
-      const compute = computeLine(lease, !!this._model.node?.mps);
+      const compute = computeLine(lease, !!this._model.node?.mps, trans);
       if (compute) {
-        rows.push(['Compute', compute]);
+        rows.push([trans.__('Compute'), compute]);
       }
     }
-    rows.push(['Kernel', status.kernel_id]);
+    rows.push([trans.__('Kernel'), status.kernel_id]);
     const facts = h.dl(
       { className: 'jp-gpufrac-Panel-facts' },
       rows.map(([term, value]) => [h.dt(term), h.dd(value)]).flat()
     );
-    return this._section('kernel', 'This kernel', stateLine, reason, facts);
+    return this._section(
+      'kernel',
+      trans.__('This kernel'),
+      stateLine,
+      reason,
+      facts
+    );
   }
 
   /** Explains logical vs physical placement in the words of DESIGN.md. */
   private _placement(lease: ILease): string | null {
+    const trans = this._model.trans;
     const index = (uuid: string | null | undefined): string => {
       const gpu = this._model.node?.gpus.find(g => g.uuid === uuid);
-      return gpu ? `GPU ${gpu.index}` : (uuid ?? '?');
+      return gpu ? trans.__('GPU %1', gpu.index) : (uuid ?? '?');
     };
     if (!lease.physical_gpu) {
       return null;
     }
+    const on = index(lease.physical_gpu);
     if (lease.target_gpus?.length) {
-      return `on ${index(lease.physical_gpu)}, moving to ${lease.target_gpus.map(index).join(', ')}`;
+      return trans.__(
+        'on %1, moving to %2',
+        on,
+        lease.target_gpus.map(index).join(', ')
+      );
     }
     if (lease.logical_gpu && lease.logical_gpu !== lease.physical_gpu) {
-      return `on ${index(lease.physical_gpu)}, spread out so it can burst; it moves to ${index(lease.logical_gpu)} when a job needs the whole GPU`;
+      return trans.__(
+        'on %1, spread out so it can burst; it moves to %2 when a job needs the whole GPU',
+        on,
+        index(lease.logical_gpu)
+      );
     }
-    return `on ${index(lease.physical_gpu)}`;
+    return trans.__('on %1', on);
   }
 
   /** Why nothing about the share is verified, while the agent does not answer. */
@@ -262,31 +314,38 @@ export class GpuFracPanel extends Widget {
     if (!agent.down && node?.agent?.available !== false) {
       return null;
     }
+    const trans = this._model.trans;
     const why = (agent.reason ?? node?.agent?.error ?? '').trim();
+    const text = why
+      ? trans.__('GPU agent unreachable: %1', why)
+      : trans.__('GPU agent unreachable.');
     return h.p(
       { className: 'jp-gpufrac-Panel-agent' },
-      `GPU agent unreachable${why ? `: ${why}` : '.'}${node ? ' The figures below are the last known ones.' : ''}`
+      node
+        ? trans.__('%1 The figures below are the last known ones.', text)
+        : text
     );
   }
 
   private _nodeSection(): VirtualElement {
+    const trans = this._model.trans;
     const node = this._model.node;
     if (!node) {
       return this._section(
         'node',
-        'GPUs on this node',
+        trans.__('GPUs on this node'),
         this._agentNote(),
         h.p(
           this._model.nodeError
-            ? `Not available: ${this._model.nodeError}`
-            : 'Loading…'
+            ? trans.__('Not available: %1', this._model.nodeError)
+            : trans.__('Loading…')
         )
       );
     }
     const simulated = node.simulated
       ? h.p(
           { className: 'jp-gpufrac-Panel-note' },
-          'This node is simulated: no real GPU is used.'
+          trans.__('This node is simulated: no real GPU is used.')
         )
       : null;
     const leases = new Map(node.leases.map(l => [l.id, l]));
@@ -309,10 +368,13 @@ export class GpuFracPanel extends Widget {
         { dataset: { 'gpu-index': String(gpu.index) } },
         h.th(
           { scope: 'row' },
-          gpuLabel(gpu),
+          gpuLabel(gpu, trans),
           gpu.healthy
             ? null
-            : h.span({ className: 'jp-gpufrac-Panel-unhealthy' }, ' unhealthy')
+            : h.span(
+                { className: 'jp-gpufrac-Panel-unhealthy' },
+                ` ${trans.__('unhealthy')}`
+              )
         ),
         h.td(
           { className: 'jp-gpufrac-Panel-memory' },
@@ -322,29 +384,37 @@ export class GpuFracPanel extends Widget {
             limit: gpu.memory_total
           }),
           h.span(
-            `${formatBytes(gpu.memory_used)} of ${formatBytes(gpu.memory_total)}`,
             gpu.utilization !== null && gpu.utilization !== undefined
-              ? `, ${gpu.utilization}% busy`
-              : null
+              ? trans.__(
+                  '%1 of %2, %3% busy',
+                  formatBytes(gpu.memory_used),
+                  formatBytes(gpu.memory_total),
+                  gpu.utilization
+                )
+              : trans.__(
+                  '%1 of %2',
+                  formatBytes(gpu.memory_used),
+                  formatBytes(gpu.memory_total)
+                )
           )
         ),
-        h.td(mine.length ? list : 'none')
+        h.td(mine.length ? list : trans.__('none'))
       );
     });
     const table = h.table(
       { className: 'jp-gpufrac-Panel-gpus' },
       h.thead(
         h.tr(
-          h.th({ scope: 'col' }, 'GPU'),
-          h.th({ scope: 'col' }, 'Memory'),
-          h.th({ scope: 'col' }, 'Your leases')
+          h.th({ scope: 'col' }, trans.__('GPU')),
+          h.th({ scope: 'col' }, trans.__('Memory')),
+          h.th({ scope: 'col' }, trans.__('Your leases'))
         )
       ),
       h.tbody(rows)
     );
     return this._section(
       'node',
-      'GPUs on this node',
+      trans.__('GPUs on this node'),
       simulated,
       this._agentNote(),
       table
@@ -352,33 +422,45 @@ export class GpuFracPanel extends Widget {
   }
 
   private _leaseLine(lease: ILease): string {
+    const trans = this._model.trans;
     let who: string;
     if (lease.kind === 'job') {
-      who = lease.name ? `job ${ellipsis(lease.name, 40)}` : 'job';
+      who = lease.name
+        ? trans.__('job %1', ellipsis(lease.name, 40))
+        : trans.__('job');
     } else {
       const nb = lease.kernel_id ? this._kernelName(lease.kernel_id) : null;
       who =
         nb ??
         (lease.name
           ? ellipsis(lease.name, 40)
-          : `kernel ${lease.kernel_id?.slice(0, 8) ?? '?'}`);
+          : trans.__('kernel %1', lease.kernel_id?.slice(0, 8) ?? '?'));
     }
-    const current =
-      lease.kernel_id && lease.kernel_id === this._model.kernelId
-        ? ' (this kernel)'
-        : '';
-    return `${who}${current}: ${formatBytes(lease.usage)} of ${formatBytes(lease.request)}–${formatBytes(lease.limit)}, ${LEASE_STATE_WORDS[lease.state] ?? lease.state}`;
+    if (lease.kernel_id && lease.kernel_id === this._model.kernelId) {
+      who = trans.__('%1 (this kernel)', who);
+    }
+    // The contract's words (generated, English) are msgids too.
+    const state = LEASE_STATE_WORDS[lease.state];
+    return trans.__(
+      '%1: %2 of %3–%4, %5',
+      who,
+      formatBytes(lease.usage),
+      formatBytes(lease.request),
+      formatBytes(lease.limit),
+      state ? trans.__(state) : lease.state
+    );
   }
 
   private _historySection(): VirtualElement {
+    const trans = this._model.trans;
     const events: IGpuFracEvent[] = [
       ...(this._model.status?.events ?? [])
     ].reverse();
     if (!events.length) {
       return this._section(
         'history',
-        'Recent history',
-        h.p('Nothing happened to this kernel yet.')
+        trans.__('Recent history'),
+        h.p(trans.__('Nothing happened to this kernel yet.'))
       );
     }
     const items = events.slice(0, 20).map(event =>
@@ -398,12 +480,12 @@ export class GpuFracPanel extends Widget {
           formatTime(event.time)
         ),
         ' ',
-        describeEvent(event)
+        describeEvent(event, trans)
       )
     );
     return this._section(
       'history',
-      'Recent history',
+      trans.__('Recent history'),
       h.ol({ className: 'jp-gpufrac-Panel-history', reversed: '' }, items)
     );
   }

@@ -1,13 +1,15 @@
 /**
  * The status bar item: "GPU 1: 2.1/4.0 GiB", and a short state word when
  * there is news ("· bursting", "· moving in 23 s"); the tooltip has the rest.
+ * The `statusItem: "full"` setting makes it "GPU 1 (T4): 2.1/4.0/8.0 GiB ·
+ * guaranteed".
  * It is a focusable button; Enter, Space or a click open the details panel.
  */
 import { h, VirtualDOM } from '@lumino/virtualdom';
 import { Widget } from '@lumino/widgets';
 
 import { GpuFracModel } from './model';
-import { statusDescription, statusLabel } from './view';
+import { statusDescription, statusLabel, StatusItemMode } from './view';
 
 export class GpuStatusItem extends Widget {
   constructor(
@@ -22,6 +24,18 @@ export class GpuStatusItem extends Widget {
     this.node.addEventListener('keydown', this._onKeyDown);
     _model.changed.connect(this._render, this);
     this._render();
+  }
+
+  /** Compact or full; follows the `statusItem` setting. */
+  get mode(): StatusItemMode {
+    return this._mode;
+  }
+
+  set mode(mode: StatusItemMode) {
+    if (mode !== this._mode) {
+      this._mode = mode;
+      this._render();
+    }
   }
 
   dispose(): void {
@@ -51,10 +65,17 @@ export class GpuStatusItem extends Widget {
   private _render(): void {
     const status = this._model.status;
     const view = this._model.view();
-    const label = statusLabel(status, view);
-    const description = statusDescription(status, view);
+    const trans = this._model.trans;
+    const label = statusLabel(status, view, this._mode, trans);
+    const description = statusDescription(
+      status,
+      view,
+      this._model.configProblems,
+      trans
+    );
     const node = this.node;
     node.dataset.state = view.state;
+    node.dataset.mode = this._mode;
     node.dataset.severity = view.severity;
     node.dataset.gpuIndex = status?.gpu ? String(status.gpu.index) : '';
     node.title = description.title;
@@ -98,4 +119,6 @@ export class GpuStatusItem extends Widget {
       node
     );
   }
+
+  private _mode: StatusItemMode = 'compact';
 }

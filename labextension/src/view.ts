@@ -3,8 +3,21 @@
  * and colour, whether it may look like a success, and the notification texts.
  * No DOM, no JupyterLab: `npm test` runs it under Node.
  */
-import { formatBytes, gpuLabel, usageOfRequest } from './format';
-import { IGpuFracEvent, IKernelStatus, ILease, IRestore } from './api';
+import {
+  formatBytes,
+  gpuLabel,
+  shortGpuName,
+  usageOfRequest,
+  usageOfShare
+} from './format';
+import {
+  IGpuFracEvent,
+  IKernelStatus,
+  ILease,
+  IRestore,
+  IShareSource
+} from './api';
+import { defaultTrans, ITrans } from './trans';
 
 /** JupyterLab cuts notification messages longer than this (mid-word). */
 export const MAX_NOTICE = 140;
@@ -38,36 +51,60 @@ export interface IStateView {
   secondsLeft: number | null;
 }
 
-const HELP: Record<string, string> = {
-  guaranteed: 'Using no more than its guaranteed share.',
-  bursting:
-    'Using loaned memory above its guaranteed share; it may be asked to give it back.',
-  shrinking: 'Asked to give loaned memory back to its owner.',
-  'move-pending':
-    'The GPU agent asked for a move while a cell runs: the cell may finish until the countdown ends, otherwise it is cut off and the kernel restarts from the state after the last completed cell.',
-  migrating:
-    'Being moved to another GPU now: checkpoint, restart, restore. Its variables come back after the restart.',
-  restored: 'Restarted by jupyter-gpufrac; every variable came back.',
-  'restore-incomplete':
-    'Restarted by jupyter-gpufrac, but not everything came back: see what was lost and re-run the cells that make it.',
-  'oom-killed':
-    'Stopped by the GPU agent, to give memory back or because a move did not finish in time (the reason says which); it restarts from the state after its last completed cell.',
-  'agent-unreachable':
-    "The GPU agent does not answer, so this kernel's GPU share cannot be verified. Cells still run.",
-  'no-gpu': 'This kernel holds no GPU lease.',
-  unknown: 'The server has no GPU lease information for this kernel (yet).',
-  unavailable: 'The jupyter-gpufrac server extension did not answer.'
-};
+// Built per call, not once: the words are in the user's language, and
+// `trans.__('…')` with a literal is what the string extractor finds.
+function helps(trans: ITrans): Record<string, string> {
+  return {
+    guaranteed: trans.__('Using no more than its guaranteed share.'),
+    bursting: trans.__(
+      'Using loaned memory above its guaranteed share; it may be asked to give it back.'
+    ),
+    shrinking: trans.__('Asked to give loaned memory back to its owner.'),
+    'move-pending': trans.__(
+      'The GPU agent asked for a move while a cell runs: the cell may finish until the countdown ends, otherwise it is cut off and the kernel restarts from the state after the last completed cell.'
+    ),
+    migrating: trans.__(
+      'Being moved to another GPU now: checkpoint, restart, restore. Its variables come back after the restart.'
+    ),
+    restored: trans.__(
+      'Restarted by jupyter-gpufrac; every variable came back.'
+    ),
+    'restore-incomplete': trans.__(
+      'Restarted by jupyter-gpufrac, but not everything came back: see what was lost and re-run the cells that make it.'
+    ),
+    'oom-killed': trans.__(
+      'Stopped by the GPU agent, to give memory back or because a move did not finish in time (the reason says which); it restarts from the state after its last completed cell.'
+    ),
+    'agent-unreachable': trans.__(
+      "The GPU agent does not answer, so this kernel's GPU share cannot be verified. Cells still run."
+    ),
+    'no-gpu': trans.__('This kernel holds no GPU lease.'),
+    unknown: trans.__(
+      'The server has no GPU lease information for this kernel (yet).'
+    ),
+    unavailable: trans.__(
+      'The jupyter-gpufrac server extension did not answer.'
+    )
+  };
+}
 
-const LABEL: Record<string, string> = {
-  'move-pending': 'moving soon — cell still running',
-  'restore-incomplete': 'restored with losses',
-  // Not "OOM-killed": the agent also stops a kernel whose move ran out of time.
-  'oom-killed': 'stopped',
-  'agent-unreachable': 'agent unreachable',
-  'no-gpu': 'no GPU',
-  unknown: '…'
-};
+function labels(trans: ITrans): Record<string, string> {
+  return {
+    guaranteed: trans.__('guaranteed'),
+    bursting: trans.__('bursting'),
+    shrinking: trans.__('shrinking'),
+    'move-pending': trans.__('moving soon — cell still running'),
+    migrating: trans.__('migrating'),
+    restored: trans.__('restored'),
+    'restore-incomplete': trans.__('restored with losses'),
+    // Not "OOM-killed": the agent also stops a kernel whose move ran out of time.
+    'oom-killed': trans.__('stopped'),
+    'agent-unreachable': trans.__('agent unreachable'),
+    'no-gpu': trans.__('no GPU'),
+    unavailable: trans.__('unavailable'),
+    unknown: '…'
+  };
+}
 
 const SEVERITY: Record<string, Severity> = {
   guaranteed: 'plain',
@@ -100,26 +137,31 @@ export function effectiveState(
 }
 
 /** "moving in 23 s — cell still running"; "moving now" once the time is up. */
-export function countdownLabel(deadline: number, nowSeconds: number): string {
+export function countdownLabel(
+  deadline: number,
+  nowSeconds: number,
+  trans: ITrans = defaultTrans
+): string {
   const left = Math.ceil(deadline - nowSeconds);
   return left > 0
-    ? `moving in ${left} s — cell still running`
-    : 'moving now — cell still running';
+    ? trans.__('moving in %1 s — cell still running', left)
+    : trans.__('moving now — cell still running');
 }
 
 export function stateLabel(
   state: string,
   deadline?: number | null,
-  nowSeconds: number = Date.now() / 1000
+  nowSeconds: number = Date.now() / 1000,
+  trans: ITrans = defaultTrans
 ): string {
   if (state === 'move-pending' && deadline) {
-    return countdownLabel(deadline, nowSeconds);
+    return countdownLabel(deadline, nowSeconds, trans);
   }
-  return LABEL[state] ?? state;
+  return labels(trans)[state] ?? state;
 }
 
-export function stateHelp(state: string): string {
-  return HELP[state] ?? '';
+export function stateHelp(state: string, trans: ITrans = defaultTrans): string {
+  return helps(trans)[state] ?? '';
 }
 
 /** Whether a state is on its way somewhere: worth asking the server every second. */
@@ -137,7 +179,8 @@ export function stateView(
   state: string,
   status: IKernelStatus | null,
   agent: IAgentHealth | null,
-  nowSeconds: number = Date.now() / 1000
+  nowSeconds: number = Date.now() / 1000,
+  trans: ITrans = defaultTrans
 ): IStateView {
   const shown = effectiveState(state, agent);
   const overridden = shown !== state;
@@ -148,8 +191,8 @@ export function stateView(
   }
   return {
     state: shown,
-    label: stateLabel(shown, deadline, nowSeconds),
-    help: stateHelp(shown),
+    label: stateLabel(shown, deadline, nowSeconds, trans),
+    help: stateHelp(shown, trans),
     reason: reason.trim(),
     severity: SEVERITY[shown] ?? 'plain',
     // "restored" is the server's word for a restore the kernel verified.
@@ -168,75 +211,132 @@ export function stateView(
 // -- the status bar item -----------------------------------------------------
 
 /**
+ * `compact`: the numbers and a word only when there is news, because the item
+ * shares the bar; `full`: for those who want the device, the limit and the
+ * state at a glance and have the room.
+ */
+export type StatusItemMode = 'compact' | 'full';
+
+/** The extension's settings (schema/plugin.json), as the views use them. */
+export interface IGpuFracSettings {
+  /** The settled poll interval, ms. */
+  refreshInterval: number;
+  statusItem: StatusItemMode;
+}
+
+export const DEFAULT_SETTINGS: Readonly<IGpuFracSettings> = {
+  refreshInterval: 5000,
+  statusItem: 'compact'
+};
+
+/** The schema's minimum: the transition pace (1 s) is the floor anyway. */
+export const MIN_REFRESH_MS = 1000;
+
+/**
+ * Settings from the registry's composite. The registry validates against the
+ * schema, but a hand-edited overrides.json or an older schema can still hand
+ * over anything: out-of-range values fall back, nothing throws.
+ */
+export function readSettings(
+  raw: Record<string, unknown> | null | undefined
+): IGpuFracSettings {
+  const interval = raw?.refreshInterval;
+  return {
+    refreshInterval:
+      typeof interval === 'number' && isFinite(interval)
+        ? Math.max(MIN_REFRESH_MS, Math.round(interval))
+        : DEFAULT_SETTINGS.refreshInterval,
+    statusItem: raw?.statusItem === 'full' ? 'full' : 'compact'
+  };
+}
+
+/**
  * The status bar item's line, "GPU 1: 2.1/4.0 GiB · bursting": it shares the
  * bar with JupyterLab's own items (and jupyter-resource-usage's "Mem: 200 MB"),
  * so it says the numbers and, only when there is news, one short word; the
  * device, the limit and the whole story go to the tooltip and the panel.
  */
 export interface IStatusLabel {
-  /** "GPU 1"; "GPU" while no GPU is known; '' without a lease ("no GPU" says it). */
+  /** "GPU 1" ("GPU 1 (T4)" in full); "GPU" while no GPU is known; '' without a lease ("no GPU" says it). */
   gpu: string;
-  /** Usage against request ("2.1/4.0 GiB"), "?" while the agent cannot verify them, '' when not shown. */
+  /** Usage against request ("2.1/4.0 GiB", "2.1/4.0/8.0 GiB" in full), "?" while the agent cannot verify them, '' when not shown. */
   figures: string;
-  /** A short state word; '' while the lease is plainly guaranteed. */
+  /** A short state word; '' while the lease is plainly guaranteed (compact). */
   word: string;
   /** The whole line as read. */
   text: string;
 }
 
 /** The status bar's words; the panel and the tooltip keep the long ones. */
-const SHORT: Record<string, string> = {
-  guaranteed: '',
-  bursting: 'bursting',
-  shrinking: 'shrinking',
-  migrating: 'moving',
-  'oom-killed': 'stopped',
-  restored: 'restored',
-  'restore-incomplete': 'losses',
-  'agent-unreachable': 'agent unreachable',
-  'no-gpu': 'no GPU',
-  unavailable: 'unavailable',
-  unknown: ''
-};
+function shortWords(trans: ITrans): Record<string, string> {
+  return {
+    guaranteed: '',
+    bursting: trans.__('bursting'),
+    shrinking: trans.__('shrinking'),
+    migrating: trans.__('moving'),
+    'oom-killed': trans.__('stopped'),
+    restored: trans.__('restored'),
+    'restore-incomplete': trans.__('losses'),
+    'agent-unreachable': trans.__('agent unreachable'),
+    'no-gpu': trans.__('no GPU'),
+    unavailable: trans.__('unavailable'),
+    unknown: ''
+  };
+}
 
 /** "moving in 23 s" (the countdown is the news), "bursting", or ''. */
-export function shortStateWord(view: IStateView): string {
+export function shortStateWord(
+  view: IStateView,
+  trans: ITrans = defaultTrans
+): string {
   if (view.state === 'move-pending') {
     if (view.secondsLeft === null) {
-      return 'moving soon';
+      return trans.__('moving soon');
     }
     return view.secondsLeft > 0
-      ? `moving in ${view.secondsLeft} s`
-      : 'moving now';
+      ? trans.__('moving in %1 s', view.secondsLeft)
+      : trans.__('moving now');
   }
-  return SHORT[view.state] ?? view.label;
+  return shortWords(trans)[view.state] ?? view.label;
 }
 
 /**
  * Figures only while the agent vouches for them (`verified`); "?" while it
  * does not answer, so a last known figure never passes for a current one; none
  * while a shrink, move or kill is changing them (the tooltip has the last
- * known ones).
+ * known ones). `full` adds the GPU's name, the limit and always a state word.
  */
 export function statusLabel(
   status: IKernelStatus | null,
-  view: IStateView
+  view: IStateView,
+  mode: StatusItemMode = 'compact',
+  trans: ITrans = defaultTrans
 ): IStatusLabel {
+  const full = mode === 'full';
   const device = status?.gpu ?? null;
-  const gpu = device
-    ? `GPU ${device.index}`
-    : view.state === 'no-gpu'
-      ? ''
-      : 'GPU';
+  let gpu = '';
+  if (device) {
+    const name = full ? shortGpuName(device) : '';
+    gpu = name
+      ? trans.__('GPU %1 (%2)', device.index, name)
+      : trans.__('GPU %1', device.index);
+  } else if (view.state !== 'no-gpu') {
+    gpu = trans.__('GPU');
+  }
   let figures = '';
   if (view.state === 'unknown') {
     figures = '…';
   } else if (device && view.verified) {
-    figures = usageOfRequest(status?.usage, status?.request);
+    figures = full
+      ? usageOfShare(status?.usage, status?.request, status?.limit)
+      : usageOfRequest(status?.usage, status?.request);
   } else if (device && view.state === 'agent-unreachable') {
     figures = '?';
   }
-  const word = shortStateWord(view);
+  let word = shortStateWord(view, trans);
+  if (full && !word && view.state === 'guaranteed') {
+    word = view.label;
+  }
   const head = figures ? `${gpu}: ${figures}` : gpu;
   return {
     gpu,
@@ -252,33 +352,116 @@ export interface IStatusDescription {
   ariaLabel: string;
 }
 
+function capitalize(text: string): string {
+  return `${text.charAt(0).toUpperCase()}${text.slice(1)}`;
+}
+
+/** "2.1 GiB used of 4.0 GiB guaranteed, 8.0 GiB limit", or the last known figures. */
+export function memoryLine(
+  status: IKernelStatus | null,
+  verified: boolean,
+  trans: ITrans = defaultTrans
+): string {
+  const usage = formatBytes(status?.usage);
+  const request = formatBytes(status?.request);
+  const limit = formatBytes(status?.limit);
+  return verified
+    ? trans.__('%1 used of %2 guaranteed, %3 limit', usage, request, limit)
+    : trans.__(
+        'last known: %1 used, %2 requested, %3 limit (not verified)',
+        usage,
+        request,
+        limit
+      );
+}
+
 /**
  * Everything the item leaves out: the device, usage, request and limit (as
- * last known while unverified), the state in full and why.
+ * last known while unverified), the state in full and why, and what is wrong
+ * with the server's settings.
  */
 export function statusDescription(
   status: IKernelStatus | null,
-  view: IStateView
+  view: IStateView,
+  problems: readonly string[] = [],
+  trans: ITrans = defaultTrans
 ): IStatusDescription {
   const gpu = status?.gpu ?? null;
-  const device = gpu ? gpuLabel(gpu) : '';
-  const memory = !gpu
-    ? ''
-    : view.verified
-      ? `${formatBytes(status?.usage)} used of ${formatBytes(status?.request)} guaranteed, ${formatBytes(status?.limit)} limit`
-      : `last known: ${formatBytes(status?.usage)} used, ${formatBytes(status?.request)} requested, ${formatBytes(status?.limit)} limit (not verified)`;
+  const device = gpu ? gpuLabel(gpu, trans) : '';
+  const memory = gpu ? memoryLine(status, view.verified, trans) : '';
   const reason = view.reason ? ` ${view.reason}` : '';
   const lines = [
     device,
-    memory && `${memory.charAt(0).toUpperCase()}${memory.slice(1)}.`,
-    `${view.label.charAt(0).toUpperCase()}${view.label.slice(1)}: ${view.help}${reason}`,
-    'Click for details.'
+    memory && `${capitalize(memory)}.`,
+    `${capitalize(view.label)}: ${view.help}${reason}`,
+    ...problems.map(problem => trans.__('Server setting problem: %1', problem)),
+    trans.__('Click for details.')
   ];
   const summary = [device, memory, view.label].filter(Boolean).join(', ');
   return {
     title: lines.filter(Boolean).join('\n'),
-    ariaLabel: `GPU lease: ${summary}.${reason} Press Enter for details.`
+    ariaLabel: trans.__(
+      'GPU lease: %1.%2 Press Enter for details.',
+      summary,
+      reason
+    )
   };
+}
+
+// -- what the server was asked for, and its settings -------------------------
+
+/**
+ * The panel's "Asked for": "request 0.5 (kernelspec), limit 1 (c.GpuFrac)".
+ * The sources are the server's own names (a kernelspec, a c.GpuFrac setting,
+ * RUNAI_GPU_MEMORY_LIMIT), shown as given; without them, the specs alone.
+ * Null when there is nothing to say.
+ */
+export function askedFor(
+  lease: ILease | null | undefined,
+  source: IShareSource | null | undefined,
+  trans: ITrans = defaultTrans
+): string | null {
+  const requestSpec = lease?.request_spec;
+  const limitSpec = lease?.limit_spec ?? lease?.request_spec;
+  if (!lease || (!requestSpec && !lease.limit_spec && !source?.request)) {
+    return null;
+  }
+  const part = (spec: string | undefined, from: string | null | undefined) =>
+    from ? trans.__('%1 (%2)', spec ?? '–', from) : (spec ?? '–');
+  return trans.__(
+    'request %1, limit %2',
+    part(requestSpec, source?.request),
+    part(limitSpec, source?.limit)
+  );
+}
+
+/** The panel's line above the problems with the server's c.GpuFrac settings. */
+export function configProblemsHeading(
+  count: number,
+  trans: ITrans = defaultTrans
+): string {
+  return trans._n(
+    "The server's GPU settings have a problem: kernels start without a GPU lease until it is fixed and the server restarted.",
+    "The server's GPU settings have %1 problems: kernels start without a GPU lease until they are fixed and the server restarted.",
+    count
+  );
+}
+
+/** The error notification for settings problems, within MAX_NOTICE. */
+export function configProblemsNotice(
+  problems: readonly string[],
+  max: number = MAX_NOTICE,
+  trans: ITrans = defaultTrans
+): string {
+  const text =
+    problems.length === 1
+      ? trans.__('GPU setting problem: %1', problems[0])
+      : trans.__(
+          'GPU setting problems (%1): %2',
+          problems.length,
+          problems.join('; ')
+        );
+  return fitWords(text, max);
 }
 
 // -- words -------------------------------------------------------------------
@@ -308,16 +491,32 @@ export function notebookName(path: string | null | undefined): string {
 }
 
 /** "a, b and c"; past `max` names: "a, b and 3 more". */
-export function nameList(names: string[], max = Infinity): string {
+export function nameList(
+  names: string[],
+  max = Infinity,
+  trans: ITrans = defaultTrans
+): string {
   const shown = names.slice(0, Math.max(1, max));
   const more = names.length - shown.length;
   if (more > 0) {
-    return `${shown.join(', ')} and ${more} more`;
+    return trans.__('%1 and %2 more', shown.join(', '), more);
   }
   if (shown.length <= 1) {
     return shown.join('');
   }
-  return `${shown.slice(0, -1).join(', ')} and ${shown[shown.length - 1]}`;
+  return trans.__(
+    '%1 and %2',
+    shown.slice(0, -1).join(', '),
+    shown[shown.length - 1]
+  );
+}
+
+/** "a, b" or "a, b and 3 more": a list that was already cut to `shown`. */
+function cutList(shown: string[], total: number, trans: ITrans): string {
+  const more = total - shown.length;
+  return more > 0
+    ? trans.__('%1 and %2 more', shown.join(', '), more)
+    : shown.join(', ');
 }
 
 /** "[7] for epoch in…": the cell's number stays, its first line is shortened. */
@@ -368,13 +567,16 @@ function deferredNames(facts: IRestoreFacts): string[] {
 }
 
 /** "big (900.0 MiB), x (1.0 GiB)": what waits on disk, with sizes. */
-function deferredList(facts: IRestoreFacts, max = Infinity): string {
+function deferredList(
+  facts: IRestoreFacts,
+  max: number,
+  trans: ITrans
+): string {
   const names = deferredNames(facts);
   const shown = names
     .slice(0, Math.max(1, max))
     .map(name => `${name} (${formatBytes(facts.deferred?.[name])})`);
-  const more = names.length - shown.length;
-  return `${shown.join(', ')}${more > 0 ? ` and ${more} more` : ''}`;
+  return cutList(shown, names.length, trans);
 }
 
 export interface ISummaryOptions {
@@ -394,75 +596,105 @@ export interface ISummaryOptions {
  */
 export function restoreSummary(
   facts: IRestoreFacts,
-  options: ISummaryOptions = {}
+  options: ISummaryOptions = {},
+  trans: ITrans = defaultTrans
 ): string {
   const { maxNames = Infinity, cellChars = Infinity, advice = true } = options;
   const restored = facts.restored ?? [];
   const lost = facts.lost ?? [];
   const parts: string[] = [];
   if (facts.error) {
-    parts.push(`no variables were restored: ${facts.error}`);
+    parts.push(trans.__('no variables were restored: %1', facts.error));
   } else if (unreported(facts)) {
-    parts.push('the kernel did not report what came back');
+    parts.push(trans.__('the kernel did not report what came back'));
   } else {
     const total = restored.length + lost.length + deferredNames(facts).length;
     parts.push(
-      `${restored.length} of ${total} variable${total === 1 ? '' : 's'} restored`
+      trans._n(
+        '%2 of %1 variable restored',
+        '%2 of %1 variables restored',
+        total,
+        restored.length
+      )
     );
   }
   if (deferredNames(facts).length) {
+    const list = deferredList(facts, maxNames, trans);
     parts.push(
-      `kept on disk until there is room on the GPU: ${deferredList(facts, maxNames)}${advice ? ' — %gpu restore loads them' : ''}`
+      advice
+        ? trans.__(
+            'kept on disk until there is room on the GPU: %1 — %gpu restore loads them',
+            list
+          )
+        : trans.__('kept on disk until there is room on the GPU: %1', list)
     );
   }
   if (lost.length) {
     const shown = lost.slice(0, Math.max(1, maxNames)).map(name => {
       const why = options.reasons ? facts.lost_reasons?.[name] : undefined;
-      return why ? `${name} (${why})` : name;
+      return why ? trans.__('%1 (%2)', name, why) : name;
     });
-    const more = lost.length - shown.length;
-    let text = `lost: ${shown.join(', ')}${more > 0 ? ` and ${more} more` : ''}`;
-    if (advice) {
-      text += ` — re-run the cells that create ${lost.length === 1 ? 'it' : 'them'}`;
-    }
-    parts.push(text);
+    const list = cutList(shown, lost.length, trans);
+    parts.push(
+      advice
+        ? trans._n(
+            'lost: %2 — re-run the cells that create it',
+            'lost: %2 — re-run the cells that create them',
+            lost.length,
+            list
+          )
+        : trans.__('lost: %1', list)
+    );
   }
   if (facts.interrupted_cell) {
+    const cell = cellLabel(facts.interrupted_cell, cellChars);
     parts.push(
-      `cell ${cellLabel(facts.interrupted_cell, cellChars)} was cut off${advice ? ': re-run it' : ''}`
+      advice
+        ? trans.__('cell %1 was cut off: re-run it', cell)
+        : trans.__('cell %1 was cut off', cell)
     );
   }
   if (advice && unreported(facts)) {
-    parts.push('run %gpu in the notebook to see what it holds');
+    parts.push(trans.__('run %gpu in the notebook to see what it holds'));
   }
   return parts.join('; ');
 }
 
 /** What to do after a restore, or '' when nothing is to be done. */
-export function restoreAdvice(facts: IRestoreFacts): string {
+export function restoreAdvice(
+  facts: IRestoreFacts,
+  trans: ITrans = defaultTrans
+): string {
   const todo: string[] = [];
   if (facts.interrupted_cell) {
-    todo.push(`re-run cell ${cellLabel(facts.interrupted_cell)}`);
+    todo.push(trans.__('re-run cell %1', cellLabel(facts.interrupted_cell)));
   }
   const lost = facts.lost ?? [];
   if (lost.length) {
     todo.push(
-      `re-run the cell${lost.length === 1 ? '' : 's'} that create${lost.length === 1 ? 's' : ''} ${nameList(lost)}`
+      trans._n(
+        're-run the cell that creates %2',
+        're-run the cells that create %2',
+        lost.length,
+        nameList(lost, Infinity, trans)
+      )
     );
   }
   if (deferredNames(facts).length) {
     todo.push(
-      `run %gpu restore once there is room on the GPU to load ${nameList(deferredNames(facts))}`
+      trans.__(
+        'run %gpu restore once there is room on the GPU to load %1',
+        nameList(deferredNames(facts), Infinity, trans)
+      )
     );
   }
   if (unreported(facts)) {
-    todo.push('run %gpu in the notebook to see what it holds');
+    todo.push(trans.__('run %gpu in the notebook to see what it holds'));
   }
   if (!todo.length) {
     return '';
   }
-  const text = todo.join(', then ');
-  return `${text.charAt(0).toUpperCase()}${text.slice(1)}.`;
+  return `${capitalize(todo.join(trans.__(', then ')))}.`;
 }
 
 /** Whether a `restored` event may be shown as a success: only what the kernel verified. */
@@ -499,13 +731,14 @@ function withPrefix(prefix: string, text: string): string {
 export function restoredNotice(
   event: IGpuFracEvent,
   notebook: string | null,
-  max: number = MAX_NOTICE
+  max: number = MAX_NOTICE,
+  trans: ITrans = defaultTrans
 ): INotice {
   const prefix = notebookName(notebook);
   const facts = restoreFactsOf(event);
   const cause = sentence(event.reason ?? '');
   if (isVerifiedSuccess(event)) {
-    const facts0 = sentence(restoreSummary(facts, { advice: false }));
+    const facts0 = sentence(restoreSummary(facts, { advice: false }, trans));
     const full = withPrefix(prefix, cause ? `${facts0} ${cause}` : facts0);
     return {
       type: 'success',
@@ -517,7 +750,10 @@ export function restoredNotice(
   const cell = facts.interrupted_cell ?? null;
   if (unreported(facts)) {
     // No report: the server's words, then what to do.
-    const body = `Restored with losses — ${restoreSummary(facts)}`;
+    const body = trans.__(
+      'Restored with losses — %1',
+      restoreSummary(facts, {}, trans)
+    );
     return {
       type: 'warning',
       message: fitWords(withPrefix(prefix, sentence(body)), max)
@@ -525,7 +761,10 @@ export function restoredNotice(
   }
   if (!lost.length && !cell && deferredNames(facts).length) {
     // Nothing lost: some variables wait on disk until the GPU has room for them.
-    const body = `Restored; kept on disk for lack of GPU room: ${deferredList(facts, 2)}. Run %gpu restore once there is room`;
+    const body = trans.__(
+      'Restored; kept on disk for lack of GPU room: %1. Run %gpu restore once there is room',
+      deferredList(facts, 2, trans)
+    );
     return {
       type: 'warning',
       message: fitWords(withPrefix(prefix, sentence(body)), max)
@@ -533,7 +772,10 @@ export function restoredNotice(
   }
   if (!lost.length && !cell) {
     // ok missing (an older server): the names came back, but nobody said so.
-    const body = `Restored, not verified: ${restoreSummary(facts, { advice: false })}; run %gpu in the notebook to check`;
+    const body = trans.__(
+      'Restored, not verified: %1; run %gpu in the notebook to check',
+      restoreSummary(facts, { advice: false }, trans)
+    );
     return {
       type: 'warning',
       message: fitWords(withPrefix(prefix, sentence(body)), max)
@@ -541,10 +783,14 @@ export function restoredNotice(
   }
   const advice =
     lost.length && cell
-      ? 'Re-run it and the cells that create the lost names.'
+      ? trans.__('Re-run it and the cells that create the lost names.')
       : cell
-        ? 'Re-run it.'
-        : `Re-run the cells that create ${lost.length === 1 ? 'it' : 'them'}.`;
+        ? trans.__('Re-run it.')
+        : trans._n(
+            'Re-run the cells that create it.',
+            'Re-run the cells that create them.',
+            lost.length
+          );
   const compose = (
     count: boolean,
     maxNames: number,
@@ -555,21 +801,30 @@ export function restoredNotice(
     if (count) {
       const total = (facts.restored ?? []).length + lost.length;
       parts.push(
-        `${(facts.restored ?? []).length} of ${total} variables restored`
+        trans._n(
+          '%2 of %1 variable restored',
+          '%2 of %1 variables restored',
+          total,
+          (facts.restored ?? []).length
+        )
       );
     }
     if (lost.length) {
       // Names when there is room; only their number as a last resort.
       parts.push(
         maxNames > 0
-          ? `lost: ${nameList(lost, maxNames)}`
-          : `lost: ${lost.length} variable${lost.length === 1 ? '' : 's'}`
+          ? trans.__('lost: %1', nameList(lost, maxNames, trans))
+          : trans._n('lost: %1 variable', 'lost: %1 variables', lost.length)
       );
     }
     if (cell) {
-      parts.push(`cell ${cellLabel(cell, cellChars)} was cut off`);
+      parts.push(trans.__('cell %1 was cut off', cellLabel(cell, cellChars)));
     }
-    const body = `Restored with losses — ${parts.join('; ')}. ${advice}`;
+    const body = trans.__(
+      'Restored with losses — %1. %2',
+      parts.join('; '),
+      advice
+    );
     return withPrefix(prefix, withCause && cause ? `${body} ${cause}` : body);
   };
   const tiers: Array<[boolean, number, number, boolean]> = [
@@ -606,13 +861,17 @@ export function eventNotice(
  * The lease's SM utilization against its compute share, and whether the share
  * holds (only CUDA MPS holds one); null when the lease has neither.
  */
-export function computeLine(lease: ILease, mps: boolean): string | null {
+export function computeLine(
+  lease: ILease,
+  mps: boolean,
+  trans: ITrans = defaultTrans
+): string | null {
   const used = lease.compute_usage;
   const request = lease.compute_request;
   const usedText =
     used === null || used === undefined
-      ? 'not sampled'
-      : `${used}% of the GPU's SMs`;
+      ? trans.__('not sampled')
+      : trans.__("%1% of the GPU's SMs", used);
   if (request === null || request === undefined) {
     return used === null || used === undefined ? null : usedText;
   }
@@ -621,6 +880,8 @@ export function computeLine(lease: ILease, mps: boolean): string | null {
     limit === null || limit === undefined || limit === request
       ? `${request}`
       : `${request}–${limit}`;
-  const held = mps ? 'held by CUDA MPS' : 'not enforced: no CUDA MPS';
-  return `${usedText}; share ${share} of the compute (${held})`;
+  const held = mps
+    ? trans.__('held by CUDA MPS')
+    : trans.__('not enforced: no CUDA MPS');
+  return trans.__('%1; share %2 of the compute (%3)', usedText, share, held);
 }

@@ -8,14 +8,20 @@ import { test } from 'node:test';
 
 import { IGpuFracEvent, IKernelStatus, ILease } from '../src/api';
 import { KERNEL_STATES } from '../src/contract';
-import { usageOfRequest } from '../src/format';
+import { describeEvent, usageOfRequest, usageOfShare } from '../src/format';
+import { defaultTrans, ITrans } from '../src/trans';
 import {
+  askedFor,
   computeLine,
+  configProblemsHeading,
+  configProblemsNotice,
+  DEFAULT_SETTINGS,
   countdownLabel,
   eventNotice,
   fitWords,
   isTransitional,
   MAX_NOTICE,
+  readSettings,
   restoreAdvice,
   restoredNotice,
   restoreFactsOf,
@@ -491,5 +497,159 @@ test('the status item stays short; the tooltip has the device, limit and story',
     statusDescription(pending, stateView('move-pending', pending, UP, NOW))
       .title,
     /^Moving in 23 s — cell still running: .* A job needs GPU 1\.$/m
+  );
+});
+
+test('settings: the defaults, and nothing out of range or unknown gets through', () => {
+  assert.deepEqual(readSettings(null), DEFAULT_SETTINGS);
+  assert.deepEqual(readSettings({}), {
+    refreshInterval: 5000,
+    statusItem: 'compact'
+  });
+  assert.deepEqual(
+    readSettings({ refreshInterval: 15000, statusItem: 'full' }),
+    { refreshInterval: 15000, statusItem: 'full' }
+  );
+  // The schema's minimum holds even where validation did not run.
+  assert.equal(readSettings({ refreshInterval: 10 }).refreshInterval, 1000);
+  assert.equal(readSettings({ refreshInterval: '3000' }).refreshInterval, 5000);
+  assert.equal(readSettings({ refreshInterval: NaN }).refreshInterval, 5000);
+  assert.equal(readSettings({ statusItem: 'huge' }).statusItem, 'compact');
+});
+
+test('the full status item: GPU name, usage/request/limit, and always the state', () => {
+  const full = (state: string, extra: Partial<IKernelStatus> = {}) => {
+    const s = status(state, {
+      gpu: { uuid: 'GPU-1', index: 1, name: 'Tesla T4' },
+      usage: 2.1 * GiB,
+      ...extra
+    });
+    return statusLabel(s, stateView(state, s, UP, NOW), 'full').text;
+  };
+  assert.equal(full('guaranteed'), 'GPU 1 (T4): 2.1/4.0/8.0 GiB · guaranteed');
+  assert.equal(full('bursting'), 'GPU 1 (T4): 2.1/4.0/8.0 GiB · bursting');
+  assert.equal(
+    full('guaranteed', { limit: null }),
+    'GPU 1 (T4): 2.1/4.0 GiB · guaranteed'
+  );
+  // The same rules as compact: no figures while they change or are unverified.
+  assert.equal(full('shrinking'), 'GPU 1 (T4) · shrinking');
+  const s = status('guaranteed');
+  assert.equal(
+    statusLabel(s, stateView('guaranteed', s, DOWN, NOW), 'full').text,
+    'GPU 1 (16GiB): ? · agent unreachable'
+  );
+  assert.equal(usageOfShare(300 * MiB, 512 * MiB, 2 * GiB), '0.3/0.5/2.0 GiB');
+  assert.equal(usageOfShare(300 * MiB, 512 * MiB, null), '300/512 MiB');
+});
+
+test('the server settings problems: a notice that fits, a panel heading, the tooltip', () => {
+  const problem =
+    "c.GpuFrac.default_request: expected a fraction 0 < f <= 1 of one GPU, or a memory size like 2500M, 4G, 4Gi or bytes, got 'lots'";
+  const one = configProblemsNotice([problem]);
+  assert.ok(one.length <= MAX_NOTICE, one);
+  assert.match(
+    one,
+    /^GPU setting problem: c\.GpuFrac\.default_request: expected/
+  );
+  assert.ok(one.endsWith('…'));
+  assert.equal(
+    configProblemsNotice(['c.GpuFrac.default_limit: got -1']),
+    'GPU setting problem: c.GpuFrac.default_limit: got -1'
+  );
+  assert.match(
+    configProblemsNotice(['a', 'b']),
+    /^GPU setting problems \(2\): a; b$/
+  );
+  assert.match(configProblemsHeading(1), /a problem: .* until it is fixed/);
+  assert.match(
+    configProblemsHeading(2),
+    /have 2 problems: .* until they are fixed/
+  );
+  const s = status('no-gpu', { gpu: null });
+  const { title } = statusDescription(s, stateView('no-gpu', s, UP, NOW), [
+    problem
+  ]);
+  assert.match(
+    title,
+    /^Server setting problem: c\.GpuFrac\.default_request: .*'lots'$/m
+  );
+});
+
+test('"Asked for" names where request and limit came from, when the server says', () => {
+  const lease = {
+    id: 'L1',
+    kind: 'notebook',
+    request: 8 * GiB,
+    limit: 16 * GiB,
+    request_spec: '0.5',
+    limit_spec: '1',
+    state: 'active'
+  } as ILease;
+  assert.equal(
+    askedFor(lease, { request: 'kernelspec', limit: 'c.GpuFrac' }),
+    'request 0.5 (kernelspec), limit 1 (c.GpuFrac)'
+  );
+  assert.equal(
+    askedFor(lease, { request: '%gpu request', limit: null }),
+    'request 0.5 (%gpu request), limit 1'
+  );
+  // An older server, or a lease older than the server process: the specs alone.
+  assert.equal(askedFor(lease, undefined), 'request 0.5, limit 1');
+  assert.equal(
+    askedFor({ ...lease, limit_spec: undefined }, null),
+    'request 0.5, limit 0.5'
+  );
+  assert.equal(askedFor(null, { request: 'kernelspec' }), null);
+  assert.equal(
+    askedFor(
+      { ...lease, request_spec: undefined, limit_spec: undefined },
+      null
+    ),
+    null
+  );
+});
+
+test('every word goes through the translator; the default keeps English and counts', () => {
+  // A bundle that marks what it translated: anything unmarked was missed.
+  const mark = (text: string) => `«${text}»`;
+  const fmt = (text: string, args: Array<string | number>) =>
+    text.replace(/%(\d+)/g, (_, i) => String(args[Number(i) - 1]));
+  const marking: ITrans = {
+    __: (msgid, ...args) => mark(fmt(msgid, args)),
+    _n: (one, many, n, ...args) => mark(fmt(n === 1 ? one : many, [n, ...args]))
+  };
+  const s = status('bursting', { usage: 5.2 * GiB });
+  const view = stateView('bursting', s, UP, NOW, marking);
+  assert.equal(view.label, '«bursting»');
+  assert.match(view.help, /^«Using loaned memory/);
+  assert.equal(
+    statusLabel(s, view, 'compact', marking).text,
+    '«GPU 1»: 5.2/4.0 GiB · «bursting»'
+  );
+  const { title } = statusDescription(s, view, [], marking);
+  for (const line of title.split('\n')) {
+    assert.match(line, /«/, line);
+  }
+  assert.equal(
+    describeEvent({ kernel_id: 'k', event: 'placed', gpu_index: 0 }, marking),
+    '«Placed on GPU 0.»'
+  );
+  const notice = restoredNotice(
+    { kernel_id: 'k', event: 'restored', restored: ['a'], lost: ['b'] },
+    'demo.ipynb',
+    MAX_NOTICE,
+    marking
+  );
+  assert.match(notice.message, /^demo\.ipynb: «Restored with losses/);
+  // The default: English as written, plurals by count, %1 the count.
+  assert.equal(defaultTrans.__('%1 of %2', 'a', 'b'), 'a of b');
+  assert.equal(defaultTrans._n('%1 file', '%1 files', 1), '1 file');
+  assert.equal(defaultTrans._n('%1 file', '%1 files', 2), '2 files');
+  // "%gpu" is no placeholder, and an argument's text is never re-read.
+  assert.equal(defaultTrans.__('run %gpu on %1', '%2'), 'run %gpu on %2');
+  assert.equal(
+    restoreSummary({ ok: true, restored: ['a'], lost: [] }),
+    '1 of 1 variable restored'
   );
 });

@@ -3,7 +3,9 @@
 One JupyterLab, one notebook, one story: the notebook's kernel is spread to
 GPU 1 of the simulated node, and the status item says so in numbers ("GPU 1:
 0.3/4.0 GiB"), narrow enough (measured) to leave the status bar's right end on
-screen at 1024 px beside jupyter-resource-usage; a whole-GPU job (`gpufrac-agent
+screen at 1024 px beside jupyter-resource-usage, and switches to the full line
+("GPU 1 (16GiB): 0.3/4.0/16.0 GiB · guaranteed") and back when its setting
+changes through the settings registry; a whole-GPU job (`gpufrac-agent
 run --gpus 1`) makes the agent move it back to GPU 0 while a cell still runs:
 the status item counts down ("GPU 1 · moving in 23 s") and never says
 "migrating" before the move starts; once the cell ends the kernel moves; the
@@ -88,6 +90,8 @@ WORDED_WIDTH_MAX = 230
 # "GPU 1: 2.1/4.0 GiB": usage against request ("<0.1" when small), nothing else.
 FIGURES = r"(<)?\d+(\.\d)?/\d+(\.\d)? (GiB|MiB)"
 PLAIN_LINE = re.compile(rf"^GPU \d+: {FIGURES}$")
+# The `statusItem: "full"` setting: usage/request/limit.
+FIGURES_FULL = r"(<)?\d+(\.\d)?/\d+(\.\d)?/\d+(\.\d)? (GiB|MiB)"
 # jupyter-resource-usage's item (align left, rank 2), as it reads with a few
 # hundred MB used; the narrow-window check puts a copy of it in the status bar.
 RESOURCE_USAGE_TEXT = "Mem: 200.52 MB"
@@ -209,6 +213,7 @@ def test_widget_follows_kernel_through_migration(
             expect(item).to_have_attribute("aria-label", re.compile(r"GPU lease: GPU 1"))
             widths = {"guaranteed": _item_width(item, PLAIN_WIDTH_MAX)}
             _assert_bell_on_screen_at_1024(page)
+            _switch_status_item_through_settings(lab, page, item)
 
             # Some state worth restoring.
             page.locator(".jp-Notebook .jp-Cell").first.click()
@@ -293,6 +298,10 @@ def test_widget_follows_kernel_through_migration(
             expect(panel.locator(".jp-gpufrac-State")).to_have_text("restored")
             expect(panel.locator(".jp-gpufrac-Panel-restore")).to_have_attribute("data-ok", "true")
             expect(panel.locator("h2")).to_contain_text("demo.ipynb")
+            # Where the share came from (the server's share_source), e.g. "(c.GpuFrac)".
+            expect(panel.locator(".jp-gpufrac-Panel-asked")).to_have_text(
+                re.compile(r"^request \S+ \(.+\), limit ")
+            )
             # The panel re-renders by diffing (VirtualDOM.render): the button that
             # was clicked is the same element afterwards and keeps the focus.
             refresh = panel.get_by_role("button", name="Refresh GPU information")
@@ -492,6 +501,23 @@ def test_widget_follows_kernel_through_migration(
                     job.wait()
 
     assert not console_errors, "errors in the browser console:\n" + "\n".join(console_errors)
+
+
+def _switch_status_item_through_settings(lab: Lab, page: Page, item: Locator) -> None:
+    """The `statusItem` setting, changed through the settings registry (the
+    palette command calls ISettings.set), reaches the item at once and is saved."""
+    from playwright.sync_api import expect
+
+    toggle = "window.jupyterapp.commands.execute('gpufrac:toggle-full-status')"
+    page.evaluate(toggle)
+    expect(item).to_have_attribute("data-mode", "full", timeout=10_000)
+    expect(item).to_have_text(re.compile(rf"^GPU 1 \(.+\): {FIGURES_FULL} · guaranteed$"))
+    status, saved = lab.api("/lab/api/settings/jupyter-gpufrac:plugin")
+    assert status == 200 and isinstance(saved, dict), (status, saved)
+    assert '"full"' in str(saved.get("raw")), saved
+    page.evaluate(toggle)
+    expect(item).to_have_attribute("data-mode", "compact", timeout=10_000)
+    expect(item).to_have_text(PLAIN_LINE)
 
 
 def _item_width(item: Locator, most: float) -> float:

@@ -20,9 +20,12 @@ def test_bad_configuration_names_the_trait(tmp_path: Path) -> None:
             30, "the configuration error in the server log", interval=0.2,
         )
         assert "c.GpuFrac.default_request: expected a fraction" in line, line
-        # The server itself keeps running; only the extension is missing.
+        assert "Traceback" not in server.log_text()
+        # The server and the extension keep running, and the widget says what is wrong.
         assert server.api("/api/status")[0] == 200
-        assert server.api("/api/gpufrac/node")[0] == 404
+        status, node = server.api("/api/gpufrac/node")
+        assert status == 200 and node["config_problems"] == [line.split("jupyter_gpufrac: ")[1]
+                                                           .split("; kernels start")[0]]
 
 
 def test_no_agent_kernels_still_start_and_say_why(tmp_path: Path) -> None:
