@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: lab demo test bench soak clean
+.PHONY: lab demo test bench soak sim clean
 
 $(BIN)/gpufrac-agent: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -11,6 +11,8 @@ $(BIN)/gpufrac-agent: pyproject.toml
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# JupyterHub's proxy for tests/hub: configurable-http-proxy from npm, kept inside the venv.
+	npm install --prefix $(VENV)/chp --no-audit --no-fund --loglevel=error configurable-http-proxy@5
 	touch $@
 
 # Every kernel gets its GPU lease through the provisioner; with no agent running, the
@@ -40,6 +42,12 @@ bench: $(BIN)/gpufrac-agent
 	$(BIN)/python bench/migration_bench.py
 	$(BIN)/python bench/load_bench.py --seconds 30 --pace 1
 	$(BIN)/python bench/load_bench.py --seconds 30
+
+# Replays the notebook and job traces under each site policy; writes docs/simulation/.
+SIM_TRACES ?= ../shared/traces
+sim: $(BIN)/gpufrac-agent
+	$(BIN)/gpufrac-agent simulate --trace $(SIM_TRACES)/adobe-sensei-notebooks-2021-06.json \
+		--jobs $(SIM_TRACES)/alibaba-gpu-v2023-pods.csv --node 8xA100-80GB --out docs/simulation
 
 clean:
 	rm -rf $(VENV)
