@@ -304,6 +304,17 @@ class GpuFracAgent(Command):
 
 
 # --- serve ------------------------------------------------------------------------------
+async def _stop_without_parent(parent: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once the parent is gone (the child is then re-parented), however it ended:
+    a server killed, or stopped before it could stop us."""
+    while not stop.is_set():
+        if os.getppid() != parent:
+            log.info("the process that started this agent (pid %d) is gone: stopping", parent)
+            stop.set()
+            return
+        await asyncio.sleep(1.0)
+
+
 def _lock_state_dir(state_dir: str) -> int:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(state_dir, "agent.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -402,6 +413,9 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
                           ).tag(config=True)
     tcp = Unicode(None, allow_none=True,
                   help="Also serve TCP on HOST:PORT (needs --token-file).").tag(config=True)
+    exit_with_parent = Bool(False, help="Stop when the process that started the agent is gone "
+                            "(a Jupyter server's embedded agent must not outlive it).",
+                            ).tag(config=True)
     token_file = Unicode(None, allow_none=True,
                          help="The file holding the TCP token (16 characters or more).",
                          ).tag(config=True)
@@ -428,6 +442,8 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         **boolean_flag("enforce-limits", "ServeApp.enforce_limits",
                        "Stop leases that stay above their limit.",
                        "Never stop a lease for its limit alone."),
+        "exit-with-parent": ({"ServeApp": {"exit_with_parent": True}},
+                             "Stop when the process that started the agent is gone."),
     }
 
     def agent_config(self) -> AgentConfig:
@@ -512,11 +528,15 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
+            watch = (loop.create_task(_stop_without_parent(os.getppid(), stop))
+                     if self.exit_with_parent else None)
             kind = "simulated node " + getattr(backend, "spec", "") if backend.simulated else "NVML"
             log.info("serving %d GPU(s) (%s) on %s, state in %s, %d lease(s) re-adopted",
                      len(agent.gpus), kind, socket_path, state_dir, len(ledger.leases))
             print(f"gpufrac-agent: ready on {socket_path}", flush=True)
             await stop.wait()
+            if watch is not None:
+                watch.cancel()
             server.stop()
             await agent.stop()
 

@@ -37,7 +37,8 @@ class EmbeddedAgent:
     def command(self) -> list[str]:
         """The agent's command line: NVML when it initialises, else a simulated node."""
         command = [sys.executable, "-m", "node_agent", "serve", "--socket", self.socket_path]
-        command += ["--state-dir", self.state_dir]
+        # It lives no longer than this server, however the server ends.
+        command += ["--state-dir", self.state_dir, "--exit-with-parent"]
         if self.fallback_simulate:
             option = "--fallback-simulate" if self.use_nvml else "--simulate"
             command += [option, self.fallback_simulate]

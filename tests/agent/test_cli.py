@@ -278,3 +278,25 @@ def test_install_service_writes_a_unit_that_runs_this_agent_as_the_system_agent(
         assert problems == [], done.stderr
     assert cli.main(["install-service", "--unit-dir", str(tmp_path), "--admin-group", "nope-x"]) == 2
     assert "--admin-group: no group 'nope-x'" in capsys.readouterr().err
+
+
+def test_an_agent_started_to_exit_with_its_parent_stops_when_the_parent_is_killed(
+    tmp_path: Path,
+) -> None:
+    """A Jupyter server's embedded agent: the server killed (or stopped mid-start) takes it."""
+    socket_path = tmp_path / "agent.sock"
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         f"child = subprocess.Popen([sys.executable, '-m', 'node_agent', 'serve', '--simulate',"
+         f" '1x1GiB', '--socket', {str(socket_path)!r}, '--state-dir', {str(tmp_path / 's')!r},"
+         " '--exit-with-parent'], start_new_session=True)\n"
+         "print(child.pid, flush=True)\ntime.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    wait_for(lambda: AgentClient(str(socket_path)).ping(), 30, "the agent to answer")
+    parent.kill()
+    parent.wait()
+    wait_for(lambda: not Path(f"/proc/{child}").exists() or
+             Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", 15, "the agent to stop")
