@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import time
 from typing import Any
 
@@ -260,6 +261,11 @@ class GpuFrac(ExtensionApp):
         """Start (or find) the agent, then listen for directives and watch leases."""
         if getattr(self, "kernel_settings", None) is None:
             return  # not loaded (invalid configuration, already reported)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            # Without a terminal (a Hub's spawner, systemd) jupyter_server leaves SIGINT alone,
+            # and the spawner's SIGINT then ends the server with no cleanup: kernels and their
+            # leases stay behind. Stop as on SIGTERM instead.
+            signal.signal(signal.SIGINT, lambda *_: serverapp.stop(from_signal=True))
         await self.ensure_agent()
         await self.release_stale_leases()
         self.listener = DirectiveListener(
