@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
+import pathlib
+import subprocess
 import time
 from typing import Any
 
+import psutil
 from jupyter_client.provisioning import LocalProvisioner
 
 from jupyter_gpufrac import contract
@@ -20,9 +24,14 @@ from jupyter_gpufrac.server.launch import (
     resolve_share,
 )
 from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
+from jupyter_gpufrac.server.spares import SpareKey, SparePool
 from node_agent.quantities import Quantity, format_bytes
 
 EXTENSION_NAME = "jupyter_gpufrac"
+# How long a kernel restarted in a spare after a kill waits for the agent to measure that the
+# killed process is gone (at most one of its ticks), and how often it looks.
+MEASURED_WAIT_S = 1.5
+MEASURED_POLL_S = 0.05
 
 
 class GpuFracConfigError(ValueError):
@@ -244,6 +253,95 @@ class GpuFracProvisioner(LocalProvisioner):
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result
 
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
+        """Start the kernel in a pre-warmed spare process when this launch restores (a move or
+        a recovery), else as jupyter_client does. The connection file, ports and kernel id are
+        the launch's own either way, so the open notebook stays connected."""
+        process = await self._adopt_spare(cmd, kwargs)
+        if process is None:
+            return await super().launch_kernel(cmd, **kwargs)
+        self.process = process
+        self.pid = process.pid
+        try:
+            self.pgid = os.getpgid(process.pid)
+        except OSError:
+            self.pgid = None
+        self.cwd = kwargs.get("cwd", pathlib.Path.cwd())
+        self.log.info("kernel %s: started in spare kernel process %s", self.kernel_id, process.pid)
+        return self.connection_info
+
+    def _spare_pool(self) -> tuple[SparePool, SpareKey] | None:
+        """The server's spare pool and this kernelspec's key in it, when it can have spares."""
+        app = self.gpufrac_app()
+        pool = getattr(app, "spares", None) if app is not None else None
+        if not isinstance(pool, SparePool):
+            return None
+        spec = self.kernel_spec
+        argv = list(getattr(spec, "argv", []) or [])
+        load_ext = is_ipykernel(argv, str(getattr(spec, "language", "") or ""))
+        key = pool.key_for(argv, getattr(spec, "env", None), load_ext) if load_ext else None
+        return None if key is None else (pool, key)
+
+    async def _adopt_spare(self, cmd: list[str], kwargs: dict[str, Any]
+                           ) -> subprocess.Popen[bytes] | None:
+        """A spare turned into this launch's kernel, or None; a spare never fails a launch."""
+        env = kwargs.get("env")
+        # Only a restoring launch: the restore is what imports torch. A fresh kernel starts in
+        # a fresh interpreter, as its user expects.
+        if not isinstance(env, dict) or env.get(contract.RESTORE) != "1":
+            return None
+        # What a spare cannot honour (other streams, an independent kernel): launch as usual.
+        popen_only = {k for k, v in kwargs.items() if v is not None and k not in
+                      ("env", "cwd", "kernel_id", "extra_arguments", "independent")}
+        if popen_only or kwargs.get("independent"):
+            return None
+        found = self._spare_pool()
+        if found is None:
+            return None
+        pool, key = found
+        await self._until_agent_measured()
+        launch_env = dict(env)
+        launch_env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launch_kernel
+        try:
+            return await pool.adopt(key, [os.path.expanduser(arg) for arg in cmd], launch_env,
+                                    str(kwargs.get("cwd") or os.getcwd()))
+        except Exception:
+            self.log.exception("kernel %s: spare kernel failed; starting it cold", self.kernel_id)
+            return None
+
+    async def _until_agent_measured(self) -> None:
+        """Until the agent no longer counts a killed process's memory in this kernel's lease.
+
+        It does until its next measurement (a tick), and a restore asks it for room: a kernel
+        that restores within that tick, as one in a spare does, would get too little room and
+        leave variables on disk. A move is not held up (its room is on the new GPU).
+        """
+        lease = self.lease
+        if lease is None:
+            return
+        link = AgentLink(self.settings().socket_path)
+        deadline = time.monotonic() + MEASURED_WAIT_S
+        while lease.get("state") != "migrating" and int(lease.get("usage") or 0) > 0 and not any(
+                _running(pid) for pid in lease.get("pids") or []):
+            if time.monotonic() >= deadline:
+                self.log.info("kernel %s: the agent has not measured its lease since the kill; "
+                              "starting anyway", self.kernel_id)
+                return
+            await asyncio.sleep(MEASURED_POLL_S)
+            try:
+                lease = await link.lease(str(lease["id"]))
+            except AgentError:
+                return
+
+    def _want_spare(self) -> None:
+        """A spare for this kernelspec from now on, started in the background."""
+        try:
+            found = self._spare_pool()
+            if found is not None:
+                found[0].want(found[1])
+        except Exception:
+            self.log.exception("kernel %s: could not ask for a spare kernel", self.kernel_id)
+
     async def _reread_lease(self, link: AgentLink) -> dict[str, Any] | None:
         assert self.lease is not None
         try:
@@ -364,6 +462,7 @@ class GpuFracProvisioner(LocalProvisioner):
                 self.log.warning("kernel %s: could not register pid %s: %s", kernel_id, self.pid, err)
             self._moving = False
         self._announce_launch(settings)
+        self._want_spare()
         if settings.on_launched is not None:
             settings.on_launched(kernel_id, {"reason": self.last_launch_reason, "pid": self.pid})
 
@@ -432,6 +531,14 @@ class GpuFracProvisioner(LocalProvisioner):
         except AgentError as err:
             if err.status != 404:
                 self.log.warning("kernel %s: releasing lease %s: %s", self.kernel_id, lease_id, err)
+
+
+def _running(pid: object) -> bool:
+    """Whether a process of that pid runs (a zombie has ended)."""
+    try:
+        return bool(psutil.Process(int(str(pid))).status() != psutil.STATUS_ZOMBIE)
+    except (psutil.Error, ValueError):
+        return False
 
 
 def _text(message: object) -> str:
