@@ -6,9 +6,11 @@ whatever order they come in.
 
 from __future__ import annotations
 
-import itertools
+from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from itertools import accumulate
 
 NOTEBOOK = "notebook"
 JOB = "job"
@@ -84,35 +86,31 @@ class Reclaim:
     deficit: int
 
 
-def _requests(leases: Iterable[Placement], where: str) -> dict[str, int]:
+def _tally(leases: Iterable[Placement], physical: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Requested bytes and lease counts per GPU, where leases run or where the plan has them:
+    one pass, since placement asks for both on every call."""
     load: dict[str, int] = {}
-    for lease in leases:
-        for uuid in getattr(lease, where):
-            load[uuid] = load.get(uuid, 0) + lease.request
-    return load
-
-
-def _counts(leases: Iterable[Placement], where: str) -> dict[str, int]:
     count: dict[str, int] = {}
     for lease in leases:
-        for uuid in getattr(lease, where):
+        for uuid in lease.physical if physical else lease.logical:
+            load[uuid] = load.get(uuid, 0) + lease.request
             count[uuid] = count.get(uuid, 0) + 1
-    return count
+    return load, count
 
 
 def physical_count(leases: Iterable[Placement]) -> dict[str, int]:
     """How many leases run on each GPU."""
-    return _counts(leases, "physical")
+    return _tally(leases, physical=True)[1]
 
 
 def logical_load(leases: Iterable[Placement]) -> dict[str, int]:
     """Sum of requests per GPU in the logical (bin-packed) plan."""
-    return _requests(leases, "logical")
+    return _tally(leases, physical=False)[0]
 
 
 def physical_load(leases: Iterable[Placement]) -> dict[str, int]:
     """Sum of requests per GPU where leases really run."""
-    return _requests(leases, "physical")
+    return _tally(leases, physical=True)[0]
 
 
 def _pick(
@@ -141,9 +139,9 @@ def plan_logical(
 ) -> tuple[str, ...] | None:
     """Where a new lease goes in the logical plan (binpack), or None when no GPU has room
     (or every GPU already holds ``rules.max_per_gpu`` leases)."""
-    leases = list(leases)
-    return _pick(devices, logical_load(leases), request, count, spread=False,
-                 counts=_counts(leases, "logical"), max_per_gpu=rules.max_per_gpu)
+    load, counts = _tally(leases, physical=False)
+    return _pick(devices, load, request, count, spread=False, counts=counts,
+                 max_per_gpu=rules.max_per_gpu)
 
 
 def plan_physical(
@@ -163,9 +161,9 @@ def plan_physical(
     """
     if kind == JOB or not rules.spread or not burstable(request, limit):
         return logical
-    leases = list(leases)
-    chosen = _pick(devices, physical_load(leases), request, len(logical), spread=True,
-                   counts=physical_count(leases), max_per_gpu=rules.max_per_gpu)
+    load, counts = _tally(leases, physical=True)
+    chosen = _pick(devices, load, request, len(logical), spread=True, counts=counts,
+                   max_per_gpu=rules.max_per_gpu)
     return chosen if chosen is not None else logical
 
 
@@ -212,16 +210,7 @@ def _cheapest_subset(candidates: Sequence[Placement], need: int,
     if sum(c.request for c in candidates) < need or len(candidates) < need_count:
         return None
     if len(candidates) <= _EXACT_LIMIT:
-        best: tuple[int, int, tuple[str, ...]] | None = None
-        best_set: list[Placement] = []
-        for size in range(max(1, need_count), len(candidates) + 1):
-            for combo in itertools.combinations(candidates, size):
-                if sum(c.request for c in combo) < need:
-                    continue
-                key = (sum(c.usage for c in combo), size, tuple(sorted(c.id for c in combo)))
-                if best is None or key < best:
-                    best, best_set = key, list(combo)
-        return best_set
+        return _exact_subset(candidates, need, max(1, need_count))
     # Greedy: least memory moved per byte freed.
     chosen: list[Placement] = []
     freed = 0
@@ -231,6 +220,69 @@ def _cheapest_subset(candidates: Sequence[Placement], need: int,
         if freed >= need and len(chosen) >= need_count:
             return chosen
     return None
+
+
+def _exact_subset(candidates: Sequence[Placement], need: int, least: int) -> list[Placement]:
+    """Of the subsets of ``candidates`` (unique ids, usage >= 0) with requests of at least
+    ``need`` and at least ``least`` members, the first by (usage, size, sorted ids), in the
+    candidates' order; found by branch and bound.
+
+    Each candidate costs one integer that orders subsets as that key does: its usage weighs
+    most, then one unit per member, less a bit that is the higher the smaller its id (of two
+    sets of one size and usage, the smaller sorted ids are the ones holding the smallest id of
+    those in only one). Costs are positive and no two subsets cost the same, so a cover is
+    never extended, and a branch goes only while its bound is below the best cover's cost.
+    """
+    n = len(candidates)
+    rank = {c.id: r for r, c in enumerate(sorted(candidates, key=lambda c: c.id))}
+    unit = 1 << n  # one member more outweighs any sum of id bits
+    per_byte = (n + 1) * unit  # one byte more outweighs any count and bits
+    costs = [c.usage * per_byte + unit - (1 << (n - 1 - rank[c.id])) for c in candidates]
+    # Cheapest per byte freed first: good covers come early, and any tail of this order gives
+    # the fractional bound in one pass.
+    order = sorted(range(n), key=lambda i: (candidates[i].request <= 0, Fraction(
+        costs[i], candidates[i].request) if candidates[i].request > 0 else 0))
+    cost = [costs[i] for i in order]
+    freed = [candidates[i].request for i in order]
+    tail_freed = [sum(freed[k:]) for k in range(n + 1)]
+    # From each position on: what the largest 1, 2, ... requests free, and what the cheapest
+    # 1, 2, ... members cost.
+    reach = [list(accumulate(sorted(freed[k:], reverse=True))) for k in range(n + 1)]
+    cheapest = [[0, *accumulate(sorted(cost[k:]))] for k in range(n + 1)]
+    best_cost = -1
+    best_mask = 0
+
+    def bound(k: int, short: int, members: int) -> int:
+        """Least cost still to add from position k on, to free ``short`` more bytes and add
+        ``members`` more members: the fractional knapsack (rounded up), or the cheapest of as
+        many members as it takes, whichever says more."""
+        fractional = 0
+        fewest = 0
+        if short > 0:
+            fewest = bisect_left(reach[k], short) + 1
+            for j in range(k, n):
+                if freed[j] >= short:
+                    fractional += -(-cost[j] * short // freed[j])
+                    break
+                fractional += cost[j]
+                short -= freed[j]
+        return max(fractional, cheapest[k][max(fewest, members)])
+
+    def search(k: int, spent: int, got: int, size: int, mask: int) -> None:
+        nonlocal best_cost, best_mask
+        if got >= need and size >= least:
+            if best_cost < 0 or spent < best_cost:
+                best_cost, best_mask = spent, mask
+            return
+        if k == n or got + tail_freed[k] < need or size + n - k < least:
+            return
+        if best_cost >= 0 and spent + bound(k, need - got, least - size) >= best_cost:
+            return
+        search(k + 1, spent + cost[k], got + freed[k], size + 1, mask | 1 << order[k])
+        search(k + 1, spent, got, size, mask)
+
+    search(0, 0, 0, 0, 0)
+    return [c for i, c in enumerate(candidates) if best_mask >> i & 1]
 
 
 def plan_compaction(
@@ -245,11 +297,13 @@ def plan_compaction(
     already fits, None when no set of moves makes it fit. The result is irredundant: dropping
     any single move leaves some GPU full past its bounds.
     """
-    leases = sorted(leases, key=lambda p: p.id)
-    base = _Load(physical_load(leases), physical_count(leases))
+    base = _Load(*_tally(leases, physical=True))
     for uuid, extra in incoming.items():
         base.bytes[uuid] = base.bytes.get(uuid, 0) + extra
         base.count[uuid] = base.count.get(uuid, 0) + 1
+    if not base.overloaded(devices, rules.max_per_gpu):
+        return []  # the common case, answered before any sorting
+    leases = sorted(leases, key=lambda p: p.id)
     load = base.copy()
     movable = {
         p.id: p for p in leases if p.kind == NOTEBOOK and set(p.physical) != set(p.logical)

@@ -3,35 +3,71 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 from dataclasses import dataclass
 
-import psutil
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
 class ProcessIdentity:
-    """Who owns a process, and when it started (clock ticks since boot), to tell pid reuse."""
+    """Who owns a process, and when it started (clock ticks since boot), to tell pid reuse;
+    and its parent when it was read (0: none)."""
 
     pid: int
     uid: int
     start_time: int
+    ppid: int = 0
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """The state letter and start time (clock ticks since boot) from /proc/<pid>/stat.
+@dataclass(frozen=True)
+class Stat:
+    """What /proc/<pid>/stat says of a process: its state letter, parent, start time and
+    user plus system time (clock ticks), and resident memory (bytes)."""
+
+    state: str
+    ppid: int
+    start_time: int
+    cpu_ticks: int
+    rss: int
+
+
+def stat(pid: int) -> Stat | None:
+    """One read of /proc/<pid>/stat, or None when there is no such process.
 
     Read by hand: psutil gives the start only as wall-clock time (boot time plus ticks), which
-    a clock step moves, while the ledger compares it across agent restarts.
+    a clock step moves, while the ledger compares it across agent restarts; and one read
+    answers what psutil reads three files for.
     """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:  # it exited between the open and the read
+        return None
+    finally:
+        os.close(fd)
     # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return fields[0].decode("ascii", "replace"), int(fields[19])
+    # Split no further than the resident size, the last field wanted.
+    fields = raw[raw.rfind(b")") + 2 :].split(None, 22)
+    if len(fields) < 22:
+        return None
+    return Stat(fields[0].decode("ascii", "replace"), int(fields[1]), int(fields[19]),
+                int(fields[11]) + int(fields[12]), int(fields[21]) * PAGE_SIZE)
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def identify(pid: int) -> ProcessIdentity | None:
@@ -40,34 +76,19 @@ def identify(pid: int) -> ProcessIdentity | None:
         return None
     # The start time first, then the owner: a pid reused in between pairs the new owner
     # with the old start time, which matches no live process, never the reverse.
-    stat = _stat(pid)
-    if stat is None or stat[0] == "Z":  # a zombie holds no memory and cannot be signalled usefully
+    st = stat(pid)
+    if st is None or st.state == "Z":  # a zombie holds no memory and cannot be signalled usefully
         return None
-    try:
-        uid = psutil.Process(pid).uids().real
-    except psutil.Error:
-        return None
-    return ProcessIdentity(pid, uid, stat[1])
-
-
-def ancestors(pid: int, depth: int = 64) -> list[int]:
-    """The process's parent, grandparent and so on up to init (nearest first)."""
-    found: list[int] = []
-    while len(found) < depth:
-        try:
-            pid = psutil.Process(pid).ppid()
-        except psutil.Error:
-            break
-        if pid <= 1:
-            break
-        found.append(pid)
-    return found
+    uid = _real_uid(pid)
+    return None if uid is None else ProcessIdentity(pid, uid, st.start_time, st.ppid)
 
 
 def is_alive(pid: int, start_time: int) -> bool:
     """The same process (not a reused pid) still runs."""
-    ident = identify(pid)
-    return ident is not None and ident.start_time == start_time
+    if pid <= 0:
+        return False
+    st = stat(pid)
+    return st is not None and st.state != "Z" and st.start_time == start_time
 
 
 def kill(pid: int, start_time: int) -> bool:
@@ -88,4 +109,76 @@ def kill(pid: int, start_time: int) -> bool:
     except ProcessLookupError:
         return False
     finally:
+        os.close(fd)
+
+
+class ProcessWatch:
+    """The processes the agent's polls look at, remembered from one poll to the next.
+
+    Each one's identity is read from /proc once, when first asked for, and a pidfd is kept on
+    it: one poll(2) per :meth:`sweep` then says which of them exited, however many there are,
+    with no file read per process. A pidfd never follows a reused pid, so what is remembered
+    is always the process that has the pid now.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[ProcessIdentity, int]] = {}  # pid -> (identity, pidfd)
+        self._by_fd: dict[int, int] = {}
+        self._poller = select.poll()
+        self._asked: set[int] = set()
+
+    def sweep(self) -> None:
+        """Forget the processes that exited, those whose parent exited (they have a new one),
+        and those not asked for since the last sweep (nobody needs them any more)."""
+        exited = {self._by_fd[fd] for fd, _ in self._poller.poll(0)}
+        orphaned = {pid for pid, (ident, _) in self._known.items() if ident.ppid in exited}
+        for pid in exited | orphaned | (self._known.keys() - self._asked):
+            self._forget(pid)
+        self._asked = set()
+
+    def identify(self, pid: int) -> ProcessIdentity | None:
+        """As :func:`identify`, read once while the process lives."""
+        self._asked.add(pid)
+        known = self._known.get(pid)
+        if known is not None:
+            return known[0]
+        if pid <= 0:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone, or no descriptor to spare: answer, remember nothing
+            return identify(pid)
+        # Pinned first, read second: if the pid changed hands in between, the pidfd reports
+        # an exit and the next sweep reads it again.
+        ident = identify(pid)
+        if ident is None:
+            os.close(fd)
+            return None
+        self._known[pid] = (ident, fd)
+        self._by_fd[fd] = pid
+        self._poller.register(fd, select.POLLIN)
+        return ident
+
+    def is_alive(self, pid: int, start_time: int) -> bool:
+        """As :func:`is_alive`, from what the last sweep knew."""
+        ident = self.identify(pid)
+        return ident is not None and ident.start_time == start_time
+
+    def ancestors(self, pid: int, depth: int = 64) -> list[int]:
+        """The process's parent, grandparent and so on up to init (nearest first)."""
+        found: list[int] = []
+        ident = self.identify(pid)
+        while ident is not None and ident.ppid > 1 and len(found) < depth:
+            found.append(ident.ppid)
+            ident = self.identify(ident.ppid)
+        return found
+
+    def close(self) -> None:
+        for pid in list(self._known):
+            self._forget(pid)
+
+    def _forget(self, pid: int) -> None:
+        _, fd = self._known.pop(pid)
+        del self._by_fd[fd]
+        self._poller.unregister(fd)
         os.close(fd)

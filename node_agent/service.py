@@ -13,7 +13,7 @@ from typing import Any
 
 from node_agent import policy, procs
 from node_agent.caps import mps_running
-from node_agent.devices import DeviceError, GpuBackend, GpuInfo
+from node_agent.devices import DeviceError, GpuBackend, GpuInfo, Sweep
 from node_agent.ledger import Directive, Lease, Ledger
 from node_agent.quantities import (
     MiB,
@@ -33,6 +33,11 @@ ACTIONS = ("migrate", "shrink", "killed")
 NOTICES = ("resized", "bursting")
 # A lease said to burst is not said to again for this long (seconds).
 BURSTING_QUIET_S = 60.0
+# After this many polls in a row that saw nothing change, the interval doubles, up to
+# POLL_STRETCH times --poll-interval. Measuring is all an idle agent does; but an owner
+# growing into loaned memory is seen only by measuring, so the stretch stays short.
+QUIET_TICKS = 3
+POLL_STRETCH = 4
 
 
 def _ordinal(n: int) -> str:
@@ -116,15 +121,6 @@ class AgentConfig:
 CONTEXT_ESTIMATE = 500 * 2**20
 
 
-@dataclass
-class Measurement:
-    gpus: list[GpuInfo]
-    # uuid -> pid -> bytes (None: the driver would not say); uuid absent: no process list.
-    processes: dict[str, dict[int, int | None]]
-    # uuid -> pid -> SM utilization in percent; uuid absent: the driver does not sample.
-    utilization: dict[str, dict[int, int]]
-
-
 @dataclass(frozen=True)
 class CreateLease:
     """A new lease as asked for; ``limit`` is the request's when none was named."""
@@ -184,6 +180,17 @@ class Agent:
         # Moves, shrinks and kills by cause, and move durations, for /metrics.
         self.stats = AgentStats()
         self.tick_seconds = 0.0
+        # The processes polls look at, each read once while it lives.
+        self._procs = procs.ProcessWatch()
+        # Polling: the last sweep, the quiet ticks since the last change, the stretch of the
+        # interval, when the last tick ended (monotonic) and the time it judged deadlines by;
+        # set by a call that changes something, to end a stretched wait.
+        self._swept: Sweep | None = None
+        self._quiet = 0
+        self._stretch = 1
+        self._ticked = 0.0
+        self._judged = 0.0
+        self._woken = asyncio.Event()
 
     # --- life cycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -200,50 +207,86 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._procs.close()
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.sleep(self.config.poll_interval)
+            await self._until_due()
             try:
                 await self.tick()
             except Exception:
                 log.exception("poll failed; will try again in %.1fs", self.config.poll_interval)
 
-    # --- measuring -------------------------------------------------------------------
-    def _measure(self) -> Measurement:
-        """All blocking backend calls of one tick, run in a worker thread."""
-        gpus = self.backend.gpus()
-        processes: dict[str, dict[int, int | None]] = {}
-        utilization: dict[str, dict[int, int]] = {}
-        for gpu in gpus:
-            if not gpu.healthy:
-                continue
-            try:
-                processes[gpu.uuid] = {p.pid: p.used for p in self.backend.processes(gpu.uuid)}
-            except DeviceError as exc:
-                log.debug("no process list for %s: %s", gpu.uuid, exc)
-            try:
-                utilization[gpu.uuid] = self.backend.process_utilization(gpu.uuid)
-            except DeviceError as exc:
-                log.debug("no process utilization for %s: %s", gpu.uuid, exc)
-        return Measurement(gpus, processes, utilization)
+    def _wake(self) -> None:
+        """A call changes a lease or what is known of it: poll at the configured interval
+        again, from now on. Reads do not: every Jupyter server checks on the agent each
+        second, and followers long-poll, so they would keep the interval from ever growing."""
+        self._quiet, self._stretch = 0, 1
+        self._woken.set()
 
+    async def _until_due(self) -> None:
+        """Sleeps until the next tick: ``_stretch`` intervals after the last one (one, once a
+        call wakes it), or at the next deadline if that is sooner, so a grace ends when it
+        says, however stretched the interval."""
+        while True:
+            self._woken.clear()
+            now = time.monotonic()
+            due = self._ticked + self.config.poll_interval * self._stretch
+            deadline = self._next_deadline()
+            if deadline is not None:
+                due = min(due, now + deadline - time.time())
+            if due <= now:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), due - now)
+
+    def _next_deadline(self) -> float | None:
+        """The earliest deadline (wall clock) the last tick did not yet see pass."""
+        return min((at for lease in self.ledger.leases.values()
+                    for at in (lease.deadline, lease.orphan_deadline, lease.restore_until)
+                    if at is not None and at > self._judged), default=None)
+
+    def _state(self) -> tuple[object, ...]:
+        """What a tick may change: the ledger replaces a lease it changes (one it does not is
+        the same object, compared at no cost), and a directive replaces ``_directive_added``."""
+        return (*self.ledger.leases.values(), self._directive_added,
+                *self._reported.items())
+
+    # --- measuring -------------------------------------------------------------------
     async def tick(self) -> None:
         """One poll: measure, forget dead processes, release orphans, reclaim, enforce deadlines."""
         started = time.perf_counter()
+        before = self._state()
         loop = asyncio.get_running_loop()
-        m = await loop.run_in_executor(None, self._measure)
-        self.gpus = [replace(g, context_size=self._context(g)) for g in m.gpus]
-        now = time.time()
-        self._update_usage(m)
-        self._forget_dead(now)
-        self._enforce_deadlines(now)
-        self._reclaim(now)
-        self._activate_pending()
+        try:
+            # All blocking backend calls of one tick, in one sweep, in a worker thread.
+            m = await loop.run_in_executor(None, self.backend.sweep)
+            self.gpus = [replace(g, context_size=self._context(g)) for g in m.gpus]
+            now = time.time()
+            self._procs.sweep()
+            self._update_usage(m)
+            self._forget_dead(now)
+            self._enforce_deadlines(now)
+            self._reclaim(now)
+            self._activate_pending()
+            self._judged = now
+            self._settle(m, before)
+        finally:
+            self._ticked = time.monotonic()
         self.counters["ticks"] += 1
         self.tick_seconds = time.perf_counter() - started
 
-    def _members(self, m: Measurement) -> dict[str, dict[str, list[int]]]:
+    def _settle(self, m: Sweep, before: tuple[object, ...]) -> None:
+        """Count the tick quiet (the interval stretches) unless it measured or did anything new."""
+        if m != self._swept or self._state() != before:
+            self._quiet, self._stretch = 0, 1
+        else:
+            self._quiet += 1
+            if self._quiet >= QUIET_TICKS:
+                self._stretch = min(POLL_STRETCH, self._stretch * 2)
+        self._swept = m
+
+    def _members(self, m: Sweep) -> dict[str, dict[str, list[int]]]:
         """lease id -> GPU -> the processes using it there: the registered ones, and those
         they started (a DataLoader worker, a subprocess), which use the same share."""
         owner = {pid: lease.id for lease in self.ledger.leases.values() for pid, _ in lease.pids}
@@ -251,12 +294,12 @@ class Agent:
         for uuid, listed in m.processes.items():
             for pid in listed:
                 lease_id = owner.get(pid) or next(
-                    (owner[p] for p in procs.ancestors(pid) if p in owner), None)
+                    (owner[p] for p in self._procs.ancestors(pid) if p in owner), None)
                 if lease_id is not None:
                     members.setdefault(lease_id, {}).setdefault(uuid, []).append(pid)
         return members
 
-    def _update_usage(self, m: Measurement) -> None:
+    def _update_usage(self, m: Sweep) -> None:
         now = time.monotonic()
         self._children = {}
         members = self._members(m)
@@ -264,23 +307,25 @@ class Agent:
             usage = 0
             seen = False
             compute: int | None = None
+            found = members.get(lease.id, {})
             registered = {pid for pid, _ in lease.pids}
-            started = {p for pids in members.get(lease.id, {}).values() for p in pids} - registered
+            started = {p for pids in found.values() for p in pids} - registered
             # Pinned by start time when seen: a kill later never hits a reused pid.
             self._children[lease.id] = [
                 (ident.pid, ident.start_time) for pid in sorted(started)
-                if (ident := procs.identify(pid)) is not None and ident.uid == lease.owner_uid]
+                if (ident := self._procs.identify(pid)) is not None
+                and ident.uid == lease.owner_uid]
             for uuid in lease.physical:
                 listed = m.processes.get(uuid)
                 if listed is None:
                     continue
-                held = [listed[pid] for pid in members.get(lease.id, {}).get(uuid, [])]
+                mine = found.get(uuid, [])
+                held = [listed[pid] for pid in mine]
                 if held and all(h is not None for h in held):
                     seen = True
                     usage = max(usage, sum(h or 0 for h in held))
                 sampled = m.utilization.get(uuid)
                 if sampled is not None:
-                    mine = members.get(lease.id, {}).get(uuid, [])
                     busy = min(100, sum(sampled.get(pid, 0) for pid in mine))
                     compute = busy if compute is None else max(compute, busy)
             if not seen and lease.id in self._reported:
@@ -300,7 +345,8 @@ class Agent:
 
     def _forget_dead(self, now: float) -> None:
         for lease in list(self.ledger.leases.values()):
-            alive = tuple((pid, start) for pid, start in lease.pids if procs.is_alive(pid, start))
+            alive = tuple((pid, start) for pid, start in lease.pids
+                          if self._procs.is_alive(pid, start))
             if alive != lease.pids:
                 lease = self.ledger.set_pids(lease.id, alive)
             if alive:
@@ -393,6 +439,7 @@ class Agent:
 
     # --- leases ----------------------------------------------------------------------
     def create_lease(self, caller: Caller, ask: CreateLease) -> Lease:
+        self._wake()
         held = sum(1 for lease in self.ledger.leases.values() if lease.owner_uid == caller.uid)
         if not caller.admin and held >= self.config.max_leases_per_user:
             raise OverQuota(None, f"you hold {held} leases, the most one user may hold on "
@@ -501,6 +548,7 @@ class Agent:
             self.stats.move_started(lease.id, "compaction")
 
     def resize(self, caller: Caller, lease_id: str, change: Resize) -> Lease:
+        self._wake()
         lease = self.lease(caller, lease_id)
         if lease.state not in ("active", "shrinking"):
             raise Conflict("lease", f"lease is {lease.state}; change it once it is active")
@@ -556,6 +604,7 @@ class Agent:
         return lease
 
     def release(self, caller: Caller, lease_id: str) -> None:
+        self._wake()
         self._release(self.lease(caller, lease_id))
 
     def _release(self, lease: Lease) -> None:
@@ -566,6 +615,7 @@ class Agent:
         self._activate_pending()
 
     def register_pid(self, caller: Caller, lease_id: str, pid: int) -> Lease:
+        self._wake()
         lease = self.lease(caller, lease_id)
         ident = procs.identify(pid)
         if ident is None:
@@ -602,9 +652,11 @@ class Agent:
 
     def report_usage(self, caller: Caller, lease_id: str, used: int) -> None:
         """What a client says its processes hold, where the backend cannot see them."""
+        self._wake()
         self._reported[self.lease(caller, lease_id).id] = used
 
     def migrated(self, caller: Caller, lease_id: str) -> Lease:
+        self._wake()
         lease = self.lease(caller, lease_id)
         if lease.state != "migrating":
             raise Conflict("lease", f"lease is {lease.state}, not migrating")
@@ -763,6 +815,8 @@ class Agent:
     def _activate_pending(self) -> None:
         leases = self.ledger.leases
         pending = {lease.id for lease in leases.values() if lease.state == "pending"}
+        if not pending:  # as nearly every tick finds: no placement to build
+            return
         placements = [lease.placement() for lease in leases.values()]
         for lease_id in policy.plan_activation(self.devices(), placements, pending,
                                                self.config.rules):

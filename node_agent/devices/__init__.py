@@ -11,6 +11,7 @@ from node_agent.devices.base import (
     NoPermission,
     NotSupported,
     ProcessMemory,
+    Sweep,
 )
 from node_agent.devices.nvml import NvmlBackend
 from node_agent.devices.simulated import SimulatedBackend
@@ -26,6 +27,7 @@ __all__ = [
     "NvmlBackend",
     "ProcessMemory",
     "SimulatedBackend",
+    "Sweep",
     "open_backend",
 ]
 

@@ -61,6 +61,17 @@ class ProcessMemory:
     used: int | None
 
 
+@dataclass(frozen=True)
+class Sweep:
+    """What one poll needs of the node, read in one pass."""
+
+    gpus: list[GpuInfo]
+    # uuid -> pid -> bytes (None: the driver would not say); uuid absent: no process list.
+    processes: dict[str, dict[int, int | None]]
+    # uuid -> pid -> SM utilization in percent; uuid absent: the driver does not sample.
+    utilization: dict[str, dict[int, int]]
+
+
 @runtime_checkable
 class GpuBackend(Protocol):
     """What the agent needs to know about the node's GPUs.
@@ -82,6 +93,11 @@ class GpuBackend(Protocol):
     def process_utilization(self, uuid: str) -> dict[int, int]:
         """SM utilization (0-100) of each process sampled on ``uuid`` since the last call;
         processes not sampled are absent. Raises NotSupported where the driver does not say."""
+        ...
+
+    def sweep(self) -> Sweep:
+        """The GPUs, and the processes and utilization of each healthy one that reports them:
+        every figure of one poll, each read once. Never raises for one GPU's trouble."""
         ...
 
     def track(self, pid: int, uuid: str) -> None:

@@ -20,6 +20,7 @@ from node_agent.devices.base import (
     NoPermission,
     NotSupported,
     ProcessMemory,
+    Sweep,
 )
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,23 @@ class NvmlBackend:
             if latest:
                 self._sampled[uuid] = max(stamp for stamp, _ in latest.values())
             return {pid: util for pid, (_, util) in latest.items()}
+
+    def sweep(self) -> Sweep:
+        gpus = self.gpus()
+        processes: dict[str, dict[int, int | None]] = {}
+        utilization: dict[str, dict[int, int]] = {}
+        for gpu in gpus:
+            if not gpu.healthy:
+                continue
+            try:
+                processes[gpu.uuid] = {p.pid: p.used for p in self.processes(gpu.uuid)}
+            except DeviceError as exc:
+                log.debug("no process list for %s: %s", gpu.uuid, exc)
+            try:
+                utilization[gpu.uuid] = self.process_utilization(gpu.uuid)
+            except DeviceError as exc:
+                log.debug("no process utilization for %s: %s", gpu.uuid, exc)
+        return Sweep(gpus, processes, utilization)
 
     def track(self, pid: int, uuid: str) -> None:
         """NVML sees processes by itself."""

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
+import time
 import uuid as uuidlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import psutil
-
-from node_agent.devices.base import GpuInfo, GpuLost, NotSupported, ProcessMemory
+from node_agent import procs
+from node_agent.devices.base import GpuInfo, GpuLost, NotSupported, ProcessMemory, Sweep
 from node_agent.quantities import GiB, QuantityError, parse_quantity
 
 MiB = 2**20
@@ -89,11 +90,13 @@ def simulated_uuid(index: int) -> str:
 @dataclass
 class _Tracked:
     uuid: str
+    start: int  # its start time: a pid that names another process is no longer it
     baseline: int
-    process: psutil.Process
     context: int
     # As on a GPU, a process has a context (and is listed) from its first use of the device on.
     using: bool = False
+    # CPU time (clock ticks) and when it was read, for the next utilization.
+    cpu: tuple[int, float] | None = None
 
 
 @dataclass
@@ -104,6 +107,7 @@ class _Gpu:
 
 # Growth above the baseline that counts as a tracked process's first use of its GPU.
 FIRST_USE = 2**20
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class SimulatedBackend:
@@ -113,6 +117,7 @@ class SimulatedBackend:
 
     The baseline is the process's resident memory when it was placed, so allocations a
     test makes in a real process (torch tensors, bytearrays) show up as device memory.
+    Each call reads each tracked process once, from /proc/<pid>/stat.
     """
 
     name = "simulated"
@@ -128,26 +133,16 @@ class SimulatedBackend:
             self._gpus[uuid] = _Gpu(GpuInfo(uuid, index, board.name, board.total, 0, free,
                                             board.reserved, context_size=board.context))
         self._tracked: dict[int, _Tracked] = {}
+        # Every process of the node as last listed: pid -> (start time, parent). Kept while
+        # something is tracked, to find what tracked processes start.
+        self._table: dict[int, tuple[int, int]] = {}
+        # Something was tracked since the last look for children: it may have some already.
+        self._rescan = False
 
     def gpus(self) -> list[GpuInfo]:
         with self._lock:
-            out = []
-            for uuid, gpu in self._gpus.items():
-                if gpu.fault == "lost":
-                    out.append(_unhealthy(gpu.info, "GPU is lost (simulated fault)"))
-                    continue
-                # As NVML's v2 memory info: total = reserved + used + free.
-                usable = gpu.info.memory_total - gpu.info.memory_reserved
-                used = min(usable, self._used_locked(uuid))
-                out.append(
-                    GpuInfo(
-                        uuid, gpu.info.index, gpu.info.name, gpu.info.memory_total,
-                        used, usable - used, gpu.info.memory_reserved,
-                        utilization=None if gpu.fault == "not_supported" else 0,
-                        context_size=gpu.info.context_size,
-                    )
-                )
-            return out
+            held = self._held_locked()
+            return [self._info_locked(uuid, held) for uuid in self._gpus]
 
     def processes(self, uuid: str) -> list[ProcessMemory]:
         with self._lock:
@@ -158,13 +153,8 @@ class SimulatedBackend:
                 raise GpuLost(f"GPU {uuid} is lost (simulated fault)")
             if gpu.fault == "not_supported":
                 raise NotSupported(f"GPU {uuid} does not report processes (simulated fault)")
-            self._adopt_children(uuid)
-            listed = []
-            for pid, tracked in sorted(self._tracked.items()):
-                held = self._held(pid) if tracked.uuid == uuid else None
-                if held is not None:
-                    listed.append(ProcessMemory(pid, held))
-            return listed
+            listed = self._listed_locked(uuid, self._held_locked())
+            return [ProcessMemory(pid, used) for pid, used in listed.items()]
 
     def process_utilization(self, uuid: str) -> dict[int, int]:
         """A process's CPU use since the last call stands in for its SM utilization: busy
@@ -175,51 +165,38 @@ class SimulatedBackend:
                 raise GpuLost(f"no GPU {uuid} on this simulated node")
             if gpu.fault == "not_supported":
                 raise NotSupported(f"GPU {uuid} does not sample processes (simulated fault)")
-            out = {}
-            for pid, tracked in list(self._tracked.items()):
-                if tracked.uuid != uuid or not tracked.using:
-                    continue
-                try:
-                    out[pid] = min(100, round(tracked.process.cpu_percent(None)))
-                except psutil.Error:
-                    continue
-            return out
+            return self._busy_locked(uuid, self._read_locked(), time.monotonic())
+
+    def sweep(self) -> Sweep:
+        with self._lock:
+            readings = self._read_locked()
+            held = self._held_locked(readings)
+            now = time.monotonic()
+            gpus: list[GpuInfo] = []
+            processes: dict[str, dict[int, int | None]] = {}
+            utilization: dict[str, dict[int, int]] = {}
+            for uuid, gpu in self._gpus.items():
+                gpus.append(self._info_locked(uuid, held))
+                if gpu.fault is None:
+                    processes[uuid] = self._listed_locked(uuid, held)
+                    utilization[uuid] = self._busy_locked(uuid, readings, now)
+            return Sweep(gpus, processes, utilization)
 
     def track(self, pid: int, uuid: str) -> None:
         with self._lock:
             if uuid not in self._gpus:
                 raise GpuLost(f"no GPU {uuid} on this simulated node")
-            try:
-                process = psutil.Process(pid)
-                baseline = process.memory_info().rss
-            except psutil.Error:
+            st = procs.stat(pid)
+            if st is None or st.state == "Z":
                 return
-            self._tracked[pid] = _Tracked(uuid, baseline, process,
+            self._tracked[pid] = _Tracked(uuid, st.start_time, st.rss,
                                           self._gpus[uuid].info.context_size)
-
-    def _adopt_children(self, uuid: str) -> None:
-        """Processes a tracked one started see its GPU too (they inherit CUDA_VISIBLE_DEVICES):
-        from when they are first seen, they pay a context and what they hold, as on a GPU."""
-        for tracked in list(self._tracked.values()):
-            if tracked.uuid != uuid:
-                continue
-            try:
-                children = tracked.process.children(recursive=True)
-            except psutil.Error:
-                continue
-            for child in children:
-                if child.pid in self._tracked:
-                    continue
-                try:
-                    baseline = child.memory_info().rss
-                except psutil.Error:
-                    continue
-                self._tracked[child.pid] = _Tracked(uuid, baseline, child,
-                                                    self._gpus[uuid].info.context_size)
+            self._rescan = True
 
     def close(self) -> None:
         with self._lock:
             self._tracked.clear()
+            self._table.clear()
 
     # Scripted faults, for tests and demos.
     def set_fault(self, uuid: str, fault: str | None) -> None:
@@ -228,25 +205,111 @@ class SimulatedBackend:
         with self._lock:
             self._gpus[uuid].fault = fault
 
-    def _held(self, pid: int) -> int | None:
-        tracked = self._tracked.get(pid)
-        if tracked is None:
-            return None
-        try:
-            if not tracked.process.is_running():
-                raise psutil.NoSuchProcess(pid)
-            held = max(0, tracked.process.memory_info().rss - tracked.baseline)
-        except psutil.Error:
-            del self._tracked[pid]
-            return None
-        # What an interpreter's resident memory drifts by is not a use of the device.
-        tracked.using = tracked.using or held >= FIRST_USE
-        return tracked.context + held if tracked.using else None
+    # --- one pass over the tracked processes ----------------------------------------
+    def _read_locked(self) -> dict[int, procs.Stat]:
+        """Adopts new children, then reads each tracked process once; one that exited (or
+        whose pid now names another process) is no longer tracked."""
+        fresh = self._adopt_children()
+        readings: dict[int, procs.Stat] = {}
+        for pid, tracked in list(self._tracked.items()):
+            st = fresh.get(pid) or procs.stat(pid)
+            if st is None or st.state == "Z" or st.start_time != tracked.start:
+                del self._tracked[pid]
+            else:
+                readings[pid] = st
+        return readings
 
-    def _used_locked(self, uuid: str) -> int:
-        return sum(
-            self._held(pid) or 0 for pid, t in list(self._tracked.items()) if t.uuid == uuid
+    def _held_locked(self, readings: dict[int, procs.Stat] | None = None) -> dict[int, int | None]:
+        """Device memory of each tracked process: None until its first use of the device."""
+        if readings is None:
+            readings = self._read_locked()
+        held: dict[int, int | None] = {}
+        for pid, st in readings.items():
+            tracked = self._tracked[pid]
+            above = max(0, st.rss - tracked.baseline)
+            # What an interpreter's resident memory drifts by is not a use of the device.
+            tracked.using = tracked.using or above >= FIRST_USE
+            held[pid] = tracked.context + above if tracked.using else None
+        return held
+
+    def _info_locked(self, uuid: str, held: dict[int, int | None]) -> GpuInfo:
+        gpu = self._gpus[uuid]
+        if gpu.fault == "lost":
+            return _unhealthy(gpu.info, "GPU is lost (simulated fault)")
+        # As NVML's v2 memory info: total = reserved + used + free.
+        usable = gpu.info.memory_total - gpu.info.memory_reserved
+        used = min(usable, sum(h or 0 for pid, h in held.items()
+                               if self._tracked[pid].uuid == uuid))
+        return GpuInfo(
+            uuid, gpu.info.index, gpu.info.name, gpu.info.memory_total, used, usable - used,
+            gpu.info.memory_reserved, utilization=None if gpu.fault == "not_supported" else 0,
+            context_size=gpu.info.context_size,
         )
+
+    def _listed_locked(self, uuid: str, held: dict[int, int | None]) -> dict[int, int | None]:
+        return {pid: h for pid, h in sorted(held.items())
+                if h is not None and self._tracked[pid].uuid == uuid}
+
+    def _busy_locked(self, uuid: str, readings: dict[int, procs.Stat],
+                     now: float) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for pid, st in readings.items():
+            tracked = self._tracked[pid]
+            if tracked.uuid != uuid or not tracked.using:
+                continue
+            busy = 0.0
+            if tracked.cpu is not None and now > tracked.cpu[1]:
+                busy = (st.cpu_ticks - tracked.cpu[0]) / CLOCK_TICKS / (now - tracked.cpu[1])
+            tracked.cpu = (st.cpu_ticks, now)
+            out[pid] = min(100, round(busy * 100))
+        return out
+
+    def _adopt_children(self) -> dict[int, procs.Stat]:
+        """Processes a tracked one started see its GPU too (they inherit CUDA_VISIBLE_DEVICES):
+        from when they are first seen, they pay a context and what they hold, as on a GPU.
+
+        One listing of /proc; only processes not in the last one are read (and returned, read
+        once a sweep). A process is taken as started by a tracked one only through parents
+        that started before it: a parent's pid reused since names a newer process.
+        """
+        if not self._tracked:
+            self._table.clear()
+            return {}
+        listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
+        for pid in self._table.keys() - listed:
+            del self._table[pid]
+        fresh: dict[int, procs.Stat] = {}
+        for pid in listed - self._table.keys():
+            st = procs.stat(pid)
+            if st is not None:
+                fresh[pid] = st
+                self._table[pid] = (st.start_time, st.ppid)
+        candidates = list(self._table) if self._rescan else list(fresh)
+        self._rescan = False
+        for pid in candidates:
+            if pid in self._tracked:
+                continue
+            owner = self._tracked_ancestor(pid)
+            if owner is None:
+                continue
+            st = fresh.get(pid) or procs.stat(pid)
+            if st is not None and st.state != "Z" and st.start_time == self._table[pid][0]:
+                self._tracked[pid] = _Tracked(owner.uuid, st.start_time, st.rss, owner.context)
+        return fresh
+
+    def _tracked_ancestor(self, pid: int) -> _Tracked | None:
+        start, parent = self._table[pid]
+        for _ in range(64):
+            if parent <= 1 or parent not in self._table:
+                return None
+            parent_start, grandparent = self._table[parent]
+            if parent_start > start:
+                return None
+            tracked = self._tracked.get(parent)
+            if tracked is not None and tracked.start == parent_start:
+                return tracked
+            start, parent = parent_start, grandparent
+        return None
 
 
 def _unhealthy(info: GpuInfo, error: str) -> GpuInfo:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pynvml
 import pytest
 
 from harness.agent import wait_for
+from node_agent import procs
 from node_agent.devices import (
     BackendUnavailable,
     GpuBackend,
@@ -131,6 +134,93 @@ def test_conformance_faults(backend: tuple[GpuBackend, SimulatedBackend | None])
         b.processes(quirky)
     sim.set_fault(lost, None)
     assert all(g.healthy for g in b.gpus())
+
+
+def test_conformance_sweep_is_the_calls_in_one_pass(
+    backend: tuple[GpuBackend, SimulatedBackend | None], holders: Callable[..., Holder]
+) -> None:
+    b, sim = backend
+    swept = b.sweep()
+    assert [g.uuid for g in swept.gpus] == [g.uuid for g in b.gpus()]
+    if sim is None:
+        return
+    first, second = (g.uuid for g in swept.gpus)
+    h = holders()
+    b.track(h.pid, second)
+    sim.track(h.pid, second)
+    h.hold(64)
+    swept = b.sweep()
+    used = swept.processes[second][h.pid]
+    assert used is not None and used >= 60 * 2**20
+    assert h.pid not in swept.processes[first]
+    assert set(swept.utilization) <= {first, second}
+    assert swept.gpus[1].memory_used >= 60 * 2**20
+    # A GPU that is lost, or does not list processes, has neither entry.
+    sim.set_fault(first, "lost")
+    sim.set_fault(second, "not_supported")
+    swept = b.sweep()
+    assert not swept.gpus[0].healthy
+    assert swept.processes == {} and swept.utilization == {}
+
+
+def test_a_simulated_sweep_reads_each_tracked_process_once(
+    monkeypatch: pytest.MonkeyPatch, holders: Callable[..., Holder]
+) -> None:
+    sim = SimulatedBackend("2x1GiB")
+    h = holders()
+    sim.track(h.pid, sim.gpus()[0].uuid)
+    reads: list[int] = []
+    stat = procs.stat
+    monkeypatch.setattr(procs, "stat", lambda pid: reads.append(pid) or stat(pid))
+    for _ in range(3):
+        sim.sweep()
+    assert reads.count(h.pid) == 3
+
+
+# Each line on stdin starts a child that, half a second on (it is seen by then), takes
+# 32 MiB and keeps it until its stdin closes.
+SPAWN = (
+    "import subprocess, sys\n"
+    "hold = ('import sys, time; time.sleep(0.5); b = bytearray(32 << 20); '\n"
+    "        'b[::4096] = b\"x\" * len(b[::4096]); sys.stdin.read()')\n"
+    "kids = []\n"
+    "for line in sys.stdin:\n"
+    "    kids.append(subprocess.Popen([sys.executable, '-c', hold], stdin=subprocess.PIPE))\n"
+    "    print(kids[-1].pid, flush=True)\n"
+)
+
+
+def test_a_simulated_gpu_counts_what_a_tracked_process_started() -> None:
+    """Children see their parent's GPU (CUDA_VISIBLE_DEVICES is inherited): those started
+    before the parent was tracked, and those started after."""
+    sim = SimulatedBackend("2x1GiB")
+    uuid = sim.gpus()[1].uuid
+    parent = subprocess.Popen([sys.executable, "-c", SPAWN], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdin is not None and parent.stdout is not None
+
+    def spawn() -> int:
+        assert parent.stdin is not None and parent.stdout is not None
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        return int(parent.stdout.readline())
+
+    def holds(pid: int) -> bool:
+        return (sim.sweep().processes[uuid].get(pid) or 0) >= 30 * 2**20
+
+    try:
+        before = spawn()
+        sim.sweep()  # the node as it was: nothing of the parent is tracked yet
+        sim.track(parent.pid, uuid)
+        sim.sweep()
+        after = spawn()
+        sim.sweep()
+        wait_for(lambda: holds(before) and holds(after), what="both children counted")
+        assert before not in sim.sweep().processes[sim.gpus()[0].uuid]
+    finally:
+        parent.stdin.close()
+        parent.wait()
+        # Its children read their stdin to the end: they exit with it.
 
 
 def test_nvml_is_lazy_and_explains_a_missing_driver() -> None:

@@ -253,6 +253,52 @@ def test_compaction_prefers_less_memory_moved() -> None:
     assert [m.lease_id for m in moves or []] == ["s1"]
 
 
+def _exhaustive_subset(candidates: list[Placement], need: int,
+                      need_count: int) -> list[Placement] | None:
+    """The subset search compaction had before its branch and bound: every combination, the
+    first by (usage, size, sorted ids). The oracle the product's search must agree with."""
+    if sum(c.request for c in candidates) < need or len(candidates) < need_count:
+        return None
+    best: tuple[int, int, tuple[str, ...]] | None = None
+    best_set: list[Placement] = []
+    for size in range(max(1, need_count), len(candidates) + 1):
+        for combo in itertools.combinations(candidates, size):
+            if sum(c.request for c in combo) < need:
+                continue
+            key = (sum(c.usage for c in combo), size, tuple(sorted(c.id for c in combo)))
+            if best is None or key < best:
+                best, best_set = key, list(combo)
+    return best_set
+
+
+# Few distinct values as well as many: ties in usage, size and requests are where an exact
+# search most easily parts from the exhaustive one.
+_amounts = st.one_of(st.integers(0, 3), st.sampled_from([0, GB, 2 * GB, 4 * GB]),
+                     st.integers(0, 80 * GB))
+
+
+@settings(max_examples=400)
+@given(st.lists(st.tuples(_amounts, _amounts), max_size=policy._EXACT_LIMIT), st.data())
+def test_the_exact_subset_search_answers_as_the_exhaustive_one(
+    amounts: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    ids = data.draw(st.permutations([f"l-{i:02d}" for i in range(len(amounts))]))
+    candidates = [Placement(i, NOTEBOOK, request, ("GPU-1",), ("GPU-0",), usage)
+                  for i, (request, usage) in zip(ids, amounts, strict=True)]
+    total = sum(request for request, _ in amounts)
+    need = data.draw(st.one_of(st.integers(-GB, total + 1), st.sampled_from([total, 0, 1])))
+    need_count = data.draw(st.integers(0, len(candidates) + 1))
+    expected = _exhaustive_subset(candidates, need, need_count)
+    assert policy._cheapest_subset(candidates, need, need_count) == expected
+
+
+def test_the_exact_subset_search_breaks_ties_by_size_then_ids() -> None:
+    same = [Placement(i, NOTEBOOK, GB, ("GPU-1",), ("GPU-0",), 0) for i in "dcba"]
+    assert [c.id for c in policy._cheapest_subset(same, 2 * GB) or []] == ["b", "a"]
+    mixed = [*same, Placement("e", NOTEBOOK, 2 * GB, ("GPU-1",), ("GPU-0",), 0)]
+    assert [c.id for c in policy._cheapest_subset(mixed, 2 * GB) or []] == ["e"]
+
+
 @st.composite
 def one_gpu(draw: st.DrawFn) -> tuple[Device, list[Placement], int]:
     total = 16 * GB
