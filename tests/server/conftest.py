@@ -51,6 +51,16 @@ def gpufrac_config(socket: str, **gpufrac: object) -> dict[str, object]:
 
 
 @pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, agent: AgentProcess) -> Path:
+    """Stand-alone provisioner settings: the agent's socket and checkpoints under tmp."""
+    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", agent.socket)
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.delenv("RUNAI_GPU_MEMORY_LIMIT", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
 def missing_socket(tmp_path: Path) -> str:
     """A socket path where nothing answers."""
     return str(tmp_path / "nobody" / "agent.sock")

@@ -93,16 +93,6 @@ def process_view(pid: int) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
-@pytest.fixture
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, agent: AgentProcess) -> Path:
-    """Stand-alone provisioner settings: the agent's socket and checkpoints under tmp."""
-    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", agent.socket)
-    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.delenv("RUNAI_GPU_MEMORY_LIMIT", raising=False)
-    return tmp_path
-
-
 async def test_lease_env_and_arguments_across_restarts(isolated: Path, no_leases: AgentProcess) -> None:
     ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25", "limit": "0.5",
                                                   "gpu-compute-request": "0.4"}})

@@ -297,15 +297,6 @@ def test_default_rule_and_keys() -> None:
 
 
 @pytest.fixture
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, agent: AgentProcess) -> Path:
-    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", agent.socket)
-    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.delenv("RUNAI_GPU_MEMORY_LIMIT", raising=False)
-    return tmp_path
-
-
-@pytest.fixture
 def served_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[SparePool]:
     """Provisioners see a server extension whose pool is this one."""
     pool = SparePool(["email.mime.text"], 2, logging.getLogger("test-spares"), start_delay=0.0,
