@@ -40,6 +40,7 @@ bench: $(BIN)/gpufrac-agent
 	$(BIN)/python bench/agent_bench.py
 	$(BIN)/python bench/checkpoint_bench.py
 	$(BIN)/python bench/migration_bench.py
+	$(BIN)/python bench/oom_bench.py
 	$(BIN)/python bench/load_bench.py --seconds 30 --pace 1
 	$(BIN)/python bench/load_bench.py --seconds 30
 

@@ -165,6 +165,8 @@ class Notebook:
             f"{url}/api/kernels/{kernel_id}/channels?session_id={self.session}",
             header=[f"Authorization: token {server.token}"], timeout=60,
         )
+        # Messages of a cell read ahead by :meth:`printed`, by its message id.
+        self._kept: dict[str, list[dict[str, Any]]] = {}
 
     def send(self, code: str) -> str:
         """Send a cell without waiting for it; returns its message id."""
@@ -178,20 +180,59 @@ class Notebook:
         }))
         return msg_id
 
+    def _next(self, msg_id: str, deadline: float) -> dict[str, Any] | None:
+        """The cell's next message (kept ones first); None once ``deadline`` has passed."""
+        if self._kept.get(msg_id):
+            return self._kept[msg_id].pop(0)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self.ws.settimeout(remaining)
+            # Control frames come back too: a server's pings would otherwise restart the
+            # socket's timeout inside recv() and hold it past the deadline.
+            try:
+                opcode, data = self.ws.recv_data(control_frame=True)
+            except websocket.WebSocketTimeoutException:
+                return None
+            if opcode != websocket.ABNF.OPCODE_TEXT:
+                continue
+            msg: dict[str, Any] = json.loads(data)
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                return msg
+
+    def printed(self, msg_id: str, text: str, timeout: float = 60) -> str:
+        """Wait until a running cell has printed ``text`` (on stdout); returns what it printed.
+        The messages read are kept for :meth:`wait`."""
+        deadline = time.monotonic() + timeout
+        read: list[dict[str, Any]] = []
+        stdout = ""
+        try:
+            while text not in stdout:
+                msg = self._next(msg_id, deadline)
+                if msg is None:
+                    raise AssertionError(f"cell {msg_id} did not print {text!r} in {timeout:g} s;"
+                                         f" it printed {stdout!r}")
+                read.append(msg)
+                if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+                    stdout += msg["content"]["text"]
+        finally:
+            self._kept[msg_id] = read + self._kept.get(msg_id, [])
+        return stdout
+
     def wait(self, msg_id: str, timeout: float = 120) -> Reply:
         """Collect a cell's output until its reply and the kernel's return to idle."""
         deadline = time.monotonic() + timeout
         stdout, error, status, idle = [], "", "", False
         results: list[str] = []
+        seen: list[str] = []  # what came for this cell, named when it never finishes
         while not (status and idle):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"cell {msg_id} did not finish in {timeout:g} s; out: {stdout}")
-            self.ws.settimeout(remaining)
-            msg = json.loads(self.ws.recv())
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                continue
+            msg = self._next(msg_id, deadline)
+            if msg is None:
+                raise AssertionError(f"cell {msg_id} did not finish in {timeout:g} s; "
+                                     f"messages seen: {seen}; out: {stdout}")
             kind, content = msg["msg_type"], msg["content"]
+            seen.append(f"{msg.get('channel')}:{kind}")
             if kind == "stream" and content["name"] == "stdout":
                 stdout.append(content["text"])
             elif kind == "stream":
@@ -206,6 +247,7 @@ class Notebook:
                     error = f"{content.get('ename')}: {content.get('evalue')}"
             elif kind == "status" and content["execution_state"] == "idle":
                 idle = True
+        self._kept.pop(msg_id, None)
         return Reply(status, "".join(stdout), error, results)
 
     def run(self, code: str, timeout: float = 120) -> Reply:

@@ -24,6 +24,9 @@ SIMULATED = "GPUFRAC_SIMULATED"
 CHECKPOINT_DIR = "GPUFRAC_CHECKPOINT_DIR"
 RESTORE = "GPUFRAC_RESTORE"
 RESTART_REASON = "GPUFRAC_RESTART_REASON"
+# "1": the kernel starts parked, its lease holding no GPU; it must not initialise CUDA until
+# its next cell has a GPU again.
+PARKED = "GPUFRAC_PARKED"
 # Where the request and limit came from, JSON {"request": SOURCE, "limit": SOURCE or null}.
 SHARE_SOURCE = "GPUFRAC_SHARE_SOURCE"
 # The file holding the user's remembered %gpu request for this environment (--reset removes it).
@@ -33,7 +36,7 @@ REMEMBERED_REQUEST = "GPUFRAC_REMEMBERED_REQUEST"
 # value from an earlier launch (a restore flag, an old GPU) never leaks into the next one.
 LAUNCH_VARIABLES = (
     LEASE_ID, KERNEL_ID, REQUEST, LIMIT, GPU_UUID, GPU_INDEX, GPU_NAME, GPU_TOTAL, CONTEXT,
-    SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, SHARE_SOURCE, REMEMBERED_REQUEST,
+    SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, PARKED, SHARE_SOURCE, REMEMBERED_REQUEST,
     *FRAMEWORK_CAPS,
 )
 
@@ -44,7 +47,10 @@ KERNEL_EXTENSION = "jupyter_gpufrac.kernel"
 COMM_TARGET = "jupyter_gpufrac"
 ASK_CHECKPOINT = "checkpoint"  # answer: {"ok": true, "checkpoint": {...}} or {"ok": false, "error"}
 ASK_RESTORE_REPORT = "restore-report"  # answer: {"ok": true, "report": {...} or null}
-ASKS = (ASK_CHECKPOINT, ASK_RESTORE_REPORT)
+# Move GPU tensors to host memory, then checkpoint: {"ok": true, "checkpoint": {...},
+# "offloaded_bytes": n} or {"ok": false, "error"} (then nothing was moved).
+ASK_PARK = "park"
+ASKS = (ASK_CHECKPOINT, ASK_RESTORE_REPORT, ASK_PARK)
 # In the server's data folder: the user's last `%gpu request` in one environment (by the
 # server's sys.prefix), the share of their next kernels there: last-request-<key>.json.
 LAST_REQUEST_FILE = "last-request-{environment}.json"
@@ -62,7 +68,9 @@ CAUSE_REQUEST_CHANGED = "request_changed"
 CAUSE_OOM_KILLED = "oom_killed"
 CAUSE_DIED = "died"
 CAUSE_PLACED = "placed"
-RESTART_CAUSES = (CAUSE_MIGRATED, CAUSE_REQUEST_CHANGED, CAUSE_OOM_KILLED, CAUSE_DIED, CAUSE_PLACED)
+CAUSE_PARKED = "parked"
+RESTART_CAUSES = (CAUSE_MIGRATED, CAUSE_REQUEST_CHANGED, CAUSE_OOM_KILLED, CAUSE_DIED, CAUSE_PLACED,
+                  CAUSE_PARKED)
 
 # Kernel GPU events (jupyter_events), server to browser.
 EVENT_SCHEMA_ID = "https://jupyter-gpufrac.github.io/events/kernel/v1"
@@ -79,6 +87,8 @@ EVENT_KINDS = (
     "no_gpu",
     "agent_unreachable",
     "agent_reachable",
+    "parked",
+    "unparked",
 )
 
 # The one lifecycle vocabulary people see: a kernel's state in REST, the widget and the panel.
@@ -93,12 +103,15 @@ KERNEL_STATES = (
     "restore-incomplete",
     "no-gpu",
     "agent-unreachable",
+    "parked",
+    "waiting-for-gpu",
 )
 # Every state but these two says the agent answered about the kernel's lease.
 AGENT_SILENT_STATES = ("no-gpu", "agent-unreachable")
 
 # The agent's ledger states that a kernel shows as they are (the others need events to tell).
-LEASE_STATE_SHOWN = MappingProxyType({"shrinking": "shrinking", "killed": "oom-killed"})
+LEASE_STATE_SHOWN = MappingProxyType({"shrinking": "shrinking", "killed": "oom-killed",
+                                      "parked": "parked", "pending": "waiting-for-gpu"})
 
 # How the panel words another lease's ledger state (a kernel's own state is a KERNEL_STATE).
 LEASE_STATE_WORDS = MappingProxyType({
@@ -107,6 +120,7 @@ LEASE_STATE_WORDS = MappingProxyType({
     "migrating": "moving",
     "shrinking": "shrinking",
     "killed": "stopped",
+    "parked": "parked (holds no GPU)",
 })
 
 # The state an event implies until the next status confirms it. "migrated" still reads
@@ -124,6 +138,8 @@ EVENT_STATE = MappingProxyType({
     "restored": "restored",
     "no_gpu": "no-gpu",
     "agent_unreachable": "agent-unreachable",
+    "parked": "parked",
+    "unparked": "guaranteed",
 })
 RESTORE_INCOMPLETE = "restore-incomplete"
 

@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import resource
 import socket
 import struct
@@ -21,8 +22,8 @@ from node_agent.metrics import render_metrics
 from node_agent.quantities import Quantity, QuantityError, parse_quantity
 from node_agent.service import (
     ACTIONS,
+    KINDS,
     MAX_WAIT,
-    NOTICES,
     Agent,
     Caller,
     Conflict,
@@ -39,6 +40,8 @@ log = logging.getLogger("gpufrac.agent")
 # Bounds on what a request may carry (an id is a UUID; a name is for people).
 MAX_ID = 128
 MAX_TEXT = 200
+# A lease id in a path, as the agent makes them (l-3f9a0c1b2d4e), with room to spare.
+LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ApiError(Exception):
@@ -143,6 +146,15 @@ def parse_pid(body: dict[str, Any]) -> int:
     _reject_unknown(body, ("pid",))
     pid: int = _field(body, "pid", int, required=True, expected="a process id")
     return pid
+
+
+def parse_park(body: dict[str, Any]) -> str | None:
+    """``POST /v1/leases/<id>/park``: why, for people (None: the agent's own words)."""
+    _reject_unknown(body, ("reason",))
+    reason: str | None = _field(body, "reason", str, expected="a sentence for people")
+    if reason is not None and not 0 < len(reason) <= MAX_TEXT:
+        raise ApiError(400, "reason", f"expected 1 to {MAX_TEXT} characters")
+    return reason
 
 
 def parse_usage(body: dict[str, Any]) -> int:
@@ -289,7 +301,17 @@ class LeasesHandler(BaseHandler):
         self.reply(lease.to_json(), 201)
 
 
-class LeaseHandler(BaseHandler):
+class LeaseRoute(BaseHandler):
+    """A handler of ``/v1/leases/<id>...``: an id that cannot be one is the field at fault."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        if not LEASE_ID.fullmatch(self.path_args[0]):
+            raise ApiError(400, "lease", "expected a lease id: 1 to 64 letters, digits, '-' or "
+                                         "'_', such as l-3f9a0c1b2d4e")
+
+
+class LeaseHandler(LeaseRoute):
     def get(self, lease_id: str) -> None:
         lease = self.agent.lease(self.caller, lease_id)
         self.reply({**lease.to_json(), "room": self.agent.room(lease)})
@@ -304,22 +326,41 @@ class LeaseHandler(BaseHandler):
         self.finish()
 
 
-class PidsHandler(BaseHandler):
+class PidsHandler(LeaseRoute):
     def post(self, lease_id: str) -> None:
         pid = parse_pid(self.lease_body(lease_id))
         self.reply(self.agent.register_pid(self.caller, lease_id, pid).to_json())
 
 
-class UsageHandler(BaseHandler):
+class UsageHandler(LeaseRoute):
     def post(self, lease_id: str) -> None:
         self.agent.report_usage(self.caller, lease_id, parse_usage(self.lease_body(lease_id)))
         self.set_status(204)
         self.finish()
 
 
-class MigratedHandler(BaseHandler):
+class MigratedHandler(LeaseRoute):
     def post(self, lease_id: str) -> None:
         self.reply(self.agent.migrated(self.caller, lease_id).to_json())
+
+
+class ParkHandler(LeaseRoute):
+    def post(self, lease_id: str) -> None:
+        reason = parse_park(self.lease_body(lease_id))
+        self.reply(self.agent.park(self.caller, lease_id, reason).to_json())
+
+
+class ParkRequestHandler(LeaseRoute):
+    def post(self, lease_id: str) -> None:
+        _reject_unknown(self.lease_body(lease_id), ())
+        # Accepted: the lease's client is asked to park it, and does so when it can.
+        self.reply(self.agent.park_request(self.caller, lease_id).to_json(), 202)
+
+
+class UnparkHandler(LeaseRoute):
+    def post(self, lease_id: str) -> None:
+        _reject_unknown(self.lease_body(lease_id), ())
+        self.reply(self.agent.unpark(self.caller, lease_id).to_json())
 
 
 class DirectivesHandler(BaseHandler):
@@ -334,10 +375,10 @@ class DirectivesHandler(BaseHandler):
         kinds: tuple[str, ...] = ACTIONS
         if (named := self.get_query_argument("kinds", None)) is not None:
             kinds = tuple(dict.fromkeys(k.strip() for k in named.split(",") if k.strip()))
-            unknown = [k for k in kinds if k not in (*ACTIONS, *NOTICES)]
+            unknown = [k for k in kinds if k not in KINDS]
             if unknown or not kinds:
                 raise ApiError(400, "kinds", "expected a comma-separated list of "
-                               f"{', '.join((*ACTIONS, *NOTICES))}, got {named[:MAX_TEXT]!r}")
+                               f"{', '.join(KINDS)}, got {named[:MAX_TEXT]!r}")
         found, last = await self.agent.wait_directives(
             self.caller, client=client, lease_id=lease_id, kinds=kinds,
             after=int(self.query_number("after", 0, int, -1, 2**63 - 1)),
@@ -361,7 +402,8 @@ class NoEndpoint(BaseHandler):
 
 def make_app(agent: Agent, admin_gid: int | None = None, token: str | None = None) -> web.Application:
     args = {"agent": agent, "admin_gid": admin_gid, "token": token}
-    lease = r"/v1/leases/([A-Za-z0-9_-]{1,64})"
+    # Any segment: LeaseRoute refuses one that is not a lease id, naming the field.
+    lease = r"/v1/leases/([^/]+)"
     return web.Application(
         [
             (r"/v1/node", NodeHandler, args),
@@ -370,6 +412,9 @@ def make_app(agent: Agent, admin_gid: int | None = None, token: str | None = Non
             (lease + "/pids", PidsHandler, args),
             (lease + "/usage", UsageHandler, args),
             (lease + "/migrated", MigratedHandler, args),
+            (lease + "/park", ParkHandler, args),
+            (lease + "/park-request", ParkRequestHandler, args),
+            (lease + "/unpark", UnparkHandler, args),
             (r"/v1/directives", DirectivesHandler, args),
             (r"/metrics", MetricsHandler, args),
         ],

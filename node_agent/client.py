@@ -191,6 +191,19 @@ def _migrated_call(lease_id: str) -> _Call[dict[str, Any]]:
     return _Call("POST", f"/v1/leases/{lease_id}/migrated", _same, {})
 
 
+def _park_call(lease_id: str, reason: str | None) -> _Call[dict[str, Any]]:
+    return _Call("POST", f"/v1/leases/{lease_id}/park", _same,
+                 {} if reason is None else {"reason": reason})
+
+
+def _park_request_call(lease_id: str) -> _Call[dict[str, Any]]:
+    return _Call("POST", f"/v1/leases/{lease_id}/park-request", _same, {})
+
+
+def _unpark_call(lease_id: str) -> _Call[dict[str, Any]]:
+    return _Call("POST", f"/v1/leases/{lease_id}/unpark", _same, {})
+
+
 def _directives_call(client: str | None, lease: str | None, after: int, timeout: float,
                      kinds: Sequence[str] | None) -> _Call[tuple[list[dict[str, Any]], int]]:
     query: dict[str, Any] = {"after": after, "timeout": timeout}
@@ -428,11 +441,25 @@ class AgentClient(_Common):
     def migrated(self, lease_id: str) -> dict[str, Any]:
         return self._send(_migrated_call(lease_id))
 
+    def park(self, lease_id: str, reason: str | None = None) -> dict[str, Any]:
+        """The kernel now runs with no GPU: the lease gives its memory back (``reason``: why,
+        for people)."""
+        return self._send(_park_call(lease_id, reason))
+
+    def park_request(self, lease_id: str) -> dict[str, Any]:
+        """Ask the lease's client (its server) to park it: a ``park`` directive."""
+        return self._send(_park_request_call(lease_id))
+
+    def unpark(self, lease_id: str) -> dict[str, Any]:
+        """A GPU for a parked lease: ``active`` on one, or ``pending`` with the reason."""
+        return self._send(_unpark_call(lease_id))
+
     def directives(self, *, client: str | None = None, lease: str | None = None,
                    after: int = 0, timeout: float = 25.0, kinds: Sequence[str] | None = None
                    ) -> tuple[list[dict[str, Any]], int]:
         """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor.
-        ``kinds``: which to hear of (default: migrate, shrink, killed; notices when named)."""
+        ``kinds``: which to hear of (default: migrate, shrink, killed; park and the notices only
+        when named)."""
         return self._send(_directives_call(client, lease, after, timeout, kinds))
 
     def metrics(self) -> str:
@@ -532,12 +559,26 @@ class AsyncAgentClient(_Common):
     async def migrated(self, lease_id: str) -> dict[str, Any]:
         return await self._send(_migrated_call(lease_id))
 
+    async def park(self, lease_id: str, reason: str | None = None) -> dict[str, Any]:
+        """The kernel now runs with no GPU: the lease gives its memory back (``reason``: why,
+        for people)."""
+        return await self._send(_park_call(lease_id, reason))
+
+    async def park_request(self, lease_id: str) -> dict[str, Any]:
+        """Ask the lease's client (its server) to park it: a ``park`` directive."""
+        return await self._send(_park_request_call(lease_id))
+
+    async def unpark(self, lease_id: str) -> dict[str, Any]:
+        """A GPU for a parked lease: ``active`` on one, or ``pending`` with the reason."""
+        return await self._send(_unpark_call(lease_id))
+
     async def directives(self, *, client: str | None = None, lease: str | None = None,
                          after: int = 0, timeout: float = 25.0,
                          kinds: Sequence[str] | None = None
                          ) -> tuple[list[dict[str, Any]], int]:
         """Directives after ``after``, waiting up to ``timeout`` s for one; and the new cursor.
-        ``kinds``: which to hear of (default: migrate, shrink, killed; notices when named)."""
+        ``kinds``: which to hear of (default: migrate, shrink, killed; park and the notices only
+        when named)."""
         return await self._send(_directives_call(client, lease, after, timeout, kinds))
 
     async def metrics(self) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 from node_agent.policy import Placement
 
-STATES = ("pending", "active", "migrating", "shrinking", "killed")
+STATES = ("pending", "active", "migrating", "shrinking", "killed", "parked")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS leases (
@@ -43,6 +43,8 @@ CREATE TABLE IF NOT EXISTS leases (
     registered REAL,
     compute_request REAL,
     compute_limit REAL,
+    devices INTEGER,
+    parked_at REAL,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -71,7 +73,8 @@ CREATE INDEX IF NOT EXISTS kills_by_lease ON kills (lease_id, at);
 
 # Columns added after the first release: (name, SQL type), added to older ledgers on open.
 _ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("registered", "REAL"),
-                  ("compute_request", "REAL"), ("compute_limit", "REAL"))
+                  ("compute_request", "REAL"), ("compute_limit", "REAL"), ("devices", "INTEGER"),
+                  ("parked_at", "REAL"))
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,12 @@ class Lease:
     compute_request: float | None = None
     compute_limit: float | None = None
     compute_usage: int | None = None
+    # How many GPUs it runs on, kept apart from ``logical``: a parked lease has none, and must
+    # still say how many it needs when it is placed again.
+    devices: int = 1
+    # When it was parked: set while it is parked or waiting to be placed again, so that it is
+    # told `unparked` once it runs.
+    parked_at: float | None = None
 
     def placement(self) -> Placement:
         return Placement(
@@ -128,7 +137,7 @@ class Lease:
             "limit": self.limit,
             "request_spec": self.request_spec,
             "limit_spec": self.limit_spec,
-            "devices": len(self.logical),
+            "devices": self.devices,
             "logical_gpu": self.logical[0] if self.logical else None,
             "logical_gpus": list(self.logical),
             "physical_gpu": self.physical[0] if self.physical else None,
@@ -145,6 +154,7 @@ class Lease:
             "deadline": self.deadline,
             "restore_until": self.restore_until,
             "orphan_deadline": self.orphan_deadline,
+            "parked_at": self.parked_at,
             "created": self.created,
             "updated": self.updated,
         }
@@ -199,6 +209,11 @@ class Ledger:
         for name, kind in _ADDED_COLUMNS:
             if name not in have:
                 self._db.execute(f"ALTER TABLE leases ADD COLUMN {name} {kind}")
+        # A lease from before the devices column runs on as many GPUs as it is planned on:
+        # written down once, before a park empties its logical GPUs.
+        older = self._db.execute("SELECT id, logical FROM leases WHERE devices IS NULL").fetchall()
+        self._db.executemany("UPDATE leases SET devices = ? WHERE id = ?",
+                             [(len(json.loads(logical)), lease_id) for lease_id, logical in older])
 
     # --- reading -------------------------------------------------------------------
     def _reload(self) -> None:
@@ -225,6 +240,8 @@ class Ledger:
                 pids=tuple(pids.get(r["id"], ())), usage=usage.get(r["id"], (0, None))[0],
                 compute_usage=usage.get(r["id"], (0, None))[1],
                 compute_request=r["compute_request"], compute_limit=r["compute_limit"],
+                devices=r["devices"],
+                parked_at=r["parked_at"],
             )
 
     def directives_after(self, seq: int, client: str | None = None,
@@ -285,15 +302,16 @@ class Ledger:
                 "INSERT INTO leases (id, kind, owner_uid, client, kernel_id, name, request, lim,"
                 " request_spec, limit_spec, logical, physical, target, state, reason, deadline,"
                 " restore_until, orphan_deadline, registered, compute_request, compute_limit,"
-                " created, updated)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " devices, parked_at, created, updated)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     lease.id, lease.kind, lease.owner_uid, lease.client, lease.kernel_id,
                     lease.name, lease.request, lease.limit, lease.request_spec, lease.limit_spec,
                     json.dumps(lease.logical), json.dumps(lease.physical), json.dumps(lease.target),
                     lease.state, lease.reason, lease.deadline, lease.restore_until,
                     lease.orphan_deadline, lease.registered, lease.compute_request,
-                    lease.compute_limit, lease.created, lease.updated,
+                    lease.compute_limit, lease.devices, lease.parked_at, lease.created,
+                    lease.updated,
                 ),
             )
             self.leases[lease.id] = lease
@@ -305,7 +323,7 @@ class Ledger:
         "request_spec": "request_spec", "limit_spec": "limit_spec",
         "restore_until": "restore_until", "orphan_deadline": "orphan_deadline",
         "compute_request": "compute_request", "compute_limit": "compute_limit",
-        "registered": "registered",
+        "registered": "registered", "parked_at": "parked_at",
     }
 
     def update(self, lease_id: str, **changes: Any) -> Lease:

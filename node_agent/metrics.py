@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from node_agent.ledger import STATES
-from node_agent.stats import AgentStats
+from node_agent.stats import UNPARKED, AgentStats
 
 if TYPE_CHECKING:
     from node_agent.ledger import Lease
@@ -112,8 +112,8 @@ class AgentCollector(Collector):
             yield family
 
         states = StateSetMetricFamily(
-            "gpufrac_lease_state", "The lease's state: pending, active, migrating, shrinking or "
-            "killed (1 for the one it is in).", labels=LEASE_LABELS)
+            "gpufrac_lease_state", "The lease's state: pending, active, migrating, shrinking, "
+            "killed or parked (1 for the one it is in).", labels=LEASE_LABELS)
         for lease in leases:
             states.add_metric(lease_labels[lease.id],
                               {state: state == lease.state for state in (*STATES, lease.state)})
@@ -196,6 +196,29 @@ def _events(stats: AgentStats, host: str) -> Iterator[Metric]:
     yield _counter("gpufrac_kills", "Leases whose processes the agent killed, by cause: reclaim, "
                    "limit or migrate_timeout (a move not reported done by its deadline).",
                    stats.kills, KILL_CAUSES, host)
+    for name, help_text, value in (
+        ("gpufrac_parks", "Notebook leases parked: their idle kernels gave the GPU back.",
+         stats.parks),
+        ("gpufrac_unpark_waits", "Unparks that found no GPU with room: the lease waited, "
+         "pending, until the agent placed it (or it was parked again).", stats.unpark_waits),
+    ):
+        family = CounterMetricFamily(name, help_text, labels=["hostname"])
+        family.add_metric([host], value)
+        yield family
+    unparks = CounterMetricFamily(
+        "gpufrac_unparks", "Parked leases placed on a GPU again, by how: at_once (a GPU had "
+        "room when the kernel asked) or after_wait (the agent placed it once room appeared).",
+        labels=["how", "hostname"])
+    for how in UNPARKED:
+        unparks.add_metric([how, host], stats.unparks[how])
+    yield unparks
+    waits = HistogramMetricFamily(
+        "gpufrac_unpark_duration_seconds",
+        "From a parked kernel's ask for a GPU (its next cell) until it had one: what the cell "
+        "waited. Waits given up on (parked again) are not counted.", labels=["hostname"])
+    waits.add_metric([host], stats.unpark_seconds.cumulative(),
+                     sum_value=stats.unpark_seconds.total)
+    yield waits
 
 
 def _lease_labels(lease: Lease) -> list[str]:

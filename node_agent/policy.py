@@ -144,6 +144,39 @@ def plan_logical(
                  max_per_gpu=rules.max_per_gpu)
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """Why one GPU cannot take a lease in the logical plan: what the plan leaves free on it,
+    whether it already runs ``max_per_gpu`` leases, the job that holds all of it (None: none
+    does), and whether it is healthy."""
+
+    uuid: str
+    index: int
+    free: int
+    full: bool
+    whole: str | None
+    healthy: bool = True
+
+
+def shortfalls(devices: Sequence[Device], leases: Iterable[Placement], request: int,
+               rules: Rules = Rules()) -> list[Shortfall]:
+    """The GPUs that cannot take a lease of ``request`` bytes in the logical plan, and why, in
+    index order: a lease for ``count`` GPUs is placed by :func:`plan_logical` exactly when at
+    least ``count`` GPUs are not among them."""
+    leases = list(leases)
+    load, counts = _tally(leases, physical=False)
+    out = []
+    for d in sorted(devices, key=lambda d: d.index):
+        free = d.total - load.get(d.uuid, 0)
+        full = rules.max_per_gpu is not None and counts.get(d.uuid, 0) >= rules.max_per_gpu
+        if d.healthy and free >= request and not full:
+            continue
+        whole = min((p.id for p in leases if p.kind == JOB and d.uuid in p.logical
+                     and p.request >= d.total), default=None)
+        out.append(Shortfall(d.uuid, d.index, max(0, free), full, whole, d.healthy))
+    return out
+
+
 def plan_physical(
     devices: Sequence[Device],
     leases: Iterable[Placement],

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,14 +23,27 @@ from node_agent.quantities import (
     format_bytes,
     parse_quantity,
 )
-from node_agent.stats import MIGRATED, RELEASED, AgentStats
+from node_agent.stats import AFTER_WAIT, AT_ONCE, MIGRATED, RELEASED, AgentStats
 
 log = logging.getLogger("gpufrac.agent")
 
 MAX_WAIT = 60.0
 # What a client is asked to do, and what it is only told (heard of when asked for by kind).
 ACTIONS = ("migrate", "shrink", "killed")
-NOTICES = ("resized", "bursting")
+NOTICES = ("resized", "bursting", "unparked")
+# Asked of a client only when it names them: a server that cannot park never hears of it.
+ASKED_BY_NAME = ("park",)
+KINDS = (*ACTIONS, *ASKED_BY_NAME, *NOTICES)
+# What a notebook lease may be parked from: a move under way must end first, and a killed
+# lease is restarting already.
+PARKABLE = ("active", "shrinking", "pending", "parked")
+# Why a lease in one of these states is not parked (or asked to park) now: a 409's words.
+_NOT_NOW = {
+    "migrating": "a move is under way; park it once the move is done",
+    "killed": "its kernel is restarting after it was stopped; park it once it runs again",
+    "parked": "it is parked already",
+    "pending": "it has no GPU to give back yet",
+}
 # A lease said to burst is not said to again for this long (seconds).
 BURSTING_QUIET_S = 60.0
 # After this many polls in a row that saw nothing change, the interval doubles, up to
@@ -38,6 +51,13 @@ BURSTING_QUIET_S = 60.0
 # growing into loaned memory is seen only by measuring, so the stretch stays short.
 QUIET_TICKS = 3
 POLL_STRETCH = 4
+
+
+def _less_used(gpu: GpuInfo, freed: int) -> GpuInfo:
+    """``gpu`` with ``freed`` bytes of its use given back."""
+    freed = min(freed, gpu.memory_used)
+    return replace(gpu, memory_used=gpu.memory_used - freed,
+                   memory_free=gpu.memory_free + freed) if freed else gpu
 
 
 def _ordinal(n: int) -> str:
@@ -261,7 +281,8 @@ class Agent:
         try:
             # All blocking backend calls of one tick, in one sweep, in a worker thread.
             m = await loop.run_in_executor(None, self.backend.sweep)
-            self.gpus = [replace(g, context_size=self._context(g)) for g in m.gpus]
+            measured_anew = m != self._swept
+            self._measured(m)
             now = time.time()
             self._procs.sweep()
             self._update_usage(m)
@@ -270,21 +291,26 @@ class Agent:
             self._reclaim(now)
             self._activate_pending()
             self._judged = now
-            self._settle(m, before)
+            self._settle(measured_anew, before)
         finally:
             self._ticked = time.monotonic()
         self.counters["ticks"] += 1
         self.tick_seconds = time.perf_counter() - started
 
-    def _settle(self, m: Sweep, before: tuple[object, ...]) -> None:
+    def _settle(self, measured_anew: bool, before: tuple[object, ...]) -> None:
         """Count the tick quiet (the interval stretches) unless it measured or did anything new."""
-        if m != self._swept or self._state() != before:
+        if measured_anew or self._state() != before:
             self._quiet, self._stretch = 0, 1
         else:
             self._quiet += 1
             if self._quiet >= QUIET_TICKS:
                 self._stretch = min(POLL_STRETCH, self._stretch * 2)
+
+    def _measured(self, m: Sweep) -> None:
+        """What the agent knows of the node from now on: a sweep, or the last one less what
+        has ended since."""
         self._swept = m
+        self.gpus = [replace(g, context_size=self._context(g)) for g in m.gpus]
 
     def _members(self, m: Sweep) -> dict[str, dict[str, list[int]]]:
         """lease id -> GPU -> the processes using it there: the registered ones, and those
@@ -304,9 +330,6 @@ class Agent:
         self._children = {}
         members = self._members(m)
         for lease in list(self.ledger.leases.values()):
-            usage = 0
-            seen = False
-            compute: int | None = None
             found = members.get(lease.id, {})
             registered = {pid for pid, _ in lease.pids}
             started = {p for pids in found.values() for p in pids} - registered
@@ -315,21 +338,7 @@ class Agent:
                 (ident.pid, ident.start_time) for pid in sorted(started)
                 if (ident := self._procs.identify(pid)) is not None
                 and ident.uid == lease.owner_uid]
-            for uuid in lease.physical:
-                listed = m.processes.get(uuid)
-                if listed is None:
-                    continue
-                mine = found.get(uuid, [])
-                held = [listed[pid] for pid in mine]
-                if held and all(h is not None for h in held):
-                    seen = True
-                    usage = max(usage, sum(h or 0 for h in held))
-                sampled = m.utilization.get(uuid)
-                if sampled is not None:
-                    busy = min(100, sum(sampled.get(pid, 0) for pid in mine))
-                    compute = busy if compute is None else max(compute, busy)
-            if not seen and lease.id in self._reported:
-                usage = self._reported[lease.id]
+            usage, compute = self._held_by(lease, m, found)
             was_bursting = lease.usage > lease.request
             self.ledger.set_usage(lease.id, usage, compute)
             if (usage > lease.request and not was_bursting and lease.state == "active"
@@ -343,12 +352,66 @@ class Agent:
                     usage=usage, request=lease.request, limit=lease.limit,
                     gpu=lease.physical[0] if lease.physical else None)
 
+    def _held_by(self, lease: Lease, m: Sweep, found: dict[str, list[int]]
+                 ) -> tuple[int, int | None]:
+        """The lease's usage and compute use in ``m``: what its processes (``found``: GPU ->
+        pids) hold on the GPUs it runs on, the most on any one; where the backend does not
+        say, what its client reported."""
+        usage = 0
+        seen = False
+        compute: int | None = None
+        for uuid in lease.physical:
+            listed = m.processes.get(uuid)
+            if listed is None:
+                continue
+            mine = found.get(uuid, [])
+            held = [listed[pid] for pid in mine]
+            if held and all(h is not None for h in held):
+                seen = True
+                usage = max(usage, sum(h or 0 for h in held))
+            sampled = m.utilization.get(uuid)
+            if sampled is not None:
+                busy = min(100, sum(sampled.get(pid, 0) for pid in mine))
+                compute = busy if compute is None else max(compute, busy)
+        if not seen and lease.id in self._reported:
+            usage = self._reported[lease.id]
+        return usage, compute
+
+    def _recount(self, lease_id: str) -> None:
+        """The lease's usage as the last sweep, less what ended since, shows it on the GPUs
+        it runs on now: a call that changes its processes or GPUs need not wait for a sweep."""
+        lease = self.ledger.leases.get(lease_id)
+        if lease is None or self._swept is None:
+            return
+        found = self._members(self._swept).get(lease.id, {})
+        self.ledger.set_usage(lease.id, *self._held_by(lease, self._swept, found))
+
+    def _gone(self, lease_id: str, ended: Collection[int]) -> None:
+        """The lease's processes ``ended`` (killed, exited, replaced by a restart) hold nothing
+        from now on: what the last sweep saw them hold leaves their GPUs' use and the lease's
+        usage now, not at the next sweep. A kernel restarted in a spare asks for room to
+        restore into within a tenth of a second; with the dead process counted it gets too
+        little, and a reclaim may act on memory nobody holds."""
+        self._reported.pop(lease_id, None)  # the client's figure was for the processes it had
+        m = self._swept
+        if m is not None and ended:
+            freed = {uuid: sum(listed.get(pid) or 0 for pid in ended)
+                     for uuid, listed in m.processes.items()}
+            self._measured(Sweep(
+                [_less_used(g, freed.get(g.uuid, 0)) for g in m.gpus],
+                {uuid: {pid: held for pid, held in listed.items() if pid not in ended}
+                 for uuid, listed in m.processes.items()},
+                m.utilization))
+        self._recount(lease_id)
+
     def _forget_dead(self, now: float) -> None:
         for lease in list(self.ledger.leases.values()):
             alive = tuple((pid, start) for pid, start in lease.pids
                           if self._procs.is_alive(pid, start))
             if alive != lease.pids:
+                ended = {pid for pid, _ in lease.pids} - {pid for pid, _ in alive}
                 lease = self.ledger.set_pids(lease.id, alive)
+                self._gone(lease.id, ended)
             if alive:
                 if lease.orphan_deadline is not None:
                     self.ledger.update(lease.id, orphan_deadline=None)
@@ -459,7 +522,7 @@ class Agent:
             request_spec=str(ask.request), limit_spec=str(ask.limit), logical=logical,
             physical=physical, state="pending" if moves else "active", created=now, updated=now,
             reason=self._waiting_reason(moves) if moves else "placed",
-            compute_request=compute_request, compute_limit=compute_limit,
+            compute_request=compute_request, compute_limit=compute_limit, devices=ask.devices,
         )
         with self.ledger.transaction():
             self.ledger.insert(lease)
@@ -628,6 +691,7 @@ class Agent:
                 # One process, one lease: otherwise its memory counts twice.
                 raise Conflict("pid", f"process {pid} is already registered to lease {other.id}")
         pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
+        ended = {p for p, _ in lease.pids} - {p for p, _ in pids} - {pid}
         now = time.time()
         changes: dict[str, Any] = {"orphan_deadline": None, "registered": lease.registered or now}
         if lease.kind == policy.NOTEBOOK and (
@@ -640,11 +704,16 @@ class Agent:
         with self.ledger.transaction():
             lease = self.ledger.set_pids(lease.id, (*pids, (pid, ident.start_time)))
             lease = self.ledger.update(lease.id, **changes)
+        if ended:
+            # A restart: the new process starts from what it holds, not what the old one held.
+            self._gone(lease.id, ended)
         self._track(lease, pid)
-        return lease
+        return self.ledger.leases[lease.id]
 
     def _track(self, lease: Lease, pid: int) -> None:
         where = lease.target if lease.state == "migrating" and lease.target else lease.physical
+        if not where:
+            return  # parked, or waiting for a GPU: its process uses none
         try:
             self.backend.track(pid, where[0])
         except DeviceError as exc:
@@ -653,7 +722,9 @@ class Agent:
     def report_usage(self, caller: Caller, lease_id: str, used: int) -> None:
         """What a client says its processes hold, where the backend cannot see them."""
         self._wake()
-        self._reported[self.lease(caller, lease_id).id] = used
+        lease = self.lease(caller, lease_id)
+        if lease.physical:  # a lease with no GPU (parked) holds no device memory
+            self._reported[lease.id] = used
 
     def migrated(self, caller: Caller, lease_id: str) -> Lease:
         self._wake()
@@ -667,9 +738,136 @@ class Agent:
             )
             for pid, _ in lease.pids:
                 self._track(lease, pid)
+        # Its usage is what it holds on the GPU it runs on now: what it held on the one it
+        # left (an old process still ending there) is not its to count here.
+        self._recount(lease.id)
         self.stats.move_ended(lease.id, MIGRATED)
         self._activate_pending()
+        return self.ledger.leases[lease.id]
+
+    # --- parking -----------------------------------------------------------------------
+    def park(self, caller: Caller, lease_id: str, reason: str | None = None) -> Lease:
+        """The client restarts the lease's kernel with no GPU (an idle kernel, or a wait for
+        one cancelled): the lease gives its memory back at once, and what waited for it may run."""
+        self._wake()
+        lease = self.lease(caller, lease_id)
+        self._notebook_only(lease)
+        if lease.state == "parked":
+            return lease
+        if lease.state not in PARKABLE:
+            raise Conflict("lease", f"lease is {lease.state}: {_NOT_NOW[lease.state]}")
+        lease = self.ledger.update(
+            lease.id, state="parked", logical=(), physical=(), target=(), deadline=None,
+            parked_at=time.time(),
+            reason=reason or "parked: its idle kernel gave the GPU back; its next cell gets one "
+                             "first")
+        # Its process keeps its variables in host memory from now on: none of it is device
+        # memory, and what its processes held leaves the GPU's use now, not at the next sweep.
+        for pid, _ in lease.pids:
+            self.backend.untrack(pid)
+        self._gone(lease.id, {pid for pid, _ in lease.pids})
+        self.stats.parked(lease.id)
+        log.info("lease %s parked: %s", lease.id, lease.reason)
+        self._activate_pending()
+        return self.ledger.leases[lease.id]
+
+    def park_request(self, caller: Caller, lease_id: str) -> Lease:
+        """The kernel asks to be parked (``%gpu park``): its client, who restarts kernels, is
+        asked to with a ``park`` directive, and parks it with :meth:`park`."""
+        self._wake()
+        lease = self.lease(caller, lease_id)
+        self._notebook_only(lease)
+        if lease.state not in ("active", "shrinking"):
+            raise Conflict("lease", f"lease is {lease.state}: {_NOT_NOW[lease.state]}")
+        self._directive(lease, "park", "its kernel asked to give its GPU back (`%gpu park`)",
+                        gpu=lease.physical[0], request=lease.request, limit=lease.limit)
         return lease
+
+    def unpark(self, caller: Caller, lease_id: str) -> Lease:
+        """A parked lease's kernel needs a GPU (its next cell): placed as a new notebook is, or
+        left pending, saying why, until the agent can place it."""
+        self._wake()
+        lease = self.lease(caller, lease_id)
+        if lease.state != "parked":
+            return lease  # it has a GPU, or waits for one already
+        self.stats.unpark_asked(lease.id)
+        lease = self._place_waiting(lease, AT_ONCE)
+        if lease.state == "pending":
+            self.stats.unpark_waited()
+        return lease
+
+    @staticmethod
+    def _notebook_only(lease: Lease) -> None:
+        if lease.kind != policy.NOTEBOOK:
+            raise Conflict("lease", f"lease is a {lease.kind}: only notebook leases park (a job "
+                                    "holds its GPUs until it ends)")
+
+    def _place_waiting(self, lease: Lease, how: str) -> Lease:
+        """Places a lease that has no GPU (it was parked) as a new notebook is placed: active
+        where a GPU has room, pending while notebooks move to make room, or pending with the
+        reason in words while no GPU has room (``how``: AT_ONCE or AFTER_WAIT, for /metrics)."""
+        try:
+            logical, physical, moves = self._place(lease.kind, lease.request, lease.limit,
+                                                   lease.devices, self.planning_view())
+        except Conflict:
+            reason = self._no_room_reason(lease)
+            if (lease.state, lease.reason) == ("pending", reason):
+                return lease  # nothing new to say: no write
+            return self.ledger.update(lease.id, state="pending", reason=reason)
+        if not moves:
+            return self._unparked(lease, logical, physical, how)
+        with self.ledger.transaction():
+            lease = self.ledger.update(lease.id, state="pending", logical=logical,
+                                       physical=physical, reason=self._waiting_reason(moves))
+            self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
+        return lease
+
+    def _unparked(self, lease: Lease, logical: tuple[str, ...], physical: tuple[str, ...],
+                  how: str) -> Lease:
+        """A lease that was parked runs on ``physical`` again: its processes are followed there
+        and its client told, with what it may hold."""
+        reason = f"unparked: placed on {self._labels(physical)}" + (
+            "" if how == AT_ONCE else " once room appeared")
+        with self.ledger.transaction():
+            # Its kernel brings back what it held in host memory: a grace, as after a move.
+            lease = self.ledger.update(
+                lease.id, state="active", logical=logical, physical=physical, parked_at=None,
+                reason=reason, restore_until=time.time() + self.config.restore_grace)
+            self._directive(lease, "unparked", reason, gpu=physical[0], gpus=list(physical),
+                            request=lease.request, limit=lease.limit)
+        for pid, _ in lease.pids:
+            self._track(lease, pid)
+        self.stats.unparked(how, lease.id)
+        log.info("lease %s %s", lease.id, reason)
+        return lease
+
+    def _no_room_reason(self, lease: Lease) -> str:
+        """Why no GPU takes ``lease`` now, GPU by GPU, in words its user understands."""
+        need = format_bytes(lease.request)
+        rules = self.config.rules
+        short = policy.shortfalls(self.devices(), self.planning_view(), lease.request, rules)
+        if len(self.gpus) - len(short) >= lease.devices:
+            # The plan has room, but the notebooks spread over it cannot all move back yet.
+            return f"waiting for a GPU: no set of moves makes room for its request of {need} yet"
+
+        def why(s: policy.Shortfall) -> str:
+            label = f"GPU {s.index}"
+            if not s.healthy:
+                return f"{label} is unhealthy"
+            if s.whole is not None:
+                job = self.ledger.leases[s.whole]
+                # Another user's job is named no more than `node` names it: not whose it is.
+                whose = (self._describe(job) if job.owner_uid == lease.owner_uid
+                         else "another user's job")
+                return f"{label} is held whole by {whose}"
+            if s.full:
+                return (f"{label} already runs {rules.max_per_gpu} lease(s), the most this node "
+                        "allows")
+            return f"{label} has {format_bytes(s.free)}"
+
+        where = "no GPU has" if lease.devices == 1 else f"fewer than {lease.devices} GPUs have"
+        return (f"waiting for a GPU: {where} {need} free for its request: "
+                + (", ".join(why(s) for s in short) or "this node lists no GPU"))
 
     # --- reclaim and deadlines ---------------------------------------------------------
     def _reclaim_stops(self, lease: Lease, now: float) -> int:
@@ -707,6 +905,7 @@ class Agent:
             reason += self._repeat_note(lease, stops, coming=False)
         # What the kernel started on the GPU goes with it: it would keep the memory otherwise.
         children = self._children.get(lease.id, [])
+        ended = {pid for pid, _ in (*lease.pids, *children)}
         killed = [pid for pid, start in (*lease.pids, *children) if procs.kill(pid, start)]
         self.counters["kills"] += 1
         self.stats.killed(cause)
@@ -722,6 +921,8 @@ class Agent:
                             request=lease.request, limit=lease.limit, usage=lease.usage,
                             gpu=where[0], stops_in_window=stops,
                             kill_window=self.config.kill_window)
+        # SIGKILL is final: what they held is free before the restarted kernel asks for room.
+        self._gone(lease.id, ended)
         log.warning("lease %s: killed pids %s (%s): %s", lease.id, killed, cause, reason)
 
     def _enforce_deadlines(self, now: float) -> None:
@@ -742,10 +943,12 @@ class Agent:
             lease.id for lease in leases.values()
             if lease.restore_until is not None and lease.restore_until > now
         )
-        for gpu in self.gpus:
-            if not gpu.healthy:
+        for uuid in [g.uuid for g in self.gpus]:
+            # Read per GPU: a lease killed for one GPU no longer lends, nor holds memory, on
+            # the next.
+            gpu = self.gpu(uuid)
+            if gpu is None or not gpu.healthy:
                 continue
-            # Read per GPU: a lease killed for one GPU no longer lends on the next.
             on_gpu = [
                 lease.placement() for lease in leases.values()
                 if gpu.uuid in lease.physical and lease.state in ("active", "shrinking")
@@ -814,13 +1017,25 @@ class Agent:
 
     def _activate_pending(self) -> None:
         leases = self.ledger.leases
-        pending = {lease.id for lease in leases.values() if lease.state == "pending"}
+        pending = [lease for lease in leases.values() if lease.state == "pending"]
         if not pending:  # as nearly every tick finds: no placement to build
             return
+        # An unparked lease that found no room waits with no GPU, until one has room for it.
+        for lease in pending:
+            if not lease.physical:
+                self._place_waiting(lease, AFTER_WAIT)
+        placed = {lease.id for lease in leases.values()
+                  if lease.state == "pending" and lease.physical}
+        if not placed:
+            return
         placements = [lease.placement() for lease in leases.values()]
-        for lease_id in policy.plan_activation(self.devices(), placements, pending,
+        for lease_id in policy.plan_activation(self.devices(), placements, placed,
                                                self.config.rules):
-            self.ledger.update(lease_id, state="active", reason="placed after compaction")
+            lease = leases[lease_id]
+            if lease.parked_at is not None:
+                self._unparked(lease, lease.logical, lease.physical, AFTER_WAIT)
+            else:
+                self.ledger.update(lease_id, state="active", reason="placed after compaction")
 
     # --- directives ------------------------------------------------------------------
     def _directive(self, lease: Lease, kind: str, reason: str, **body: Any) -> Directive:

@@ -1,5 +1,5 @@
 """What the agent did, counted in memory for /metrics: moves and how long they took, shrinks
-and kills by cause.
+and kills by cause, parks and unparks.
 
 Kept apart from the ledger on purpose: these are node-wide tallies with no user data, and a
 write per event would cost a transaction for a number Prometheus only rates. They start from
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 # Seconds from a `migrate` directive to `migrated`: an idle kernel moves in about a second, a
 # busy one waits out its cell or the grace (--migrate-grace, 120 s by default).
 MOVE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# A cell of a parked kernel waits for its GPU from milliseconds (room) to minutes (a job ends).
+UNPARK_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 60.0, 300.0, 1800.0)
 
 # How a move ends: the client reported it done, the agent killed the kernel at the deadline,
 # or the lease was released (the kernel shut down) before either.
@@ -24,6 +26,12 @@ MIGRATED = "migrated"
 MIGRATE_TIMEOUT = "migrate_timeout"
 RELEASED = "released"
 OUTCOMES = (MIGRATED, MIGRATE_TIMEOUT, RELEASED)
+
+# How a parked lease got a GPU again: one had room when its kernel asked, or the agent placed
+# it later, when room appeared.
+AT_ONCE = "at_once"
+AFTER_WAIT = "after_wait"
+UNPARKED = (AT_ONCE, AFTER_WAIT)
 
 
 @dataclass
@@ -62,8 +70,15 @@ class AgentStats:
     moves_started: Counter[str] = field(default_factory=Counter)  # by cause
     shrinks: Counter[str] = field(default_factory=Counter)  # by cause
     kills: Counter[str] = field(default_factory=Counter)  # by cause
+    parks: int = 0
+    unparks: Counter[str] = field(default_factory=Counter)  # by AT_ONCE or AFTER_WAIT
+    # Unparks that found no room and left the lease waiting for a GPU.
+    unpark_waits: int = 0
     move_seconds: dict[str, Histogram] = field(
         default_factory=lambda: {o: Histogram(MOVE_BUCKETS) for o in OUTCOMES})
+    # From a parked kernel's ask for a GPU to the GPU: the wait its cell sees.
+    unpark_seconds: Histogram = field(default_factory=lambda: Histogram(UNPARK_BUCKETS))
+    _unparking: dict[str, float] = field(default_factory=dict)
     # Moves not ended yet: lease id -> monotonic start. A move under way when the agent
     # restarted is not timed (its start is lost with the process), rather than timed wrong.
     _moving: dict[str, float] = field(default_factory=dict)
@@ -85,3 +100,19 @@ class AgentStats:
 
     def killed(self, cause: str) -> None:
         self.kills[cause] += 1
+
+    def parked(self, lease_id: str) -> None:
+        self.parks += 1
+        self._unparking.pop(lease_id, None)  # a wait given up on is not timed
+
+    def unpark_asked(self, lease_id: str) -> None:
+        self._unparking.setdefault(lease_id, time.monotonic())
+
+    def unparked(self, how: str, lease_id: str) -> None:
+        self.unparks[how] += 1
+        started = self._unparking.pop(lease_id, None)
+        if started is not None:
+            self.unpark_seconds.observe(time.monotonic() - started)
+
+    def unpark_waited(self) -> None:
+        self.unpark_waits += 1

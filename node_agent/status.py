@@ -10,7 +10,7 @@ from node_agent.quantities import format_bytes
 # The stable keys of `status --json`: scripts depend on them.
 STATUS_GPU_KEYS = ("uuid", "index", "name", "memory_total", "memory_used")
 STATUS_LEASE_KEYS = ("id", "kind", "owner_uid", "request", "limit", "usage", "logical_gpu",
-                     "physical_gpu", "state")
+                     "physical_gpu", "physical_gpus", "state")
 
 
 def status_document(client: AgentClient) -> dict[str, Any]:
@@ -51,13 +51,17 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
         state = lease["state"]
         if state == "active" and lease["bursting"]:
             state = "active, bursting"
-        physical = ",".join(gpu(u) for u in lease["physical_gpus"])
+        elif state == "parked" or lease.get("parked_at") is not None:
+            # It holds no GPU: say what it will need when its kernel runs a cell.
+            waiting = "parked" if state == "parked" else "waiting for a GPU"
+            state = f"{waiting}, needs {format_bytes(lease['request'])}"
+        physical = ",".join(gpu(u) for u in lease["physical_gpus"]) or "-"
         if lease["target_gpus"]:
             physical += " -> " + ",".join(gpu(u) for u in lease["target_gpus"])
         lease_rows.append([
             lease["id"], str(lease["owner_uid"]), lease["kind"], format_bytes(lease["request"]),
             format_bytes(lease["limit"]), format_bytes(lease["usage"]), compute_text(lease),
-            ",".join(gpu(u) for u in lease["logical_gpus"]), physical, state,
+            ",".join(gpu(u) for u in lease["logical_gpus"]) or "-", physical, state,
         ])
     out.append(_table(lease_rows))
     if any(lease.get("compute_request") is not None for lease in leases):

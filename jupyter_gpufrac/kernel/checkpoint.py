@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import importlib
 import io
 import json
@@ -12,20 +14,32 @@ import struct
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from jupyter_gpufrac.kernel import namespace, pickling, rng, store, torch_adapter
+from jupyter_gpufrac.kernel import namespace, pickling, rng, store, tensor_io, torch_adapter
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"GPUFRAC-CKPT-1\n"
-# 2: variables saved per group of shared references, each group a content-addressed blob.
-FORMAT = 2
+# 3: groups of shared references pickled with protocol 5, packed into content-addressed blobs
+# (offset, length); large out-of-band buffers in content-addressed blobs of their own.
+FORMAT = 3
+# What a restore reads: 2 is what the previous release writes (each group's pickle a whole blob,
+# tensors, storages and the namespace as persistent ids): a kernel checkpointed before an
+# upgrade and restored after it keeps its variables.
+READS = (2, 3)
 _TRAILER = struct.Struct(">Q")  # header length, after the JSON header, before the end magic
 MAX_ATTEMPTS = 3
+PACK_BYTES = 64 * 1024  # a pack holds small pickles up to about this size
+PACK_SPREAD = 128  # about this many small groups per pack
+READ_THREADS = 4
+_SEEN_BYTES = 160
+READ_AHEAD = 512 * 1024 * 1024
 T = TypeVar("T")
 
 
@@ -44,11 +58,12 @@ class CheckpointResult:
     modules: dict[str, str]
     lost: dict[str, str]
     tensors_bytes: int
-    bytes_written: int  # tensor (storage) bytes written: unchanged tensors cost nothing
+    bytes_written: int  # storage and buffer bytes written: unchanged ones cost nothing
     blobs_written: int
     execution_count: int | None = None
-    group_bytes_written: int = 0  # pickled variables written: unchanged groups cost nothing
-    groups_written: int = 0
+    group_bytes_written: int = 0  # packs of pickled variables written
+    groups_written: int = 0  # groups pickled anew: unchanged ones cost nothing
+    buffers_bytes: int = 0  # out-of-band buffers (arrays, columns) the checkpoint holds
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -73,15 +88,49 @@ class LoadResult:
     deferred: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class _Packs:
+    """Where groups were packed: pack blob -> bytes, and which pickles each pack holds."""
+
+    sizes: dict[str, int]
+    composition: dict[tuple[int, ...], str]
+
+
+@dataclass
+class _Group:
+    """A group as the last checkpoint saved it: its header record and, unless it fills a pack
+    of its own, its pickle (to pack it again with its neighbours without re-pickling it)."""
+
+    record: dict[str, Any]
+    data: bytes | None
+
+
+@dataclass
+class _Saved:
+    """What this process last committed, to write only what changed since."""
+
+    fingerprints: pickling.Fingerprints
+    groups: dict[tuple[str, ...], _Group]
+    packs: _Packs
+    rest: str  # the header less groups and when, as JSON
+    blobs: dict[str, int]  # every blob the state names
+    header: dict[str, Any]
+    state: tuple[int, int, int, int] | None  # the state file as written
+    digest: str  # of the state file's bytes, which the SEEN_FILE names
+
+
 class Checkpointer:
-    """Checkpoints one namespace into one directory, reusing blobs of unchanged tensors."""
+    """Checkpoints one namespace into one directory, writing only what changed."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.cache = pickling.IncrementalCache()
+        self._guard = pickling.PandasGuard()
         self._lock = threading.Lock()
         self.last: CheckpointResult | None = None
         self._gc: threading.Thread | None = None
+        self._saved: _Saved | None = None
+        self._cleaned = False  # leftovers of a killed writer are removed once per process
         # Groups a budgeted restore left on disk: every checkpoint keeps them until they are
         # loaded (``load_deferred``) or their names are bound anew.
         self.deferred: list[dict[str, Any]] = []
@@ -100,7 +149,11 @@ class Checkpointer:
         execution_count: int | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> CheckpointResult:
-        """Checkpoint ``ns`` (the notebook's globals); unpicklable variables are listed, not fatal."""
+        """Checkpoint ``ns`` (the notebook's globals); unpicklable variables are listed, not fatal.
+
+        Only variables whose fingerprint changed are pickled again; ``full`` re-pickles and
+        re-writes everything (after writes no fingerprint sees, see :mod:`pickling`).
+        """
         with self._lock:
             return self._take(ns, hidden, full, execution_count, extra or {})
 
@@ -119,77 +172,161 @@ class Checkpointer:
         except (OSError, store.UnsafeCheckpointError) as exc:
             raise CheckpointError(f"cannot use checkpoint directory {self.root}: {exc}") from exc
         with folder:
-            folder.remove_stale_tmp()
             if full:
                 self.cache.clear()
-            selection = namespace.select(ns, hidden)
-            lost: dict[str, str] = {name: "a module object that is not importable"
-                                    for name in selection.skipped}
-            blobs = pickling.BlobWriter(folder, self.cache)
-            groups: list[dict[str, Any]] = []
+                self._guard.clear()
+                self._saved = None
+            elif self._saved is not None and folder.identity(store.STATE_FILE) != self._saved.state:
+                # Not the file this process wrote (removed, replaced): nothing it names is
+                # trusted to be there; blobs are looked for again before they are reused.
+                self._saved = None
             try:
-                for names in group_names(selection.values, blobs, ns):
-                    saved = self._save_group(names, selection.values, blobs, ns, lost)
-                    if saved is not None:
-                        groups.append(saved)
-                groups += self._carry_deferred(ns, blobs)
-                rng_blob = blobs.group_blob(pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL))
-                # Blobs durable first, then the state file that names them: a kill or crash
-                # in between leaves the previous state whole, and its blobs untouched.
-                folder.sync_blobs(blobs.new_blobs)
-                names = sorted(name for group in groups for name in group["names"])
-                header: dict[str, Any] = {
-                    "format": FORMAT,
-                    "time": time.time(),
-                    "execution_count": execution_count,
-                    "names": names,
-                    "modules": selection.modules,
-                    "lost": lost,
-                    "groups": groups,
-                    "rng": rng_blob,
-                    "matplotlib_backend": _matplotlib_backend(),
-                    "blobs": blobs.referenced,
-                    "tensors_bytes": blobs.tensor_bytes,
-                    "pid": os.getpid(),
-                    **dict(extra),
-                }
-                with folder.atomic_writer(store.STATE_FILE) as fh:
-                    fh.write(MAGIC)
-                    _write_trailer(fh, header)
-            except OSError as exc:
+                if not self._cleaned:
+                    folder.remove_stale_tmp()
+                result, kept = self._write(folder, ns, hidden, execution_count, extra)
+            except (OSError, store.UnsafeCheckpointError) as exc:
+                self._guard.abandon()
                 raise CheckpointError(f"writing the checkpoint to {self.root} failed: {exc}") from exc
-            self._collect_garbage(folder, set(blobs.referenced))
-        result = CheckpointResult(
-            path=str(self.state_path),
-            time=header["time"],
-            seconds=time.monotonic() - started,
-            names=names,
-            modules=selection.modules,
-            lost=lost,
-            tensors_bytes=blobs.tensor_bytes,
-            bytes_written=blobs.bytes_written,
-            blobs_written=blobs.blobs_written,
-            execution_count=execution_count,
-            group_bytes_written=blobs.group_bytes_written,
-            groups_written=blobs.groups_written,
-        )
+            except BaseException:
+                self._guard.abandon()
+                raise
+            self._guard.commit()
+            if kept is not None:
+                self._collect_garbage(folder, kept)
+            self._cleaned = True
+        result.seconds = time.monotonic() - started
         self.last = result
         return result
+
+    def _write(
+        self, folder: store.CheckpointDir, ns: dict[str, Any], hidden: Mapping[str, object] | None,
+        execution_count: int | None, extra: Mapping[str, Any],
+    ) -> tuple[CheckpointResult, set[str] | None]:
+        """:meth:`_save` with a blob writer whose syncing threads stop whatever happens."""
+        saved = self._saved
+        selection = namespace.select(ns, hidden)
+        lost: dict[str, str] = {name: "a module object that is not importable"
+                                for name in selection.skipped}
+        blobs = pickling.BlobWriter(folder, self.cache, guard=self._guard,
+                                    trusted=saved.blobs.keys() if saved else _durable(folder))
+        try:
+            return self._save(folder, ns, selection, lost, blobs, execution_count, extra)
+        finally:
+            blobs.sync.close()
+
+    def _save(
+        self, folder: store.CheckpointDir, ns: dict[str, Any], selection: namespace.Selection,
+        lost: dict[str, str], blobs: pickling.BlobWriter, execution_count: int | None,
+        extra: Mapping[str, Any],
+    ) -> tuple[CheckpointResult, set[str] | None]:
+        """Save what changed and commit; (the result, the blobs to keep when some may have
+        become garbage, else None)."""
+        saved = self._saved
+        session = pickling.FingerprintSession(blobs, ns)
+        try:
+            taken = session.fingerprint_all(selection.values,
+                                            saved.fingerprints if saved else None)
+        finally:
+            session.close()
+        prints = taken.by_name
+        if (saved is not None and prints == saved.fingerprints.by_name
+                and None not in prints.values()):
+            # Every variable is as the last checkpoint saved it (a cell that printed, plotted).
+            groups, pickled, packs = saved.groups, 0, saved.packs
+            # And what it could not pickle it still cannot (a fingerprint can be taken of what
+            # does not pickle, a generator): it stays reported, or a restore would not say so.
+            lost.update((name, why) for name, why in saved.header["lost"].items() if name in prints)
+        else:
+            groups, pickled = self._save_changed(selection.values, prints, blobs, ns, lost)
+            packs = pack_groups(list(groups.values()), blobs,
+                                saved.packs.composition if saved else {})
+        carried = self._carry_deferred(ns)
+        rng_data = pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL)
+        rest: dict[str, Any] = {
+            "format": FORMAT, "modules": selection.modules, "lost": lost,
+            "rng": blobs.pack_blob(rng_data), "matplotlib_backend": _matplotlib_backend(),
+            **dict(extra),
+        }
+        rest_key = json.dumps([rest, carried], sort_keys=True)
+        now = time.time()
+        if (saved is not None and groups is saved.groups and rest_key == saved.rest
+                and not blobs.new_blobs):
+            # Nothing the checkpoint holds changed: the committed state stays as it is, and only
+            # when, and after which cell, it was last found current is noted, without an fsync
+            # (if that note is lost, a restore names an earlier cell; no variable is lost).
+            seen = {"state": saved.digest, "time": now, "execution_count": execution_count}
+            # Always as long: written in place, a shorter note would leave the old one's tail.
+            folder.overwrite(store.SEEN_FILE, json.dumps(seen).encode().ljust(_SEEN_BYTES))
+            self._saved = dataclasses.replace(saved, fingerprints=taken)
+            return self._result(saved.header, now, execution_count, blobs, pickled), None
+        records = [g.record for g in groups.values()] + carried
+        referenced = referenced_blobs(records, packs)
+        referenced[rest["rng"]] = len(rng_data)
+        header: dict[str, Any] = {
+            **rest,
+            "names": sorted(name for record in records for name in record["names"]),
+            "groups": records,
+            "blobs": referenced,
+            "tensors_bytes": sum({b: n for r in records
+                                  for b, n in r.get("tensors", {}).items()}.values()),
+            "buffers_bytes": sum({b: n for r in records for b, n in r.get("buffers", [])}.values()),
+            "time": now, "execution_count": execution_count, "pid": os.getpid(),
+        }
+        data = MAGIC + _trailer(header)
+        # Blobs durable first, then the state file that names them: a kill or crash in between
+        # leaves the previous state whole, and its blobs untouched.
+        folder.commit(store.STATE_FILE, data, blobs=blobs.sync)
+        self._saved = _Saved(taken, groups, packs, rest_key, referenced, header,
+                             folder.identity(store.STATE_FILE), tensor_io.digest(data))
+        return self._result(header, now, execution_count, blobs, pickled), set(referenced)
+
+    def _save_changed(
+        self, values: Mapping[str, Any], prints: Mapping[str, pickling.Fingerprint | None],
+        blobs: pickling.BlobWriter, ns: dict[str, Any], lost: dict[str, str],
+    ) -> tuple[dict[tuple[str, ...], _Group], int]:
+        """The groups of the namespace, each reused when its members' fingerprints did not change
+        since the last checkpoint, else pickled; (groups by names, how many were pickled)."""
+        saved = self._saved
+        groups: dict[tuple[str, ...], _Group] = {}
+        pickled = 0
+        for names in group_names(values, prints, blobs, ns):
+            old = saved.groups.get(tuple(names)) if saved else None
+            if old is not None and saved is not None and all(
+                prints[name] is not None and saved.fingerprints.by_name.get(name) == prints[name]
+                for name in names
+            ):
+                groups[tuple(names)] = old
+                continue
+            pickled += 1
+            group = self._save_group(names, values, blobs, ns, lost)
+            if group is not None:
+                groups[tuple(group.record["names"])] = group
+        return groups, pickled
+
+    def _result(self, header: Mapping[str, Any], now: float, execution_count: int | None,
+                blobs: pickling.BlobWriter, pickled: int) -> CheckpointResult:
+        return CheckpointResult(
+            path=str(self.state_path), time=now, seconds=0.0, names=header["names"],
+            modules=header["modules"], lost=header["lost"], tensors_bytes=header["tensors_bytes"],
+            bytes_written=blobs.bytes_written, blobs_written=blobs.blobs_written,
+            execution_count=execution_count, group_bytes_written=blobs.group_bytes_written,
+            groups_written=pickled, buffers_bytes=header["buffers_bytes"],
+        )
 
     def _save_group(
         self, names: list[str], values: Mapping[str, Any], blobs: pickling.BlobWriter,
         ns: dict[str, Any], lost: dict[str, str],
-    ) -> dict[str, Any] | None:
+    ) -> _Group | None:
         """Pickle variables that share references as one unit; members that fail are dropped."""
         members = {name: values[name] for name in names}
         for _attempt in range(MAX_ATTEMPTS):
             buffer = io.BytesIO()
-            mark = blobs.mark()
-            blobs.reached = {}
+            blobs.start_group()
             try:
                 pickling.NamespacePickler(buffer, blobs, ns).dump(members)
+            except pickling.BlobWriteError:
+                raise  # the disk, not the variables: the last good checkpoint stays
             except Exception as exc:
-                blobs.rollback(mark)
                 bad = {name: reason for name, value in members.items()
                        if (reason := pickling.unpicklable_reason(name, value, blobs, ns))}
                 # Nothing alone fails, yet the whole does: say so for every member.
@@ -201,34 +338,37 @@ class Checkpointer:
                     return None
                 continue
             data = buffer.getvalue()
-            tensors = {blob: nbytes for blob, (nbytes, _) in blobs.reached.items()}
-            on_gpu = sorted(blob for blob, (_, device) in blobs.reached.items() if device != "cpu")
-            return {"names": sorted(members), "blob": blobs.group_blob(data), "pickle": len(data),
-                    "tensors": tensors, "gpu": on_gpu}
+            record: dict[str, Any] = {"names": sorted(members), "pickle": len(data)}
+            # Only what the group has: a namespace of many small variables has a small header.
+            if blobs.reached:
+                record["tensors"] = {blob: n for blob, (n, _) in blobs.reached.items()}
+                record["gpu"] = sorted(b for b, (_, device) in blobs.reached.items()
+                                       if device != "cpu")
+            if blobs.buffers:
+                record["buffers"] = blobs.buffers
+            return _Group(record, data)
         for name in members:
             lost[name] = "pickling kept failing for the variables it shares objects with"
         return None
 
-    def _carry_deferred(self, ns: Mapping[str, Any], blobs: pickling.BlobWriter) -> list[dict[str, Any]]:
+    def _carry_deferred(self, ns: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The deferred groups, for names the notebook has not bound anew; their blobs kept."""
         carried = []
         for group in self.deferred:
             names = [name for name in group["names"] if name not in ns]
-            if not names:
-                continue
-            carried.append({**group, "names": names})
-            for blob, nbytes in {group["blob"]: 0, **group.get("tensors", {})}.items():
-                blobs.referenced.setdefault(blob, int(nbytes))
+            if names:
+                carried.append({**group, "names": names})
         self.deferred = carried
         return carried
 
     def _collect_garbage(self, folder: store.CheckpointDir, keep: set[str]) -> None:
         # Replaced blobs are deleted off the critical path: unlinking gigabytes takes a while.
-        # The cache forgets them first, so no later checkpoint can name a blob being deleted.
+        # The caches forget them first, so no later checkpoint can name a blob being deleted.
         stale = folder.unreferenced_blobs(keep)
         if not stale:
             return
         self.cache.forget_blobs(set(stale))
+        self._guard.forget_blobs(set(stale))
         self._gc = threading.Thread(target=_remove_blobs, args=(folder.dup(), stale),
                                     name="gpufrac-checkpoint-gc", daemon=True)
         self._gc.start()
@@ -294,29 +434,33 @@ class Checkpointer:
         target: dict[str, Any] = {}
         lost: dict[str, str] = {}
         moved_to_cpu = 0
-        for group in groups:
-            names = [str(name) for name in group.get("names", [])]
-            try:
-                data = folder.read_bytes(str(group["blob"]), blob=True)
-                unpickler = pickling.NamespaceUnpickler(
-                    io.BytesIO(data), folder, ns, device,
-                    lambda t, b: restored_tensors.append((t, b)), storages,
-                )
-                values = unpickler.load()
-                moved_to_cpu += unpickler.moved_to_cpu_bytes
-            except store.UnsafeCheckpointError as exc:
-                raise CheckpointError(str(exc)) from exc
-            except oom_types() as exc:
-                # Out of GPU memory is about where tensors go, not about this group: the
-                # caller retries on the host rather than losing the variables.
-                raise CheckpointError(f"out of GPU memory while restoring {names}") from exc
-            except Exception as exc:
-                # One group that cannot be rebuilt costs only its own variables.
-                why = f"could not be loaded: {type(exc).__name__}: {exc}"[:300]
-                lost.update(dict.fromkeys(names, why))
-                continue
-            # A carried group names only the members not bound anew since it was deferred.
-            target.update({name: value for name, value in values.items() if name in names})
+        with _ReadAhead(folder, groups) as ahead:
+            for group in groups:
+                names = [str(name) for name in group.get("names", [])]
+                try:
+                    data = _group_pickle(group, ahead)
+                    unpickler = pickling.NamespaceUnpickler(
+                        io.BytesIO(data), folder, ns, device,
+                        lambda t, b: restored_tensors.append((t, b)), storages,
+                        buffers=(ahead.buffer(str(blob), int(n))
+                                 for blob, n in group.get("buffers", [])),
+                        fetch=ahead.storage,
+                    )
+                    values = unpickler.load()
+                    moved_to_cpu += unpickler.moved_to_cpu_bytes
+                except store.UnsafeCheckpointError as exc:
+                    raise CheckpointError(str(exc)) from exc
+                except oom_types() as exc:
+                    # Out of GPU memory is about where tensors go, not about this group: the
+                    # caller retries on the host rather than losing the variables.
+                    raise CheckpointError(f"out of GPU memory while restoring {names}") from exc
+                except Exception as exc:
+                    # One group that cannot be rebuilt costs only its own variables.
+                    why = f"could not be loaded: {type(exc).__name__}: {exc}"[:300]
+                    lost.update(dict.fromkeys(names, why))
+                    continue
+                # A carried group names only the members not bound anew since it was deferred.
+                target.update({name: value for name, value in values.items() if name in names})
         return target, lost, restored_tensors, moved_to_cpu
 
     def _load(
@@ -324,15 +468,12 @@ class Checkpointer:
         budget: int | None, measure: str,
     ) -> LoadResult:
         try:
-            data = folder.read_bytes(store.STATE_FILE)
+            header = self._header(folder)
         except store.UnsafeCheckpointError as exc:
             raise CheckpointError(str(exc)) from exc
         except FileNotFoundError as exc:
             raise CheckpointError(f"there is no checkpoint in {self.root}") from exc
-        header, _ = _read_trailer(io.BytesIO(data), self.state_path)
-        if header.get("format") != FORMAT:
-            raise CheckpointError(f"the checkpoint in {self.root} has format "
-                                  f"{header.get('format')!r}; this version reads {FORMAT}")
+        _check_format(header, self.root, "nothing was loaded")
         groups = [g for g in header.get("groups", []) if isinstance(g, dict)]
         deferred = defer(groups, budget, measure) if budget is not None else []
         target, lost, restored_tensors, moved_to_cpu = self._load_groups(
@@ -377,10 +518,54 @@ class Checkpointer:
         or it is not ours alone."""
         try:
             with store.CheckpointDir.open(self.root) as folder:
-                data = folder.read_bytes(store.STATE_FILE)
-            return _read_trailer(io.BytesIO(data), self.state_path)[0]
+                return self._header(folder)
         except (OSError, CheckpointError, store.UnsafeCheckpointError):
             return None
+
+    def _header(self, folder: store.CheckpointDir) -> dict[str, Any]:
+        """The state file's header, with when and after which cell it was last found current."""
+        data = folder.read_bytes(store.STATE_FILE)
+        header, _ = _read_trailer(io.BytesIO(data), self.state_path)
+        try:
+            seen = json.loads(folder.read_bytes(store.SEEN_FILE))
+        except (FileNotFoundError, ValueError):
+            return header
+        if isinstance(seen, dict) and seen.get("state") == tensor_io.digest(data):
+            header.update(time=seen.get("time"), execution_count=seen.get("execution_count"))
+        return header
+
+
+def _check_format(header: Mapping[str, Any], root: Path, outcome: str) -> None:
+    """Refuse a checkpoint this version cannot read, saying why and what to do."""
+    found = header.get("format")
+    if found in READS:
+        return
+    reads = " and ".join(map(str, READS))
+    if isinstance(found, int) and found > FORMAT:
+        raise CheckpointError(
+            f"the checkpoint in {root} has format {found}, written by a newer jupyter-gpufrac "
+            f"(this version reads formats {reads}); {outcome}. Install that newer version in "
+            f"this kernel's environment and restart the kernel to restore it, or move {root} "
+            f"away to start afresh.")
+    raise CheckpointError(f"the checkpoint in {root} has format {found!r}, which this version "
+                          f"of jupyter-gpufrac does not read (it reads formats {reads}); {outcome}.")
+
+
+def _durable(folder: store.CheckpointDir) -> set[str]:
+    """The blobs the committed state on disk names: its writer synced them before committing.
+
+    A state of a newer format is refused: writing over it would delete the variables it holds,
+    which a newer version could still restore.
+    """
+    try:
+        header, _ = _read_trailer(io.BytesIO(folder.read_bytes(store.STATE_FILE)), folder.path)
+    except (OSError, ValueError, CheckpointError, store.UnsafeCheckpointError):
+        return set()  # none, or not ours alone: nothing is taken as synced
+    found = header.get("format")
+    if isinstance(found, int) and found > FORMAT:
+        _check_format(header, folder.path, "it was not overwritten")
+    blobs = header.get("blobs")
+    return {str(name) for name in blobs} if isinstance(blobs, dict) else set()
 
 
 def _remove_blobs(folder: store.CheckpointDir, names: list[str]) -> None:
@@ -407,8 +592,8 @@ def components(items: Iterable[T], joined: Iterable[tuple[T, T]]) -> list[list[T
 
 
 def group_size(groups: list[dict[str, Any]], measure: str) -> int:
-    """Bytes ``groups`` take once loaded: ``bytes`` (pickles and storages, each storage once)
-    or ``gpu_bytes`` (storages that go to the GPU)."""
+    """Bytes ``groups`` take once loaded: ``bytes`` (pickles, buffers and storages, each storage
+    once) or ``gpu_bytes`` (storages that go to the GPU)."""
     tensors: dict[str, int] = {}
     on_gpu: set[str] = set()
     for group in groups:
@@ -416,7 +601,9 @@ def group_size(groups: list[dict[str, Any]], measure: str) -> int:
         on_gpu.update(group.get("gpu", []))
     if measure == "gpu_bytes":
         return sum(int(n) for blob, n in tensors.items() if blob in on_gpu)
-    return sum(int(g.get("pickle", 0)) for g in groups) + sum(int(n) for n in tensors.values())
+    buffers = sum(int(n) for group in groups for _, n in group.get("buffers", []))
+    return (sum(int(g.get("pickle", 0)) for g in groups) + sum(int(n) for n in tensors.values())
+            + buffers)
 
 
 def defer(groups: list[dict[str, Any]], budget: int, measure: str) -> list[dict[str, Any]]:
@@ -445,31 +632,184 @@ def defer(groups: list[dict[str, Any]], budget: int, measure: str) -> list[dict[
 
 
 def group_names(
-    values: Mapping[str, Any], blobs: pickling.BlobWriter, ns: dict[str, Any]
+    values: Mapping[str, Any], prints: Mapping[str, pickling.Fingerprint | None],
+    blobs: pickling.BlobWriter, ns: dict[str, Any],
 ) -> list[list[str]]:
     """Names whose values share objects (aliases, a model and its optimizer, an instance and its
     cell class), grouped: each group is pickled as one unit so they stay shared after a restore.
 
-    Each value is pickled alone, without writing anything, to learn what it reaches; a value
-    that cannot be pickled alone is its own group (its failure is reported when it is saved).
+    A fingerprint says what each value reaches; a value without one is pickled alone, without
+    writing anything, to learn it. A value that cannot be pickled alone is its own group (its
+    failure is reported when it is saved).
     """
     owner: dict[int, str] = {}
     joined: list[tuple[str, str]] = []
     dry = pickling.BlobWriter(blobs.folder, blobs.cache, dry=True)
-    # Everything each pickling met stays alive until the grouping is done: a temporary freed
-    # after one variable's pickling could lend its id to an object of the next one.
+    # Everything each dry pickling met stays alive until the grouping is done: a temporary
+    # freed after one variable's pickling could lend its id to an object of the next one.
     alive: list[Any] = []
     for name, value in values.items():
-        pickler = pickling.NamespacePickler(pickling.NullSink(), dry, ns)
-        wrapper = {name: value}
-        try:
-            pickler.dump(wrapper)
-        except Exception:
-            continue
-        alive.append(pickler.memo.copy())
-        joined += [(name, owner.setdefault(key, name))
-                   for key in pickler.shared_ids() - {id(wrapper)}]
+        found = prints[name]
+        if found is not None:
+            shared: Iterable[int] = found[1]
+        else:
+            pickler = pickling.NamespacePickler(pickling.NullSink(), dry, ns)
+            wrapper = {name: value}
+            try:
+                pickler.dump(wrapper)
+            except Exception:
+                continue
+            alive.append(pickler.memo.copy())
+            shared = pickler.shared_ids() - {id(wrapper)}
+        joined += [(name, owner.setdefault(key, name)) for key in shared]
     return [sorted(names) for names in components(values, joined)]
+
+
+def pack_groups(
+    groups: list[_Group], blobs: pickling.BlobWriter, known: Mapping[tuple[int, ...], str]
+) -> _Packs:
+    """Put the groups' pickles into content-addressed packs and set each record's place.
+
+    Small pickles share packs, so a namespace of many small variables is a few files; which
+    pack a group joins depends on the names alone (a pack ends after a group whose first name
+    hashes to 0 modulo PACK_SPREAD, or once it holds PACK_BYTES), so a change rewrites one
+    pack of about PACK_SPREAD groups and a new variable moves no others. ``known`` maps packs
+    by the pickles they hold, to skip hashing a pack that did not change.
+    """
+    small = sorted((g for g in groups if g.data is not None and len(g.data) < PACK_BYTES),
+                   key=lambda g: g.record["names"][0])
+    runs: list[list[_Group]] = [[]]
+    size = 0
+    for group in small:
+        runs[-1].append(group)
+        size += len(group.data or b"")
+        if size >= PACK_BYTES or zlib.crc32(group.record["names"][0].encode()) % PACK_SPREAD == 0:
+            runs.append([])
+            size = 0
+    packs = _Packs({}, {})
+    for run in filter(None, runs):
+        pickles = [g.data or b"" for g in run]
+        # The pickles are held by the groups as long as this key is kept: ids stay theirs.
+        key = tuple(id(data) for data in pickles)
+        name = known.get(key)
+        if name is None or blobs.found(name) is None:
+            name = blobs.pack_blob(b"".join(pickles))
+        packs.composition[key] = name
+        _place(run, name, packs)
+    for group in groups:
+        if group.data is not None and len(group.data) >= PACK_BYTES:
+            # A pack of its own, reused whole while the group is; its pickle is not kept.
+            _place([group], blobs.pack_blob(group.data), packs)
+            group.data = None
+        elif group.data is None:
+            packs.sizes[group.record["blob"]] = int(group.record["pickle"])
+    return packs
+
+
+def _place(run: list[_Group], name: str, packs: _Packs) -> None:
+    offset = 0
+    for group in run:
+        group.record.update(blob=name, offset=offset)
+        offset += len(group.data or b"")
+    packs.sizes[name] = offset
+
+
+def referenced_blobs(records: list[dict[str, Any]], packs: _Packs) -> dict[str, int]:
+    """Every blob the records name, with its size."""
+    found: dict[str, int] = {}
+    for record in records:
+        blob = str(record["blob"])
+        found[blob] = packs.sizes.get(blob, int(record.get("offset", 0)) + int(record["pickle"]))
+        found.update(record.get("tensors", {}))
+        found.update((str(b), int(n)) for b, n in record.get("buffers", []))
+    return found
+
+
+def _group_pickle(group: Mapping[str, Any], ahead: _ReadAhead) -> memoryview:
+    """The pickle of one group, cut out of its pack."""
+    pack = ahead.pack(str(group["blob"]))
+    offset, length = int(group.get("offset", 0)), int(group["pickle"])
+    if offset < 0 or length < 0 or offset + length > len(pack):
+        raise ValueError(f"pack {group['blob']} is shorter than the checkpoint says")
+    return memoryview(pack)[offset:offset + length]
+
+
+class _ReadAhead:
+    """Reads the storages and buffers a restore needs ahead of the unpickling, several at once
+    (the disk sees a queue, and reading overlaps unpickling), at most READ_AHEAD bytes ahead.
+
+    A storage is read once (groups that view one storage share it); a buffer once per use
+    (two arrays must not share memory because their bytes are equal).
+    """
+
+    def __init__(self, folder: store.CheckpointDir, groups: list[dict[str, Any]]) -> None:
+        self._folder = folder
+        self._plan: list[tuple[str, str, int]] = []
+        planned: set[str] = set()
+        for group in groups:
+            once = [("pack", str(group.get("blob")), int(group.get("pickle", 0)))] + [
+                ("storage", str(b), int(n)) for b, n in group.get("tensors", {}).items()]
+            for kind, blob, nbytes in once:
+                if blob not in planned:
+                    planned.add(blob)
+                    self._plan.append((kind, blob, nbytes))
+            self._plan += [("buffer", str(b), int(n)) for b, n in group.get("buffers", [])]
+        if any(kind == "storage" for kind, _, _ in self._plan):
+            # Here, not in a reading thread: torch's first import is not safe to run in two
+            # threads at once (the unpickler may import it meanwhile).
+            import torch  # noqa: F401
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpufrac-restore")
+        self._pending: dict[tuple[str, str], collections.deque[Future[Any]]] = {}
+        self._next = 0
+        self._ahead = 0
+        self._packs: dict[str, bytes] = {}
+
+    def __enter__(self) -> _ReadAhead:
+        self._fill()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fill(self) -> None:
+        while self._next < len(self._plan) and (self._ahead < READ_AHEAD or not self._pending):
+            kind, blob, nbytes = self._plan[self._next]
+            self._next += 1
+            future = self._pool.submit(self._read, kind, blob, nbytes)
+            self._pending.setdefault((kind, blob), collections.deque()).append(future)
+            self._ahead += nbytes
+
+    def _read(self, kind: str, blob: str, nbytes: int) -> Any:
+        if kind == "pack":
+            return tensor_io.read_pack(self._folder, blob)
+        if kind == "storage":
+            return tensor_io.read_storage(self._folder, blob, nbytes, "cpu")
+        return tensor_io.read_buffer(self._folder, blob, nbytes)
+
+    def _take(self, kind: str, blob: str, nbytes: int) -> Any:
+        queue = self._pending.get((kind, blob))
+        if not queue:
+            return self._read(kind, blob, nbytes)  # not planned (a damaged header): read now
+        future = queue.popleft()
+        if not queue:
+            del self._pending[(kind, blob)]
+        self._ahead -= nbytes
+        self._fill()
+        return future.result()
+
+    def pack(self, blob: str) -> bytes:
+        """Pack ``blob``'s bytes (read once: the groups in it share them)."""
+        if blob not in self._packs:
+            self._packs[blob] = self._take("pack", blob, 0)
+        return self._packs[blob]
+
+    def storage(self, blob: str, nbytes: int) -> Any:
+        """Storage ``blob`` in host memory."""
+        return self._take("storage", blob, nbytes)
+
+    def buffer(self, blob: str, nbytes: int) -> Any:
+        """A new writable buffer holding ``blob``."""
+        return self._take("buffer", blob, nbytes)
 
 
 def _matplotlib_backend() -> str | None:
@@ -498,11 +838,9 @@ def oom_types() -> tuple[type[BaseException], ...]:
     return torch_adapter.oom_exception_types()
 
 
-def _write_trailer(fh: IO[bytes], header: dict[str, Any]) -> None:
-    data = json.dumps(header, sort_keys=True).encode()
-    fh.write(data)
-    fh.write(_TRAILER.pack(len(data)))
-    fh.write(MAGIC)
+def _trailer(header: dict[str, Any]) -> bytes:
+    data = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return data + _TRAILER.pack(len(data)) + MAGIC
 
 
 def _read_trailer(fh: IO[bytes], path: Path) -> tuple[dict[str, Any], int]:

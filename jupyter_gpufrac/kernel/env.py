@@ -43,6 +43,8 @@ class KernelEnv:
     # or the kernel id names the directory); a pid-named fallback cannot.
     checkpoint_dir_stable: bool = False
     restore: bool = False
+    # Started parked: the lease holds no GPU until the next cell asks for one.
+    parked: bool = False
     restart_reason: RestartReason | None = None
     # Where the request and the limit came from ({"request": "kernelspec", ...}), if said.
     share_source: dict[str, str | None] = field(default_factory=dict)
@@ -165,6 +167,7 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_dir=checkpoint_dir,
         checkpoint_dir_stable=bool(raw_dir or kernel_id),
         restore=restore,
+        parked=env.get(contract.PARKED, "") == "1",
         restart_reason=parse_restart_reason(raw_reason) if raw_reason else None,
         share_source=_share_source(env.get(contract.SHARE_SOURCE, ""), problems),
         remembered_request=(Path(env[contract.REMEMBERED_REQUEST])

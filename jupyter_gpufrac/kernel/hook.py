@@ -11,8 +11,11 @@ import threading
 import time
 import types
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
+
+import psutil
+from IPython.core.error import UsageError
 
 from jupyter_gpufrac.kernel import env as kenv
 from jupyter_gpufrac.kernel import (
@@ -34,6 +37,12 @@ log = logging.getLogger(__name__)
 
 AGENT_CALL_TIMEOUT = 5.0
 FIRST_LINE_CHARS = 80
+# A parked kernel restores into host memory up to this share of what is available; the rest
+# stays in the checkpoint (`%gpu restore` loads it).
+HOST_ROOM_SHARE = 0.8
+# How often a cell waiting for a GPU asks the agent again (seconds, growing to the second).
+UNPARK_POLL_FIRST_S = 0.1
+UNPARK_POLL_MAX_S = 2.0
 
 
 def cell_label(execution_count: int | None, source: str) -> str:
@@ -82,11 +91,19 @@ class GpuFracHook:
         self.tensorflow_capped: list[str] = []
         self._cells_path = environment.checkpoint_dir / store.CELLS_FILE
         self._previous_cells = self._read_previous_cells()
+        # Started parked: CUDA stays untouched until a cell gets a GPU back (see unpark).
+        self.parked = environment.parked
+        # (message id, why) of the last cell that did not get a GPU back.
+        self._unpark_refused: tuple[str, str] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         """Register callbacks, cap torch, restore if asked, start following the agent."""
+        if self.parked:
+            # Before anything can import torch (the restore does) and ask it about CUDA.
+            torch_adapter.hold_cuda()
+            self.ip.input_transformers_post.append(self._unpark_before_cell)
         server_channel.register(self)
         self.ip.events.register("pre_execute", self.pre_execute)
         self.ip.events.register("pre_run_cell", self.pre_run_cell)
@@ -127,6 +144,8 @@ class GpuFracHook:
             self.ip.set_custom_exc((), None)
         if self.watcher is not None:
             self.watcher.stop()
+        with contextlib.suppress(ValueError):
+            self.ip.input_transformers_post.remove(self._unpark_before_cell)
         server_channel.unregister()
 
     # -- torch -------------------------------------------------------------------------------
@@ -358,6 +377,9 @@ class GpuFracHook:
         room = self._room() if at_start else None
         # The simulated node counts a kernel's whole memory; a GPU counts its device memory.
         measure = "bytes" if self.env.simulated else "gpu_bytes"
+        if self.parked:
+            # Everything lands in host memory (the park moved GPU tensors there first).
+            room, measure = int(psutil.virtual_memory().available * HOST_ROOM_SHARE), "bytes"
         cpu_fallback = False
         try:
             try:
@@ -476,6 +498,103 @@ class GpuFracHook:
         self.offloaded = left
         return back, left, note
 
+    # -- parking -----------------------------------------------------------------------------
+
+    def park_for_server(self) -> dict[str, Any]:
+        """The server parks this kernel next: GPU tensors go to host memory, then a checkpoint
+        records them and where they were (raises CheckpointError; then nothing stays moved)."""
+        allocated = torch_adapter.allocated_bytes() or 0
+        available = int(psutil.virtual_memory().available)
+        if allocated > available * HOST_ROOM_SHARE:
+            raise CheckpointError(
+                f"its GPU tensors ({messages.fmt_bytes(allocated)}) do not fit in the host memory "
+                f"available ({messages.fmt_bytes(available)}), so it keeps its GPU")
+        moved = self.release(cache_only=False)
+        try:
+            result = self.checkpoint()
+        except BaseException:
+            self.offloaded = [r for r in self.offloaded if r not in moved]
+            offload.reload(self.ip.user_ns, moved, None)
+            raise
+        return {"checkpoint": result.to_json(),
+                "offloaded_bytes": sum(r.nbytes for r in moved)}
+
+    def _unpark_before_cell(self, lines: list[str]) -> list[str]:
+        """An input transformer: IPython runs it before the cell, and what it raises stops the
+        cell from running (the error is the cell's output)."""
+        if not self.parked:
+            return lines
+        parent = getattr(self.ip, "parent_header", None)
+        parent = parent if isinstance(parent, dict) else {}
+        if (parent.get("content") or {}).get("silent"):
+            return lines
+        # ipykernel may transform one cell twice: a wait given up on is not begun again.
+        msg_id = str((parent.get("header") or {}).get("msg_id") or "")
+        if self._unpark_refused is not None and self._unpark_refused[0] == msg_id:
+            raise UsageError(self._unpark_refused[1])
+        try:
+            self.unpark()
+        except UsageError as exc:
+            self._unpark_refused = (msg_id, str(exc))
+            raise
+        return lines
+
+    def unpark(self) -> None:
+        """Get a GPU back (waiting, interruptibly, while none has room), let CUDA see it, and
+        move the parked tensors back; raises UsageError when the cell must not run."""
+        started = time.monotonic()
+        lease_id = self.env.lease_id
+        if not lease_id:
+            return
+        client = make_client(self.env.agent_socket)
+        try:
+            lease = client.unpark(lease_id)
+            delay, told = UNPARK_POLL_FIRST_S, False
+            while lease.get("state") != "active":
+                if not told:
+                    print(messages.waiting_for_gpu(lease.get("reason")), flush=True)
+                    told = True
+                time.sleep(delay)
+                delay = min(delay * 1.5, UNPARK_POLL_MAX_S)
+                lease = client.lease(lease_id)
+        except KeyboardInterrupt:
+            with contextlib.suppress(Exception):  # parked again, or it would take a GPU unseen
+                client.park(lease_id)
+            raise UsageError("gpufrac: stopped waiting for a GPU; the cell did not run and the "
+                             "kernel stays parked. Run a cell to wait again.") from None
+        except Exception as exc:  # the agent refused or went away: nothing changed here
+            raise UsageError(f"gpufrac: this kernel is parked and could not get a GPU back: "
+                             f"{exc}. The cell did not run; run it again, or see `%gpu`.") from None
+        uuids = [str(u) for u in lease.get("physical_gpus") or []]
+        if not torch_adapter.attach_cuda(",".join(uuids)):
+            raise UsageError(
+                "gpufrac: CUDA was initialised in this kernel while it was parked (by code sent "
+                "outside a cell), so it cannot see the GPU it got back. Restart the kernel.")
+        self._take_gpu(client, lease, uuids)
+        back, left, _ = self.reload()
+        print(messages.unparked(self.gpu_label(), time.monotonic() - started,
+                                [r.name for r in back], sum(r.nbytes for r in back),
+                                [r.name for r in left]), flush=True)
+
+    def _take_gpu(self, client: Any, lease: Mapping[str, Any], uuids: list[str]) -> None:
+        """Where the kernel runs from now on, as the agent placed it."""
+        gpu: dict[str, Any] = {}
+        with contextlib.suppress(Exception):  # the labels only; the GPU is the lease's
+            gpu = next((g for g in client.node().get("gpus", []) if g.get("uuid") in uuids), {})
+        self.env = replace(
+            self.env, parked=False, gpu_uuid=uuids[0] if uuids else None,
+            gpu_index=gpu.get("index"), gpu_name=gpu.get("name"),
+            gpu_total=gpu.get("memory_total"), context=int(gpu.get("context_size") or 0))
+        self.parked = False
+        with contextlib.suppress(ValueError):
+            self.ip.input_transformers_post.remove(self._unpark_before_cell)
+        self.apply_cap()
+
+    def gpu_label(self) -> str:
+        """``GPU 1`` (or its UUID): where this kernel runs, for people."""
+        return (f"GPU {self.env.gpu_index}" if self.env.gpu_index is not None
+                else self.env.gpu_uuid or "its GPU")
+
     # -- agent -------------------------------------------------------------------------------
 
     def lease_info(self, timeout: float = AGENT_CALL_TIMEOUT) -> dict[str, Any] | None:
@@ -534,6 +653,7 @@ class GpuFracHook:
             "agent_available": None if self.watcher is None else self.watcher.available,
             "agent_error": None if self.watcher is None else self.watcher.last_error,
             "pid": os.getpid(),
+            "parked": self.parked,
         }
 
 

@@ -15,7 +15,8 @@ from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
 from node_agent.caps import mps_running
 
-SUBCOMMANDS = ("status", "request", "checkpoint", "restore", "reload", "release")
+SUBCOMMANDS = ("status", "request", "checkpoint", "restore", "reload", "release", "park",
+               "unpark")
 
 
 class _HelpShown(Exception):
@@ -79,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "GPU tensors to host memory; `%gpu reload` brings them back.")
     rel.add_argument("--cache-only", action="store_true",
                      help="only empty the allocator cache; keep tensors on the GPU")
+    sub.add_parser("park", help="give the GPU back once this cell ends; keep the variables",
+                   description="After this cell, the server checkpoints this kernel and restarts "
+                   "it without a GPU (tensors in host memory): its lease holds no GPU memory. "
+                   "The next cell gets a GPU first (maybe another one), then runs. Kernels idle "
+                   "for c.GpuFrac.park_after seconds are parked the same way.")
+    sub.add_parser("unpark", help="get a GPU back now (any cell of a parked kernel does)",
+                   description="A parked kernel gets a GPU back before its next cell runs; this "
+                   "cell is one, so after it the kernel has one. Waits while no GPU has room "
+                   "(interrupt to stop waiting).")
     return parser
 
 
@@ -163,7 +173,11 @@ class GpuMagic:
             # Never "guaranteed" on faith: without the agent's word the share is unverified.
             return (f"agent unreachable at {hook.env.agent_socket}: this kernel's share cannot be "
                     "verified; it keeps running on its GPU, and cells still run")
-        if hook.state.shrinking or agent_state == "shrinking":
+        if hook.parked or agent_state == "parked":
+            text = "parked: holds no GPU; the next cell gets one first, then runs"
+        elif agent_state == "pending":
+            text = "waiting for a GPU with room"
+        elif hook.state.shrinking or agent_state == "shrinking":
             text = "shrinking: memory lent to this kernel is being reclaimed"
         elif agent_state == "migrating":
             text = "migrating: the agent is moving this kernel to another GPU"
@@ -339,3 +353,31 @@ class GpuMagic:
                   "and emptied the allocator cache; `%gpu reload` brings them back.")
         else:
             print("gpufrac: emptied the allocator cache; no GPU tensors to move.")
+
+    def do_park(self, args: argparse.Namespace) -> None:
+        env = self.hook.env
+        if not env.has_lease or not env.lease_id:
+            raise UsageError("%gpu park: this kernel has no GPU lease to give back. "
+                             + env.no_lease_reason())
+        if self.hook.parked:
+            print("gpufrac: this kernel is parked already.")
+            return
+        from node_agent.client import AgentError
+
+        try:
+            make_client(env.agent_socket).park_request(env.lease_id)
+        except AgentError as exc:
+            raise UsageError(f"%gpu park: the agent refused: {exc}") from None
+        print("gpufrac: parking once this cell ends: the server checkpoints this kernel and "
+              "restarts it without a GPU, keeping its variables (unless another cell starts "
+              "within seconds: then it keeps its GPU). The next cell gets a GPU first, then "
+              "runs.")
+
+    def do_unpark(self, args: argparse.Namespace) -> None:
+        # A parked kernel got its GPU back before this cell ran (see GpuFracHook.unpark).
+        if self.hook.parked:
+            self.hook.unpark()
+        if not self.hook.env.has_lease:
+            print("gpufrac: this kernel has no GPU lease.")
+            return
+        print(f"gpufrac: this kernel runs on {self.hook.gpu_label()}.")

@@ -69,6 +69,9 @@ def restart_cause(reason: RestartReason | None) -> str:
         head = "This kernel's process ended unexpectedly and was restarted"
     elif reason.cause == contract.CAUSE_PLACED:
         head = f"This kernel was restarted{gpus} because a GPU share became free for it"
+    elif reason.cause == contract.CAUSE_PARKED:
+        head = ("This kernel was parked: it gave its GPU back and keeps its variables in host "
+                "memory; the next cell gets a GPU first, then runs")
     else:
         head = "This kernel was restarted by jupyter-gpufrac"
     return f"{head}: {detail}." if detail else f"{head}."
@@ -139,6 +142,26 @@ def restore_message(
                          f"the CPU now, because {cpu_reason}; move them back with .cuda() "
                          "once there is room.")
     return "\n".join(f"gpufrac: {line}" for line in lines)
+
+
+def waiting_for_gpu(reason: str | None) -> str:
+    """What a cell of a parked kernel says while no GPU has room for it."""
+    why = (reason or "no GPU has room for this kernel's request now").strip().rstrip(".")
+    why = why.removeprefix("waiting for a GPU:").strip()  # the agent's own words may say it
+    return (f"gpufrac: waiting for a GPU: {why}. This cell runs as soon as one has room; "
+            "interrupt the kernel to stop waiting (the cell then does not run).")
+
+
+def unparked(gpu: str, seconds: float, back: Sequence[str], back_bytes: int,
+             still_away: Sequence[str]) -> str:
+    """The one line a cell of a parked kernel starts with once the kernel has a GPU again."""
+    line = f"gpufrac: back on {gpu} in {seconds:.2f} s"
+    if back:
+        line += f"; {plural(len(back), 'variable')} ({fmt_bytes(back_bytes)}) moved back onto it"
+    if still_away:
+        line += (f"; {names_list(sorted(still_away))} stay in host memory (no room under the "
+                 "cap): `%gpu reload` moves them once there is")
+    return line + "."
 
 
 # Messages of GPU memory failures that are not PyTorch's OutOfMemoryError, and who failed.

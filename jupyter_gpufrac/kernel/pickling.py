@@ -1,17 +1,29 @@
-"""One-pass namespace pickling: tensors go to separate blobs, cell functions keep the live globals."""
+"""Namespace pickling and change detection.
+
+Pickling (:class:`NamespacePickler`): cloudpickle with protocol 5; tensor storages and large
+out-of-band buffers (NumPy arrays, pandas columns) go to blobs of their own, cell functions keep
+the live globals. Change detection (:class:`FingerprintSession`): a variable's fingerprint is a
+pickle of it in which tensors stand as their storage blob (reused while their version counter
+says unchanged), large arrays as a hash of their bytes, and pandas arrays protected by
+copy-on-write as their identity; a variable whose fingerprint did not change is not pickled again.
+"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
-import hashlib
+import functools
+import gc
 import io
+import itertools
 import pickle
 import sys
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +32,65 @@ import cloudpickle
 
 from jupyter_gpufrac.kernel import store, tensor_io, torch_adapter
 
-TENSOR_TAG = "gpufrac.tensor"
-STORAGE_TAG = "gpufrac.storage"
-USER_NS_TAG = "gpufrac.user_ns"
+# Buffers at least this large are written out of band, as content-addressed blobs.
+BUFFER_MIN = 256 * 1024
+# Arrays at least this large are fingerprinted by a hash of their bytes rather than the bytes.
+_DIGEST_MIN = 4096
+# Fingerprints longer than this are kept as a hash.
+_FINGERPRINT_KEPT = 64 * 1024
+_MEMO_REUSED = 512  # a fingerprint pickler whose memo grew past this is replaced
+_BATCH_SPREAD = 64  # variables of built-in objects are fingerprinted about this many at once
+_DIRTY = itertools.count()  # tokens that never compare equal: "always pickled again"
+
+
+def _tensor_ref(*args: Any) -> Any:
+    """Names a tensor in a pickle; :class:`NamespaceUnpickler` resolves it, nothing calls it."""
+    raise pickle.UnpicklingError("a gpufrac tensor outside a gpufrac restore")
+
+
+def _storage_ref(*args: Any) -> Any:
+    """Names a bare storage in a pickle (see :func:`_tensor_ref`)."""
+    raise pickle.UnpicklingError("a gpufrac storage outside a gpufrac restore")
+
+
+def _user_ns_ref() -> Any:
+    """Names the notebook's namespace in a pickle (see :func:`_tensor_ref`)."""
+    raise pickle.UnpicklingError("a gpufrac namespace outside a gpufrac restore")
+
+
+def _fp(*args: Any) -> Any:
+    """The callable of fingerprint tokens: fingerprints are compared, never loaded."""
+    raise pickle.UnpicklingError("a gpufrac fingerprint cannot be loaded")
+
+
+_REFS = frozenset({_tensor_ref.__name__, _storage_ref.__name__, _user_ns_ref.__name__})
+# Format 2 named tensors, bare storages and the namespace by persistent ids with these tags.
+_V2_TENSOR = "gpufrac.tensor"
+_V2_STORAGE = "gpufrac.storage"
+_V2_USER_NS = ("gpufrac.user_ns",)
+
+
+class BlobWriteError(OSError):
+    """Writing a blob failed (disk full, over quota, an I/O error).
+
+    Not a fault of the variable being pickled: the checkpoint fails as a whole, so the last
+    good one stays, rather than committing one without the variables whose bytes did not fit.
+    """
+
+
+@contextlib.contextmanager
+def _writing_blobs() -> Iterator[None]:
+    """Turns a failed write into :class:`BlobWriteError`."""
+    try:
+        yield
+    except BlobWriteError:
+        raise
+    except OSError as exc:
+        raise BlobWriteError(exc.errno, exc.strerror or str(exc)) from exc
+
+
+class _NamespaceMarker(dict):
+    """Stands for the notebook's namespace as the globals of cell functions in a pickle."""
 
 
 @dataclass
@@ -35,11 +103,15 @@ class _Seen:
 
 @dataclass
 class _StorageEntry:
-    """The blob holding one storage, and every tensor on it that the last checkpoint met."""
+    """The blob holding one storage, and every tensor on it that the last checkpoint met.
+
+    Storages of tensors without a version counter are recognised by ``digest`` instead.
+    """
 
     blob: str
     nbytes: int
     tensors: dict[int, _Seen] = field(default_factory=dict)
+    digest: str | None = None
 
 
 class IncrementalCache:
@@ -50,59 +122,66 @@ class IncrementalCache:
     count: tensors restored separately onto one storage (a tensor and its view) have version
     counters of their own, so a change through one is seen only on that one. A tensor that
     died meanwhile could have written to the storage: its storage is written again.
-    Writes that bypass the version counter (``t.data.add_()``, writing through ``t.numpy()``)
-    are not seen: take a full checkpoint (``%gpu checkpoint --full``) after those.
+    Tensors made under ``torch.inference_mode()`` have no version counter: their storage is
+    hashed instead. Writes that bypass the version counter (``t.data.add_()``, writing through
+    ``t.numpy()``) are not seen: take a full checkpoint (``%gpu checkpoint --full``) after those.
     """
 
     def __init__(self) -> None:
-        self._storages: dict[tuple[str, int], _StorageEntry] = {}
+        self._storages: dict[tuple[int, int], _StorageEntry] = {}
 
     def __len__(self) -> int:
         return sum(len(e.tensors) for e in self._storages.values())
 
     @staticmethod
-    def _key(tensor: Any) -> tuple[str, int]:
-        return (str(tensor.device), int(tensor.untyped_storage().data_ptr()))
+    def _key(tensor: Any, storage: Any) -> tuple[int, int]:
+        return (int(tensor.get_device()), int(storage.data_ptr()))
 
-    def lookup(self, tensor: Any) -> str | None:
-        """The blob holding ``tensor``'s storage if nothing on it changed, or None."""
-        if _no_version(tensor):
-            return None
-        entry = self._storages.get(self._key(tensor))
-        if entry is None or entry.nbytes != tensor.untyped_storage().nbytes():
+    def lookup(self, tensor: Any, storage: Any = None) -> str | None:
+        """The blob holding ``tensor``'s storage (``storage``, when the caller has it) if
+        nothing on it changed, or None."""
+        storage = tensor.untyped_storage() if storage is None else storage
+        entry = self._storages.get(self._key(tensor, storage))
+        if entry is None or entry.nbytes != storage.nbytes():
             return None
         if id(tensor) not in entry.tensors:
             return None  # a tensor new on this storage: it may have written to it
+        if entry.digest is not None:
+            return entry.blob if entry.digest == tensor_io.storage_digest(storage) else None
         for key, seen in entry.tensors.items():
             alive = seen.ref()
             if alive is None or id(alive) != key or int(alive._version) != seen.version:
                 return None
         return entry.blob
 
-    def remember(self, tensor: Any, blob: str) -> None:
+    def remember(self, tensor: Any, blob: str, storage: Any = None) -> None:
         """Record that ``blob`` holds ``tensor``'s storage as it is now."""
-        if _no_version(tensor):
-            return  # without a version counter a change cannot be seen: always written
-        storage_key = self._key(tensor)
-        nbytes = int(tensor.untyped_storage().nbytes())
+        storage = tensor.untyped_storage() if storage is None else storage
+        storage_key = self._key(tensor, storage)
+        nbytes = int(storage.nbytes())
         entry = self._storages.get(storage_key)
         if entry is None or entry.blob != blob or entry.nbytes != nbytes:
             # The storage was just written: tensors still on it are as the new blob has them.
             kept = {} if entry is None else {
-                k: _Seen(seen.ref, int(alive._version)) for k, seen in entry.tensors.items()
+                k: _Seen(seen.ref, _version(alive)) for k, seen in entry.tensors.items()
                 if (alive := seen.ref()) is not None and id(alive) == k
             }
-            entry = self._storages[storage_key] = _StorageEntry(blob, nbytes, kept)
+            digest = tensor_io.storage_digest(storage) if _no_version(tensor) else None
+            entry = self._storages[storage_key] = _StorageEntry(blob, nbytes, kept, digest)
         key = id(tensor)
+        seen = entry.tensors.get(key)
+        if seen is not None and seen.ref() is tensor:
+            seen.version = _version(tensor)  # known already: its new version is all there is
+            return
 
         # A tensor that dies may have changed its storage last: the storage is then written
         # again (and ids of dead tensors are never confused with new ones).
-        def forget(dead: weakref.ref[Any], storage_key: tuple[str, int] = storage_key) -> None:
+        def forget(dead: weakref.ref[Any], storage_key: tuple[int, int] = storage_key) -> None:
             self._drop(storage_key, dead)
 
-        entry.tensors[key] = _Seen(weakref.ref(tensor, forget), int(tensor._version))
+        entry.tensors[key] = _Seen(weakref.ref(tensor, forget), _version(tensor))
 
-    def _drop(self, storage_key: tuple[str, int], ref: weakref.ref[Any]) -> None:
+    def _drop(self, storage_key: tuple[int, int], ref: weakref.ref[Any]) -> None:
         entry = self._storages.get(storage_key)
         if entry is not None and any(seen.ref is ref for seen in entry.tensors.values()):
             del self._storages[storage_key]
@@ -118,40 +197,125 @@ class IncrementalCache:
 
 
 def _no_version(tensor: Any) -> bool:
-    # Tensors made under torch.inference_mode() raise on ``_version``.
+    # Tensors created under torch.inference_mode() raise on ``_version``.
     is_inference = getattr(tensor, "is_inference", None)
     return bool(is_inference is not None and is_inference())
 
 
+def _version(tensor: Any) -> int:
+    return -1 if _no_version(tensor) else int(tensor._version)
+
+
+class PandasGuard:
+    """Makes a pandas array's identity say whether it changed.
+
+    With copy-on-write (always on from pandas 3), a DataFrame or Series whose data another
+    object references copies a block before writing to it. Holding a shallow copy of every
+    frame the last checkpoint met therefore turns each later write through pandas (``loc``,
+    ``iloc``, ``at``, ``df[c] = ...``, in-place methods) into a new array object, while an array
+    that is still the same object was not written. The arrays themselves are held too, so their
+    ids are not reused. Writes around pandas (into ``Series.array`` or into NumPy arrays the
+    frame was built on with ``copy=False``) are not seen: ``%gpu checkpoint --full`` after those.
+    The cost: a written block is copied once per checkpoint, and a frame dropped by the notebook
+    stays in memory until the next checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self._snapshots: list[Any] = []
+        self._protected: dict[int, Any] = {}
+        self._next_snapshots: list[Any] = []
+        self._next_protected: dict[int, Any] = {}
+        self._blobs: dict[int, str] = {}  # content blob of a protected array, once written
+
+    @staticmethod
+    def active() -> bool:
+        """Whether the loaded pandas copies on write."""
+        pandas = sys.modules.get("pandas")
+        if pandas is None:
+            return False
+        if int(str(pandas.__version__).split(".")[0]) >= 3:
+            return True
+        return getattr(getattr(pandas.options, "mode", None), "copy_on_write", False) is True
+
+    def protect(self, frame: Any) -> None:
+        """Hold ``frame``'s arrays for the checkpoint being fingerprinted."""
+        try:
+            arrays = list(frame._mgr.arrays)
+            snapshot = frame.copy(deep=False)
+        except Exception:  # another internal layout: its arrays are hashed instead
+            return
+        self._next_snapshots.append(snapshot)
+        for array in arrays:
+            self._next_protected[id(array)] = array
+
+    def protects(self, array: Any) -> bool:
+        """Whether ``array`` belongs to a frame protected in this checkpoint."""
+        return self._next_protected.get(id(array)) is array
+
+    def blob(self, array: Any) -> str | None:
+        """The content blob a protected ``array`` was written to."""
+        return self._blobs.get(id(array)) if self.protects(array) else None
+
+    def remember(self, array: Any, blob: str) -> None:
+        if self.protects(array):
+            self._blobs[id(array)] = blob
+
+    def commit(self) -> None:
+        """This checkpoint's frames are the ones held from now on."""
+        self._snapshots, self._next_snapshots = self._next_snapshots, []
+        self._protected, self._next_protected = self._next_protected, {}
+        self._blobs = {k: v for k, v in self._blobs.items() if k in self._protected}
+
+    def abandon(self) -> None:
+        """A checkpoint that failed: the frames held before stay held."""
+        self._next_snapshots, self._next_protected = [], {}
+
+    def forget_blobs(self, blobs: set[str]) -> None:
+        self._blobs = {k: v for k, v in self._blobs.items() if v not in blobs}
+
+    def clear(self) -> None:
+        """Hold nothing: the next checkpoint hashes every array again."""
+        self._snapshots, self._protected, self._blobs = [], {}, {}
+        self.abandon()
+
+
 @dataclass
 class BlobWriter:
-    """Writes each storage once per checkpoint and reuses blobs of unchanged tensors."""
+    """Writes each storage once per checkpoint, reuses blobs of unchanged tensors and buffers,
+    and counts what one checkpoint writes."""
 
     folder: store.CheckpointDir
     cache: IncrementalCache
     dry: bool = False
-    referenced: dict[str, int] = field(default_factory=dict)
-    bytes_written: int = 0
+    guard: PandasGuard | None = None
+    # Blobs the committed state names: durable, and there unless someone else removed them,
+    # which a check of the state file itself would have told (see Checkpointer).
+    trusted: Collection[str] = ()
+    bytes_written: int = 0  # storages and buffers
     blobs_written: int = 0
-    tensor_bytes: int = 0
     group_bytes_written: int = 0
-    groups_written: int = 0
-    new_blobs: list[str] = field(default_factory=list)  # written, not yet fsynced
-    # Storage blobs the group being pickled reaches: blob -> (nbytes, device type).
+    new_blobs: list[str] = field(default_factory=list)  # written, synced before the commit
+    # What the group being pickled reaches: storage blob -> (nbytes, device type), and its
+    # out-of-band buffers in pickling order, [blob, nbytes].
     reached: dict[str, tuple[int, str]] = field(default_factory=dict)
+    buffers: list[list[Any]] = field(default_factory=list)
+    # Content blobs of arrays fingerprinted in this checkpoint, by id (the arrays are held).
+    digests: dict[int, tuple[Any, str]] = field(default_factory=dict)
+    _written: set[str] = field(default_factory=set)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
     _keepalive: list[Any] = field(default_factory=list)
 
-    def mark(self) -> tuple[dict[str, int], int]:
-        """What is referenced so far, to go back to if the pickling that follows fails."""
-        return dict(self.referenced), self.tensor_bytes
+    def __post_init__(self) -> None:
+        self.sync = store.BlobSync(self.folder)  # each new blob starts syncing once written
 
-    def rollback(self, mark: tuple[dict[str, int], int]) -> None:
-        """Forget what a failed pickling referenced; blobs it wrote are reused, not redone.
+    def _note_new(self, blob: str) -> None:
+        self.new_blobs.append(blob)
+        self._written.add(blob)
+        self.sync.add(blob)
 
-        Tensors only a failed variable reached are then unreferenced: garbage, not kept.
-        """
-        self.referenced, self.tensor_bytes = dict(mark[0]), mark[1]
+    def start_group(self) -> None:
+        """Forget what the previous group reached."""
+        self.reached, self.buffers = {}, []
 
     def storage_record(self, storage: Any) -> tuple[str, int, str]:
         """(blob, nbytes, device type) of a bare storage: written once per checkpoint."""
@@ -163,53 +327,106 @@ class BlobWriter:
         if known is None:
             known = self._by_storage[key] = self._write(storage)
             self._keepalive.append(storage)
-        self._reference(*known, device)
+        self.reached[known[0]] = (known[1], device)
         return (known[0], known[1], device)
 
     def _write(self, storage: Any) -> tuple[str, int]:
-        blob, nbytes, _path = tensor_io.write_storage(self.folder, storage)
-        self.new_blobs.append(blob)
-        self.bytes_written += nbytes
-        self.blobs_written += 1
+        with _writing_blobs():
+            blob, nbytes, _path = tensor_io.write_storage(self.folder, storage)
+        self._count_new(blob, nbytes)
         return blob, nbytes
 
-    def group_blob(self, data: bytes) -> str:
-        """The content-addressed blob holding one group's pickle; written only if new."""
-        name = "g-" + hashlib.sha256(data).hexdigest() + ".bin"
-        if not self.dry and not self.folder.exists(name, blob=True):
-            self.folder.write_bytes_atomic(name, data, blob=True, durable=False)
-            self.new_blobs.append(name)
-            self.group_bytes_written += len(data)
-            self.groups_written += 1
-        self.referenced[name] = len(data)
-        return name
+    def _count_new(self, blob: str, nbytes: int) -> None:
+        self._note_new(blob)
+        self.bytes_written += nbytes
+        self.blobs_written += 1
 
-    def _reference(self, blob: str, nbytes: int, device: str) -> None:
-        self.reached[blob] = (nbytes, device)
-        if blob not in self.referenced:
-            self.referenced[blob] = nbytes
-            self.tensor_bytes += nbytes
+    def found(self, name: str) -> str | None:
+        """The blob holding ``name`` (a content-addressed one, compressed or not) if it may be
+        reused: one the committed state names or this checkpoint wrote. Another one on disk
+        was left by a writer that failed or was killed before it synced it, and is written
+        again."""
+        for candidate in (name, tensor_io.COMPRESSED + name):
+            if candidate in self.trusted or candidate in self._written:
+                return candidate
+        return None
 
-    def record_for(self, tensor: Any) -> tuple[str, int, str]:
-        """(blob, nbytes, device type) of ``tensor``'s storage, writing it if needed."""
+    def storage_blob(self, tensor: Any) -> tuple[str, int]:
+        """(blob, nbytes) of ``tensor``'s storage as it is now, written if it changed."""
         storage = tensor.untyped_storage()
-        device = tensor.device.type
         if self.dry:
-            return ("dry.bin", int(storage.nbytes()), device)
+            return ("dry.bin", int(storage.nbytes()))
         key = int(storage._cdata)
         known = self._by_storage.get(key)
         if known is None:
-            blob = self.cache.lookup(tensor)
-            if blob is not None and self.folder.exists(blob, blob=True):
+            blob = self.cache.lookup(tensor, storage)
+            if blob is not None and self.found(blob) is not None:
                 known = (blob, int(storage.nbytes()))
             else:
                 known = self._write(storage)
             self._by_storage[key] = known
             # Keep the storage alive so its _cdata cannot be reused within this checkpoint.
             self._keepalive.append(storage)
-        self.cache.remember(tensor, known[0])
-        self._reference(*known, device)
-        return (known[0], known[1], device)
+        self.cache.remember(tensor, known[0], storage)
+        return known
+
+    def record_for(self, tensor: Any) -> tuple[str, int, str]:
+        """(blob, nbytes, device type) of ``tensor``'s storage, writing it if needed."""
+        blob, nbytes = self.storage_blob(tensor)
+        device = tensor.device.type
+        self.reached[blob] = (nbytes, device)
+        return (blob, nbytes, device)
+
+    def buffer_blob(self, raw: memoryview) -> str:
+        """The content blob holding an out-of-band buffer, written only if new."""
+        if self.dry:
+            return "dry.bin"
+        exporter = raw.obj
+        blob = self.guard.blob(exporter) if self.guard is not None else None
+        if blob is None and (known := self.digests.get(id(exporter))) and known[0] is exporter:
+            blob = known[1]
+        stored = None if blob is None else self.found(blob)
+        if stored is None:
+            with _writing_blobs():
+                stored, written = tensor_io.store_bytes(self.folder, raw, have=self.found)
+            if written:
+                self._count_new(stored, written)
+        blob = stored
+        if self.guard is not None:
+            self.guard.remember(exporter, blob)
+        self.buffers.append([blob, raw.nbytes])
+        return blob
+
+    def array_digest(self, array: Any) -> str:
+        """The content blob name ``array``'s bytes would have (hashed once per checkpoint)."""
+        known = self.digests.get(id(array))
+        if known is not None and known[0] is array:
+            return known[1]
+        name = tensor_io.content_name(tensor_io.digest(_array_bytes(array)))
+        self.digests[id(array)] = (array, name)
+        return name
+
+    def pack_blob(self, data: bytes) -> str:
+        """The content-addressed blob holding ``data`` (pickles of groups); written only if new."""
+        with _writing_blobs():
+            name, written = tensor_io.store_bytes(self.folder, data, tensor_io.PACK_PREFIX,
+                                                  have=self.found)
+        if written:
+            self._note_new(name)
+            self.group_bytes_written += written
+        return name
+
+
+def _array_bytes(array: Any) -> memoryview:
+    """The bytes of a NumPy array in the order its pickle holds them, as a flat byte view."""
+    numpy = sys.modules["numpy"]
+    if array.flags.c_contiguous:
+        flat = array
+    elif array.flags.f_contiguous:
+        flat = array.T
+    else:
+        flat = numpy.ascontiguousarray(array)
+    return memoryview(flat.reshape(-1).view(numpy.uint8))
 
 
 def _tensor_classes() -> tuple[type, ...]:
@@ -227,11 +444,10 @@ def _storage_classes() -> tuple[type, ...]:
 
 
 def _storable(obj: Any) -> bool:
-    import torch
-
+    """Whether a tensor is one dense block of a storage on the host or a CUDA device."""
     return bool(
-        obj.layout == torch.strided
-        and obj.device.type in ("cpu", "cuda")
+        obj.layout is sys.modules["torch"].strided
+        and (obj.is_cpu or obj.is_cuda)
         and not obj.is_quantized
         and not obj.is_nested
         and not obj.is_neg()
@@ -239,64 +455,35 @@ def _storable(obj: Any) -> bool:
     )
 
 
-class NamespacePickler(cloudpickle.Pickler):
-    """cloudpickle with tensors and storages as persistent ids, cell functions bound to ``user_ns``.
+def _bare_storage(obj: Any, untyped: type) -> tuple[Any, str | None]:
+    """(untyped storage, dtype name or None) of a storage object."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated, not our user's doing
+        if type(obj) is untyped:
+            return obj, None
+        return obj.untyped(), str(obj.dtype)
 
-    ``tensor_ids`` collects the ids of the tensors and storages it met: with the memo, they say
-    which objects two variables share, so that they are saved together.
+
+def _keeps_grad(tensor: Any) -> Any:
+    """The gradient a pickle of ``tensor`` carries, or None."""
+    if tensor.requires_grad and (tensor.is_leaf or tensor.retains_grad):
+        return tensor.grad
+    return None
+
+
+class _NamespacePicklerBase(cloudpickle.Pickler):
+    """cloudpickle, protocol 5, with cell functions bound to ``user_ns`` rather than copies of it.
+
+    cloudpickle rebuilds functions sharing one ``__globals__`` with one new dict, found in
+    ``globals_ref``; pre-seeding it with a marker lets the namespace itself be named, so restored
+    cell functions see later assignments, as they did before.
     """
 
-    def __init__(self, file: Any, blobs: BlobWriter, user_ns: dict[str, Any]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._blobs = blobs
+    def __init__(self, file: Any, user_ns: dict[str, Any],
+                 buffer_callback: Callable[[pickle.PickleBuffer], bool] | None = None) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self._user_ns = user_ns
-        self._tensor_types = _tensor_classes()
-        self._storage_types = _storage_classes()
-        self._tensor_ids: dict[int, int] = {}
-        self.tensor_ids: set[int] = set()
-        # cloudpickle rebuilds functions sharing one __globals__ with one new dict, found in
-        # globals_ref; pre-seeding it with a marker lets us pickle that dict as "the notebook's
-        # namespace", so restored cell functions see later assignments, as they did before.
-        self._ns_marker: dict[str, Any] = {"__name__": "__main__"}
-        self.globals_ref[id(user_ns)] = self._ns_marker
-
-    def persistent_id(self, obj: Any) -> Any:
-        """Tensors, bare storages and the namespace marker are stored out of band."""
-        if obj is self._ns_marker:
-            return (USER_NS_TAG,)
-        cls = type(obj)
-        if self._tensor_types and cls in self._tensor_types and _storable(obj):
-            return self._tensor_pid(obj)
-        if self._storage_types and cls in self._storage_types:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # TypedStorage is deprecated, not our user's doing
-                storage = obj if cls is self._storage_types[0] else obj.untyped()
-                dtype = None if cls is self._storage_types[0] else str(obj.dtype)
-            if storage.device.type in ("cpu", "cuda"):
-                self.tensor_ids.add(id(obj))
-                blob, nbytes, device = self._blobs.storage_record(storage)
-                return (STORAGE_TAG, blob, nbytes, device, dtype)
-        return None
-
-    def _tensor_pid(self, obj: Any) -> tuple[Any, ...]:
-        self.tensor_ids.add(id(obj))
-        index = self._tensor_ids.setdefault(id(obj), len(self._tensor_ids))
-        blob, nbytes, device = self._blobs.record_for(obj)
-        keeps_grad = obj.requires_grad and (obj.is_leaf or obj.retains_grad)
-        grad = obj.grad if keeps_grad else None
-        grad_pid = (self._tensor_pid(grad) if grad is not None and type(grad) in self._tensor_types
-                    and _storable(grad) else None)
-        return (
-            TENSOR_TAG, index, blob, nbytes, device, int(obj.storage_offset()),
-            tuple(obj.size()), tuple(obj.stride()), str(obj.dtype).removeprefix("torch."),
-            bool(obj.requires_grad), type(obj) is not self._tensor_types[0], grad_pid,
-            bool(obj.is_inference()),
-        )
-
-    def shared_ids(self) -> set[int]:
-        """Ids of the objects this pickler met that another variable could share by reference."""
-        found = {id(obj) for _, obj in self.memo.copy().values() if _shareable(obj)}
-        return found | self.tensor_ids
+        self.globals_ref[id(user_ns)] = _NamespaceMarker(__name__="__main__")
 
     def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
         reduced = super()._dynamic_function_reduce(func)
@@ -304,28 +491,439 @@ class NamespacePickler(cloudpickle.Pickler):
             return reduced
         # The function's globals will be the restored namespace itself, so the copies of the
         # globals it uses need not be pickled (and an unpicklable one cannot sink the function).
-        with contextlib.suppress(Exception):
+        try:
             state, slotstate = reduced[2]
-            if isinstance(slotstate, dict) and "__globals__" in slotstate:
-                slotstate = dict(slotstate, __globals__={})
-                reduced = (*reduced[:2], (state, slotstate), *reduced[3:])
+        except (TypeError, ValueError):
+            return reduced
+        if isinstance(slotstate, dict) and "__globals__" in slotstate:
+            slotstate = dict(slotstate, __globals__={})
+            reduced = (*reduced[:2], (state, slotstate), *reduced[3:])
         return reduced
+
+
+def _out_of_band(blobs: BlobWriter, buffer: pickle.PickleBuffer) -> bool:
+    """protocol 5's buffer_callback: False sends ``buffer`` out of band, into a blob."""
+    try:
+        raw = buffer.raw()
+    except BufferError:  # not contiguous: in band
+        return True
+    if raw.nbytes < BUFFER_MIN:
+        return True
+    blobs.buffer_blob(raw)
+    return False
+
+
+class NamespacePickler(_NamespacePicklerBase):
+    """Pickles a group of variables: tensors and bare storages become references to their blobs,
+    large buffers are written out of band as content-addressed blobs.
+    """
+
+    def __init__(self, file: Any, blobs: BlobWriter, user_ns: dict[str, Any]) -> None:
+        # Not a bound method: the pickler would then be a cycle, and its memo, which holds
+        # every object pickled, would keep a tensor the user `del`s alive until the garbage
+        # collector runs.
+        super().__init__(file, user_ns, buffer_callback=functools.partial(_out_of_band, blobs))
+        self._blobs = blobs
+        self._tensor_types = _tensor_classes()
+        self._storage_types = _storage_classes()
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls in self._tensor_types and _storable(obj):
+            blob, nbytes, device = self._blobs.record_for(obj)
+            return (_tensor_ref, (
+                blob, nbytes, device, int(obj.storage_offset()), tuple(obj.size()),
+                tuple(obj.stride()), str(obj.dtype).removeprefix("torch."),
+                bool(obj.requires_grad), cls is not self._tensor_types[0], _keeps_grad(obj),
+                bool(obj.is_inference()),
+            ))
+        if cls in self._storage_types:
+            storage, dtype = _bare_storage(obj, self._storage_types[0])
+            if storage.device.type in ("cpu", "cuda"):
+                blob, nbytes, device = self._blobs.storage_record(storage)
+                return (_storage_ref, (blob, nbytes, device, dtype))
+        if cls is _NamespaceMarker:
+            return (_user_ns_ref, ())
+        return super().reducer_override(obj)
+
+
+    def shared_ids(self) -> set[int]:
+        """Ids of the objects this pickler met that another variable could share by reference."""
+        return {id(obj) for _, obj in self.memo.copy().values() if _shareable(obj)}
+
+
+Fingerprint = tuple[bytes, tuple[int, ...]]
+
+
+@dataclass
+class Fingerprints:
+    """The fingerprints of a namespace's variables, as one checkpoint took them."""
+
+    by_name: dict[str, Fingerprint | None] = field(default_factory=dict)
+    plain: set[str] = field(default_factory=set)  # built-in containers and atoms only
+    batches: dict[tuple[str, ...], Fingerprint] = field(default_factory=dict)
+
+
+def _batches(names: list[str]) -> list[tuple[str, ...]]:
+    """``names`` cut into batches of about _BATCH_SPREAD where the names alone say: a new or a
+    removed name changes one batch."""
+    batches: list[tuple[str, ...]] = []
+    start = 0
+    for end, name in enumerate(names, 1):
+        if zlib.crc32(name.encode()) % _BATCH_SPREAD == 0 or end - start >= 4 * _BATCH_SPREAD:
+            batches.append(tuple(names[start:end]))
+            start = end
+    if start < len(names):
+        batches.append(tuple(names[start:]))
+    return batches
+
+
+class FingerprintSession:
+    """Fingerprints the variables of one checkpoint (see the module's docstring).
+
+    A fingerprint is (the fingerprint pickle, or its hash when long; the ids of the mutable
+    objects it met that outlive the pickling, in pickling order). Equal fingerprints at two
+    checkpoints mean equal pickles with the same objects shared the same way; the ids also say
+    which variables share objects (and must be pickled together). Storages of changed tensors
+    are written while fingerprinting: their new blob names are what makes the fingerprint differ.
+    """
+
+    def __init__(self, blobs: BlobWriter, user_ns: dict[str, Any]) -> None:
+        self.blobs = blobs
+        self.user_ns = user_ns
+        self.guard = blobs.guard if PandasGuard.active() else None
+        self._handlers: dict[type, Callable[[Any], Any] | None] = {}
+        self._tensor_types = _tensor_classes()
+        self._storage_types = _storage_classes()
+        self._kinds: dict[type, bool | None] = {}
+        self._tokens: dict[int, tuple[Any, Any]] = {}  # tensor id -> (tensor, its token)
+        # A plain dict, looked up in C, rather than cloudpickle's ChainMap, looked up in Python
+        # for every object; taken anew each checkpoint, so reducers registered since count.
+        self.dispatch_table = dict(cloudpickle.Pickler.dispatch_table)
+        self._sink = io.BytesIO()
+        self._pickler = _Fingerprinter(self._sink, self)
+
+    def close(self) -> None:
+        """Let go of what the fingerprinting met. The session and its pickler refer to each
+        other, so without this a tensor the user then `del`s would keep its memory (GPU memory
+        too) until the garbage collector next runs."""
+        self._tokens.clear()
+        self._handlers.clear()
+        self._pickler.clear_memo()
+        self._pickler.globals_ref.clear()
+        self.dispatch_table.clear()
+
+    def fingerprint_all(self, values: Mapping[str, Any], last: Fingerprints | None) -> Fingerprints:
+        """The fingerprints of ``values`` by name; ``last`` are those of the last checkpoint.
+
+        Variables that held only built-in containers and atoms last time are fingerprinted in
+        batches first: a batch that did not change stands for all its variables' fingerprints
+        (same bytes, same objects), and only a changed batch is taken apart.
+        """
+        found = Fingerprints()
+        if last is not None:
+            for batch in _batches([name for name in values if name in last.plain]):
+                taken, plain = self._fingerprint(tuple(values[name] for name in batch))
+                if taken is None or not plain:
+                    continue
+                found.batches[batch] = taken
+                if last.batches.get(batch) == taken:
+                    found.by_name.update((name, last.by_name[name]) for name in batch)
+                    found.plain.update(batch)
+        for name, value in values.items():
+            if name not in found.by_name:
+                found.by_name[name], plain = self._fingerprint(value)
+                if plain:
+                    found.plain.add(name)
+        return found
+
+    def _fingerprint(self, value: Any) -> tuple[Fingerprint | None, bool]:
+        """(``value``'s fingerprint or None when it cannot be taken, whether it holds only
+        built-in containers and atoms)."""
+        # One pickler for many variables: making one costs as much as pickling a small value.
+        pickler, sink = self._pickler, self._sink
+        sink.seek(0)
+        sink.truncate()
+        pickler.reductions = 0
+        try:
+            pickle.Pickler.dump(pickler, value)
+        except Exception:
+            self._pickler = _Fingerprinter(sink, self)  # a failed dump may leave it half-way
+            return None, False
+        memo = pickler.memo.copy()
+        reductions = pickler.reductions
+        if len(memo) > _MEMO_REUSED:
+            # Clearing and copying a memo costs what it grew to: a large one is not reused.
+            self._pickler = _Fingerprinter(sink, self)
+        else:
+            pickler.clear_memo()
+        del pickler  # its memo held every object met: the counts below need it gone
+        data = sink.getvalue()
+        if len(data) > _FINGERPRINT_KEPT:
+            data = tensor_io.digest(data).encode()
+        if reductions:
+            return (data, _lasting_ids(memo, self._kinds)), False
+        # Only built-in containers and atoms: nothing was made by the pickling.
+        found = [(index, key) for key, (index, obj) in memo.items() if type(obj) in _MUTABLE]
+        found.sort()
+        return (data, tuple([key for _, key in found])), True
+
+    def handler(self, cls: type) -> Callable[[Any], Any] | None:
+        """What fingerprints instances of ``cls`` (None: the pickler's usual reduction)."""
+        try:
+            return self._handlers[cls]
+        except KeyError:
+            found = self._handlers[cls] = self._find_handler(cls)
+            return found
+
+    def _find_handler(self, cls: type) -> Callable[[Any], Any] | None:
+        if issubclass(cls, type) or cls is types.FunctionType:
+            return self._cloudpickle  # by value when the notebook defined it
+        if cls in self._tensor_types:
+            return self._tensor
+        if cls in self._storage_types:
+            return _changed
+        if cls is _NamespaceMarker:
+            return lambda _obj: (_fp, _USER_NS)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and cls is numpy.ndarray:
+            return self._array
+        pandas = sys.modules.get("pandas")
+        if pandas is not None and self.guard is not None:
+            if issubclass(cls, pandas.DataFrame | pandas.Series):
+                return self._frame
+            if issubclass(cls, pandas.api.extensions.ExtensionArray):
+                return self._protected
+        if _state_reduced(cls, self.dispatch_table):
+            args = ("object", cls)  # held by the handler: one object per class, not per instance
+            return lambda obj: _object_token(args, obj)
+        return None
+
+    def _cloudpickle(self, obj: Any) -> Any:
+        reduced = cloudpickle.Pickler.reducer_override(self._pickler, obj)
+        if isinstance(obj, type) and isinstance(reduced, tuple) and len(reduced) > 2:
+            # copyreg caches __slotnames__ in a class the first time one of its instances is
+            # pickled: derived data, left out so that this does not count as a change.
+            clsdict, *rest = reduced[2]
+            if isinstance(clsdict, dict) and "__slotnames__" in clsdict:
+                clsdict = {k: v for k, v in clsdict.items() if k != "__slotnames__"}
+                reduced = (*reduced[:2], (clsdict, *rest), *reduced[3:])
+        return reduced
+
+    def _tensor(self, tensor: Any) -> Any:
+        known = self._tokens.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1]  # a model's parameters, met again in its optimizer
+        token = self._tensor_token(tensor)
+        self._tokens[id(tensor)] = (tensor, token)
+        return token
+
+    def _tensor_token(self, tensor: Any) -> Any:
+        if not _storable(tensor):
+            return NotImplemented  # torch's own reduction, through its storages
+        blob, _nbytes = self.blobs.storage_blob(tensor)
+        # Few objects per token: every object in a fingerprint costs (see _lasting_ids).
+        meta = (f"{blob} {tensor.get_device()} {tensor.storage_offset()} {tuple(tensor.size())} "
+                f"{tensor.stride()} {tensor.dtype} {tensor.requires_grad} {type(tensor).__name__} "
+                f"{tensor.is_inference()}")
+        grad = _keeps_grad(tensor)
+        return (_fp, (), meta if grad is None else (meta, grad))
+
+    def _array(self, array: Any) -> Any:
+        if self.guard is not None and self.guard.protects(array):
+            return (_fp, ("frozen", id(array)))
+        if array.dtype.hasobject or array.nbytes < _DIGEST_MIN:
+            return NotImplemented  # pickled as it is: elements, or few bytes
+        order = "C" if array.flags.c_contiguous or not array.flags.f_contiguous else "F"
+        return (_fp, ("array", array.dtype.str, array.shape, order,
+                      self.blobs.array_digest(array)))
+
+    def _frame(self, frame: Any) -> Any:
+        assert self.guard is not None
+        self.guard.protect(frame)
+        return NotImplemented  # pickled as usual: axes, attrs, flags; its arrays as identities
+
+    def _protected(self, array: Any) -> Any:
+        assert self.guard is not None
+        if self.guard.protects(array):
+            return (_fp, ("frozen", id(array)))
+        return NotImplemented
+
+
+_USER_NS = ("user_ns",)
+_ORDERED = ("ordered dict",)
+
+
+def _state_reduced(cls: type, dispatch: Mapping[type, Any]) -> bool:
+    """Whether instances of ``cls`` pickle as ``copyreg.__newobj__(cls)`` and their
+    ``__getstate__()`` alone, the default that most classes (models, their layers, optimizers,
+    the notebook's own classes) keep.
+
+    Not subclasses of list or dict: their default pickle also holds their items, which
+    ``__getstate__()`` leaves out, so a token of the state alone would miss an append.
+    """
+    return (cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+            and cls not in dispatch and not hasattr(cls, "__getnewargs_ex__")
+            and not hasattr(cls, "__getnewargs__") and hasattr(cls, "__getstate__")
+            and not issubclass(cls, list | dict))
+
+
+def _object_token(args: tuple[str, type], obj: Any) -> Any:
+    """What the default reduction holds, without its per-object tuple and, for a state that is
+    the object's own dict or one made for the occasion (a module's copy of its dict), without
+    the dict: its items in order. Another dict could be shared with another variable: it is
+    pickled as it is, so its identity counts."""
+    state = obj.__getstate__()
+    if isinstance(state, dict) and (
+            sys.getrefcount(state) <= 2 or state is getattr(obj, "__dict__", None)):
+        return (_fp, args, None, None, iter(state.items()))
+    return (_fp, args, state)
+
+
+def _changed(_obj: Any) -> Any:
+    return (_fp, ("changed", next(_DIRTY)))
+
+
+class _Fingerprinter(_NamespacePicklerBase):
+    """The pickler of fingerprints: cloudpickle's reductions, with the session's tokens."""
+
+    def __init__(self, file: Any, session: FingerprintSession) -> None:
+        self.dispatch_table = session.dispatch_table
+        super().__init__(file, session.user_ns)
+        self._session = session
+        self.reductions = 0  # objects that were not built-in containers or atoms
+
+    def reducer_override(self, obj: Any) -> Any:
+        self.reductions += 1
+        cls = type(obj)
+        if cls is collections.OrderedDict:
+            # Here rather than through a handler: a model has a dozen per module (its hooks),
+            # and their own reduction asks copyreg, in Python, for slot names.
+            return (_fp, _ORDERED, vars(obj) or None, None, iter(obj.items()))
+        handler = self._session.handler(cls)
+        if handler is None:
+            return NotImplemented
+        return handler(obj)
+
+    def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
+        # All a pickle by value holds of a function, without the globals of a cell function
+        # (they are the namespace itself) and without cloudpickle's search of sys.modules
+        # for submodules the function uses, which costs most of a fingerprint.
+        closure = None if func.__closure__ is None else tuple(
+            _cell_contents(cell) for cell in func.__closure__)
+        used = None if func.__globals__ is self._user_ns else {
+            name: func.__globals__[name] for name in sorted(_code_names(func.__code__))
+            if name in func.__globals__}
+        return (_fp, ("function",), (
+            func.__code__, func.__name__, func.__qualname__, func.__module__, func.__doc__,
+            func.__defaults__, func.__kwdefaults__, func.__annotations__, func.__dict__,
+            closure, used,
+        ))
+
+
+_EMPTY_CELL = "gpufrac: empty cell"
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _EMPTY_CELL
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global names ``code`` and the code nested in it may use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _lasting_ids(memo: dict[int, tuple[int, Any]], kinds: dict[type, bool | None]) -> tuple[int, ...]:
+    """Ids of the shareable objects a pickling met, in pickling order, less those the pickling
+    made itself (a ``__getstate__`` returning a new dict): they are new at every checkpoint.
+
+    An object the pickling made is referenced only by the pickler's memo and by other such
+    objects; with the pickler's memo cleared, reference counts tell them apart. ``kinds``
+    caches :func:`_shareable_kind` for the checkpoint.
+    """
+    probe: list[Any] = []  # made here, held by the memo alone: the count of such an object
+    memo[id(probe)] = (-1, probe)
+    del probe
+    # Strings and numbers refer to nothing and are never shared: left out from the start.
+    extra = {key: sys.getrefcount(obj) for key, (_, obj) in memo.items()
+             if type(obj) not in _ATOMS}
+    baseline = extra[next(reversed(extra))]
+    made = [obj for key, (_, obj) in memo.items() if extra.get(key, 0) == baseline]
+    gone: set[int] = set()
+    while made:
+        obj = made.pop()
+        gone.add(id(obj))
+        for child in gc.get_referents(obj):
+            key = id(child)
+            if key in extra and key not in gone:
+                extra[key] -= 1
+                if extra[key] == baseline:
+                    made.append(child)
+    found = []
+    for key, (index, obj) in memo.items():
+        if key in gone or key not in extra:
+            continue
+        cls = type(obj)
+        kind = kinds[cls] if cls in kinds else kinds.setdefault(cls, _shareable_kind(cls, obj))
+        if kind or (kind is None and _by_value(obj)):
+            found.append((index, key))
+    found.sort()
+    return tuple(key for _, key in found)
+
+
+_MUTABLE = frozenset({list, dict, set, bytearray})
+_ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None)})
+_IMMUTABLE = _ATOMS | {tuple, frozenset}
 
 
 def _shareable(obj: Any) -> bool:
     """Whether two variables holding ``obj`` must keep holding one object after a restore.
 
-    Mutable containers, objects with state of their own and what cells define (pickled by
-    value) count; what is pickled by reference or immutable (strings, numbers, importable
-    classes and functions, modules, dtypes) is the same everywhere anyway.
+    Mutable containers, arrays, objects with state of their own and what is pickled by value
+    (classes and functions of the notebook) count; what is pickled by reference or immutable
+    (strings, numbers, importable classes and functions, modules) is the same everywhere anyway.
     """
-    if isinstance(obj, type | types.FunctionType):
-        return getattr(obj, "__module__", None) == "__main__"
-    if isinstance(obj, types.ModuleType | enum.Enum):
-        return False
-    if isinstance(obj, list | dict | set | bytearray):
+    kind = _shareable_kind(type(obj), obj)
+    return kind if kind is not None else _by_value(obj)
+
+
+def _shareable_kind(cls: type, obj: Any) -> bool | None:
+    """:func:`_shareable` for every instance of ``cls`` (``obj`` is one), or None when it
+    depends on the object (classes and functions)."""
+    if cls in _MUTABLE:
         return True
-    return hasattr(obj, "__dict__")
+    if cls in _IMMUTABLE:
+        return False
+    if issubclass(cls, type) or cls is types.FunctionType:
+        return None
+    if issubclass(cls, types.ModuleType | enum.Enum):
+        return False
+    if issubclass(cls, list | dict | set | bytearray):
+        return True
+    numpy = sys.modules.get("numpy")
+    return hasattr(obj, "__dict__") or (numpy is not None and issubclass(cls, numpy.ndarray))
+
+
+def _by_value(obj: type | types.FunctionType) -> bool:
+    """Whether cloudpickle pickles this class or function by value (it is not importable)."""
+    module_name = getattr(obj, "__module__", None)
+    module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+    if module is None or module_name == "__main__":
+        return True
+    target: Any = module
+    try:
+        for part in obj.__qualname__.split("."):
+            target = getattr(target, part)
+    except AttributeError:
+        return True
+    return target is not obj or module_name in cloudpickle.list_registry_pickle_by_value()
 
 
 class NamespaceUnpickler(pickle.Unpickler):
@@ -334,6 +932,9 @@ class NamespaceUnpickler(pickle.Unpickler):
     ``storages`` may be shared by the unpicklers of one restore, so tensors of different
     groups that viewed one storage still share it. ``device`` None means the kernel's device.
     ``root`` is the checkpoint directory held open (a path is opened and checked per blob).
+    ``fetch(blob, nbytes)``, when given, returns a storage read ahead into host memory.
+    ``buffers`` are the group's out-of-band buffers, in order. Pickles of format 2 (persistent
+    ids, see :meth:`persistent_load`) load as well.
     """
 
     def __init__(
@@ -341,25 +942,53 @@ class NamespaceUnpickler(pickle.Unpickler):
         device: str | None,
         on_tensor: Callable[[Any, str], None] | None = None,
         storages: dict[tuple[str, str], Any] | None = None,
+        buffers: Iterable[Any] = (),
+        fetch: Callable[[str, int], Any] | None = None,
     ) -> None:
-        super().__init__(file)
+        super().__init__(file, buffers=buffers)
         self._root = root
         self._user_ns = user_ns
         self._device = device
         self._on_tensor = on_tensor
-        self._tensors: dict[int, Any] = {}
+        self._fetch = fetch
         self._storages: dict[tuple[str, str], Any] = {} if storages is None else storages
+        self._refs: dict[str, Callable[..., Any]] = {
+            _tensor_ref.__name__: self._load_tensor,
+            _storage_ref.__name__: self._load_bare_storage,
+            _user_ns_ref.__name__: lambda: self._user_ns,
+        }
+        self._v2_tensors: dict[int, Any] = {}
         self.moved_to_cpu_bytes = 0
 
     def persistent_load(self, pid: Any) -> Any:
-        """Resolve the ids written by :class:`NamespacePickler`."""
-        if pid == (USER_NS_TAG,):
+        """Format 2's references: the namespace, bare storages, and tensors numbered per pickle
+        (a tensor met twice is one tensor)."""
+        if pid == _V2_USER_NS:
             return self._user_ns
-        if isinstance(pid, tuple) and pid and pid[0] == TENSOR_TAG:
-            return self._load_tensor(pid)
-        if isinstance(pid, tuple) and pid and pid[0] == STORAGE_TAG:
-            return self._load_bare_storage(pid)
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == _V2_STORAGE:
+            return self._load_bare_storage(*pid[1:])
+        if isinstance(pid, tuple) and len(pid) in (12, 13) and pid[0] == _V2_TENSOR:
+            return self._v2_tensor(pid)
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+    def _v2_tensor(self, pid: tuple[Any, ...]) -> Any:
+        (_tag, index, blob, nbytes, device, offset, size, stride, dtype_name, requires_grad,
+         is_param, grad_pid) = pid[:12]
+        known = self._v2_tensors.get(index)
+        if known is None:
+            grad = None if grad_pid is None else self._v2_tensor(grad_pid)
+            # Checkpoints written before inference tensors were recorded did not say.
+            inference = bool(pid[12]) if len(pid) == 13 else False
+            known = self._v2_tensors[index] = self._load_tensor(
+                blob, nbytes, device, offset, tuple(size), tuple(stride), dtype_name,
+                requires_grad, is_param, grad, inference)
+        return known
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Our references resolve to this restore's loaders; the rest as pickle does."""
+        if module == __name__ and name in _REFS:
+            return self._refs[name]
+        return super().find_class(module, name)
 
     def _gpu_target(self) -> str:
         if self._device is None:
@@ -376,13 +1005,17 @@ class NamespaceUnpickler(pickle.Unpickler):
         if storage is None:
             if device != "cpu" and target == "cpu":
                 self.moved_to_cpu_bytes += nbytes
-            with store.opened(self._root) as folder:
-                storage = tensor_io.read_storage(folder, blob, nbytes, target)
+            if self._fetch is not None:
+                storage = self._fetch(blob, nbytes)
+                if target != "cpu":
+                    storage = tensor_io.to_device(storage, target)
+            else:
+                with store.opened(self._root) as folder:
+                    storage = tensor_io.read_storage(folder, blob, nbytes, target)
             self._storages[(blob, target)] = storage
         return storage
 
-    def _load_bare_storage(self, pid: tuple[Any, ...]) -> Any:
-        _tag, blob, nbytes, device, dtype_name = pid
+    def _load_bare_storage(self, blob: str, nbytes: int, device: str, dtype_name: str | None) -> Any:
         storage = self._storage(blob, nbytes, device)
         if dtype_name is None:
             return storage
@@ -393,13 +1026,9 @@ class NamespaceUnpickler(pickle.Unpickler):
             warnings.simplefilter("ignore")  # TypedStorage is deprecated, and still in notebooks
             return torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
-    def _load_tensor(self, pid: tuple[Any, ...]) -> Any:
-        (_tag, index, blob, nbytes, device, offset, size, stride, dtype_name, requires_grad,
-         is_param, grad_pid) = pid[:12]
-        inference = bool(pid[12]) if len(pid) > 12 else False  # older checkpoints: not recorded
-        known = self._tensors.get(index)
-        if known is not None:
-            return known
+    def _load_tensor(self, blob: str, nbytes: int, device: str, offset: int, size: tuple[int, ...],
+                     stride: tuple[int, ...], dtype_name: str, requires_grad: bool, is_param: bool,
+                     grad: Any, inference: bool) -> Any:
         import torch
 
         storage = self._storage(blob, nbytes, device)
@@ -414,9 +1043,8 @@ class NamespaceUnpickler(pickle.Unpickler):
             tensor.requires_grad_(True)
         if is_param:
             tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
-        if grad_pid is not None:
-            tensor.grad = self._load_tensor(grad_pid)
-        self._tensors[index] = tensor
+        if grad is not None:
+            tensor.grad = grad
         if self._on_tensor is not None:
             self._on_tensor(tensor, blob)
         return tensor
@@ -435,7 +1063,7 @@ class NullSink(io.RawIOBase):
 def unpicklable_reason(
     name: str, value: Any, blobs: BlobWriter, user_ns: dict[str, Any]
 ) -> str | None:
-    """Why ``value`` alone cannot be pickled, or None if it can (tensors are not written)."""
+    """Why ``value`` alone cannot be pickled, or None if it can (nothing is written)."""
     dry = BlobWriter(blobs.folder, blobs.cache, dry=True)
     try:
         NamespacePickler(NullSink(), dry, user_ns).dump({name: value})

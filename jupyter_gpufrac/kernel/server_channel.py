@@ -19,6 +19,11 @@ def answer(hook: Any, data: Any) -> dict[str, Any]:
             return {"ok": False, "error": str(exc)}
     if ask == contract.ASK_RESTORE_REPORT:
         return {"ok": True, "report": hook.restore_report}
+    if ask == contract.ASK_PARK:
+        try:
+            return {"ok": True, **hook.park_for_server()}
+        except CheckpointError as exc:
+            return {"ok": False, "error": str(exc)}
     return {"ok": False, "error": f"ask: expected one of {', '.join(contract.ASKS)}, got {ask!r}"}
 
 

@@ -9,11 +9,14 @@ import os
 import stat
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 STATE_FILE = "checkpoint.gfc"
+# When or after which cell the committed state was last found current (JSON, not durable).
+SEEN_FILE = "checkpoint.seen"
 CELLS_FILE = "cells.json"
 BLOB_DIR = "blobs"
 TMP_SUFFIX = ".tmp"
@@ -22,6 +25,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening a FIFO put in place of a file must not hang; it is refused after fstat.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_SYNC_THREADS = 8  # fsyncs under way at once (see BlobSync)
 
 
 class UnsafeCheckpointError(Exception):
@@ -223,17 +227,66 @@ class CheckpointDir:
         with self.atomic_writer(name, blob=blob, durable=durable) as fh:
             fh.write(data)
 
-    def sync_blobs(self, names: Iterable[str]) -> None:
-        """fsync blobs written earlier, then the blob folder (the kernel flushes their dirty
-        pages in one go: one flush of many files beats a flush per file)."""
-        for name in names:
-            fd = os.open(_blob_name(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=self.blobs_fd)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.fsync(self.blobs_fd)
+    def overwrite(self, name: str, data: bytes) -> None:
+        """Write ``data`` over the start of ``name`` in place (created 0600 if missing): no new
+        file, no rename, no fsync. For a small note that may be lost or torn, not for state."""
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     0o600, dir_fd=self.root_fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UnsafeCheckpointError(f"refusing checkpoint file {self.path / name}: "
+                                            "not a regular file")
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+
+    def create_tmp(self, *, blob: bool = False) -> tuple[str, io.FileIO]:
+        """A new temporary file (0600) open for writing: (its name, the file).
+
+        It becomes a file of the checkpoint only by :meth:`publish`; one left by a killed
+        writer is deleted by :meth:`remove_stale_tmp`.
+        """
+        dir_fd = self.blobs_fd if blob else self.root_fd
+        name = f"{uuid.uuid4().hex}{TMP_SUFFIX}"
+        return name, os.fdopen(os.open(name, _CREATE_FLAGS, 0o600, dir_fd=dir_fd), "wb",
+                               buffering=0)
+
+    def publish(self, tmp: str, name: str, *, blob: bool = False) -> None:
+        """Rename temporary ``tmp`` to ``name`` (replacing a file of that name: a content-
+        addressed blob left by a writer that never committed it may be incomplete)."""
+        dir_fd, _ = self._where(name, blob)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+    def commit(self, name: str, data: bytes, *, blobs: BlobSync | None = None) -> None:
+        """Replace ``name`` with ``data`` atomically and durably, once ``blobs`` are durable.
+
+        The new file is written and synced while the blobs it names finish syncing; only the
+        rename makes it the one readers see, and it happens after all of them are on disk.
+        """
+        tmp, fh = self.create_tmp()
+        try:
+            with fh:
+                view = memoryview(data)
+                while view:
+                    view = view[fh.write(view) or 0:]
+                os.fsync(fh.fileno())
+            if blobs is not None:
+                blobs.wait()
+            os.replace(tmp, name, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=self.root_fd)
+            raise
+        os.fsync(self.root_fd)
+
+    def identity(self, name: str) -> tuple[int, int, int, int] | None:
+        """(device, inode, size, mtime) of ``name``, or None: whether it is still the file
+        this process wrote."""
+        try:
+            st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def remove_stale_tmp(self) -> None:
         """Delete temporaries left by a writer that was killed."""
@@ -254,6 +307,45 @@ class CheckpointDir:
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_blob_name(name), dir_fd=self.blobs_fd)
+
+
+class BlobSync:
+    """fsyncs blobs as they are written, several at once, while the checkpoint goes on: the
+    disk writes one blob while the next is pickled and written to memory, and the filesystem
+    commits the fsyncs issued together in one journal transaction."""
+
+    def __init__(self, folder: CheckpointDir) -> None:
+        self._folder = folder
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+
+    def add(self, name: str) -> None:
+        """Start syncing blob ``name``."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="gpufrac-fsync")
+        self._pending.append(self._pool.submit(self._sync, _blob_name(name)))
+
+    def _sync(self, name: str) -> None:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._folder.blobs_fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def wait(self) -> None:
+        """Return once every blob added and the blob folder are durable (raises what failed)."""
+        if self._pool is None or not self._pending:
+            return
+        pending = [*self._pending, self._pool.submit(os.fsync, self._folder.blobs_fd)]
+        self._pending = []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        """Stop: what is under way finishes, nothing more starts."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 @contextlib.contextmanager

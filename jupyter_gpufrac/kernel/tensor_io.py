@@ -1,13 +1,136 @@
-"""Raw tensor storage bytes to and from files, without copies on the CPU and without numpy."""
+"""Raw buffers to and from blob files: tensor storages (no copies on the CPU, no numpy) and
+content-addressed buffers (pickle protocol 5's out-of-band buffers)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
+import mmap
 import os
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jupyter_gpufrac.kernel import store
+
+CONTENT_PREFIX = "r-"
+PACK_PREFIX = "g-"
+# A blob whose name starts with this holds its bytes compressed with zlib (level 1); the rest
+# of the name is that of the same bytes uncompressed.
+COMPRESSED = "z"
+_CHUNK = 8 * 1024 * 1024
+_SAMPLES = 4
+_SAMPLE = 16 * 1024
+
+
+def digest(data: memoryview | bytes) -> str:
+    """The content address of ``data`` (hex): equal bytes, equal name."""
+    return hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+def content_name(hex_digest: str) -> str:
+    """The blob name of a content-addressed buffer."""
+    return f"{CONTENT_PREFIX}{hex_digest}.bin"
+
+
+def _pays(view: memoryview) -> bool:
+    """Whether zlib halves samples of ``view``: compression is kept to data it clearly pays for
+    (counters, timestamps, codes, zeros), not floats, where it costs time and saves little."""
+    step = max(view.nbytes // _SAMPLES, _SAMPLE)
+    samples = [view[start:start + _SAMPLE] for start in range(0, view.nbytes, step)]
+    size = sum(len(sample) for sample in samples)
+    return size >= 4096 and sum(len(zlib.compress(sample, 1)) for sample in samples) * 2 <= size
+
+
+def store_bytes(folder: store.CheckpointDir, data: memoryview | bytes, prefix: str = CONTENT_PREFIX,
+                have: Callable[[str], str | None] = lambda _name: None) -> tuple[str, int]:
+    """Store ``data`` as a content-addressed blob, compressed where that pays: (blob name, bytes
+    written, 0 when ``have`` knows a blob of the same bytes).
+
+    What is hashed is exactly what is stored, even if the buffer changes meanwhile (another
+    thread of the notebook): it is copied first (a large buffer stored as it is, in chunks as
+    it is written). No fsync here, as for storages.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes <= _CHUNK or _pays(view):
+        copy = bytes(view)
+        name = f"{prefix}{digest(copy)}.bin"
+        found = have(name)
+        if found is not None:
+            return found, 0
+        if _pays(memoryview(copy)):
+            return COMPRESSED + name, _publish(folder, COMPRESSED + name, zlib.compress(copy, 1))
+        return name, _publish(folder, name, copy)
+    hasher = hashlib.blake2b(digest_size=20)
+    tmp, fh = folder.create_tmp(blob=True)
+    try:
+        with fh:
+            chunk = bytearray(_CHUNK)
+            for start in range(0, view.nbytes, _CHUNK):
+                part = memoryview(chunk)[:min(_CHUNK, view.nbytes - start)]
+                part[:] = view[start:start + len(part)]
+                hasher.update(part)
+                _write_all(fh, part)
+        name = f"{prefix}{hasher.hexdigest()}.bin"
+        found = have(name)
+        if found is None:
+            folder.publish(tmp, name, blob=True)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=folder.blobs_fd)
+        raise
+    if found is not None:
+        os.unlink(tmp, dir_fd=folder.blobs_fd)
+        return found, 0
+    return name, view.nbytes
+
+
+def _publish(folder: store.CheckpointDir, name: str, data: bytes) -> int:
+    tmp, fh = folder.create_tmp(blob=True)
+    try:
+        with fh:
+            _write_all(fh, memoryview(data))
+        folder.publish(tmp, name, blob=True)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=folder.blobs_fd)
+        raise
+    return len(data)
+
+
+def _write_all(fh: Any, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += fh.write(data[done:]) or 0
+
+
+def read_buffer(folder: store.CheckpointDir, name: str, nbytes: int) -> bytearray | mmap.mmap:
+    """Blob ``name`` as a new writable buffer (arrays rebuilt on it are writable)."""
+    if name.startswith(COMPRESSED):
+        return bytearray(_decompressed(folder, name, nbytes))
+    # Anonymous memory comes zeroed by the kernel as it is touched: unlike a bytearray, it is
+    # not cleared once more before the read fills it.
+    buffer = mmap.mmap(-1, nbytes) if nbytes else bytearray()
+    with folder.open_read(name, blob=True) as fh:
+        _read_exactly(fh, name, memoryview(buffer))
+    return buffer
+
+
+def read_pack(folder: store.CheckpointDir, name: str) -> bytes:
+    """The bytes of a pack of pickles."""
+    if name.startswith(COMPRESSED):
+        return _decompressed(folder, name, None)
+    return folder.read_bytes(name, blob=True)
+
+
+def _decompressed(folder: store.CheckpointDir, name: str, nbytes: int | None) -> bytes:
+    inflate = zlib.decompressobj()
+    data = inflate.decompress(folder.read_bytes(name, blob=True), nbytes or 0)
+    if not inflate.eof or inflate.unconsumed_tail or (nbytes is not None and len(data) != nbytes):
+        raise OSError(f"blob {name} does not hold the {nbytes} bytes the checkpoint expects")
+    return data
 
 
 def host_view(storage: Any) -> memoryview:
@@ -22,7 +145,7 @@ def write_storage(root: store.CheckpointDir | Path, storage: Any) -> tuple[str, 
     """Write an untyped storage's bytes as a new blob; returns (blob name, bytes, path).
 
     No fsync here: the caller syncs all new blobs at once before it commits the checkpoint
-    that names them (:meth:`store.CheckpointDir.sync_blobs`). A blob is written under its
+    that names them (:meth:`store.CheckpointDir.commit`). A blob is written under its
     final, fresh name: until a committed checkpoint names it, a half-written one is garbage
     that the next checkpoint deletes (:meth:`store.CheckpointDir.unreferenced_blobs`).
     """
@@ -32,10 +155,7 @@ def write_storage(root: store.CheckpointDir | Path, storage: Any) -> tuple[str, 
     name = store.new_blob_name()
     with store.opened(root) as folder, folder.create(name, blob=True) as fh:
         if nbytes:
-            view = host_view(storage)
-            done = 0
-            while done < nbytes:
-                done += fh.write(view[done:]) or 0
+            _write_all(fh, host_view(storage))
     return name, nbytes, folder.path / store.BLOB_DIR / name
 
 
@@ -43,20 +163,37 @@ def read_storage(folder: store.CheckpointDir, name: str, nbytes: int, device: st
     """Read blob ``name`` of ``folder`` into a fresh untyped storage on ``device``."""
     import torch
 
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    storage = buffer.untyped_storage()
     with folder.open_read(name, blob=True) as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size != nbytes:
-            raise OSError(f"blob {name} holds {size} bytes, the checkpoint expects {nbytes}")
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        storage = buffer.untyped_storage()
-        if nbytes:
-            view = host_view(storage)
-            done = 0
-            while done < nbytes:
-                got = fh.readinto(view[done:])
-                if not got:
-                    raise OSError(f"blob {name} ended after {done} of {nbytes} bytes")
-                done += got
+        _read_exactly(fh, name, host_view(storage) if nbytes else memoryview(b""))
     if device != "cpu":
         return buffer.to(device).untyped_storage()
     return storage
+
+
+def to_device(storage: Any, device: str) -> Any:
+    """A host storage copied to ``device``."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(storage).to(device).untyped_storage()
+
+
+def storage_digest(storage: Any) -> str:
+    """The content address of a storage's bytes (a GPU storage is copied to the host first)."""
+    if storage.device.type != "cpu":
+        storage = storage.cpu()
+    return digest(host_view(storage) if storage.nbytes() else b"")
+
+
+def _read_exactly(fh: Any, name: str, view: memoryview) -> None:
+    size = os.fstat(fh.fileno()).st_size
+    if size != view.nbytes:
+        raise OSError(f"blob {name} holds {size} bytes, the checkpoint expects {view.nbytes}")
+    done = 0
+    while done < view.nbytes:
+        got = fh.readinto(view[done:])
+        if not got:
+            raise OSError(f"blob {name} ended after {done} of {view.nbytes} bytes")
+        done += got
+

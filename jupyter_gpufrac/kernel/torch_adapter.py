@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# While the kernel is parked nothing here may touch CUDA: the driver reads
+# CUDA_VISIBLE_DEVICES once, when it initialises, and the GPU is chosen only at the next cell.
+_cuda_held = False
+
+
+def hold_cuda() -> None:
+    """From now on every call here answers as if there were no CUDA, without asking CUDA."""
+    global _cuda_held
+    _cuda_held = True
+
+
+def attach_cuda(visible: str) -> bool:
+    """Let CUDA see ``visible`` (GPU UUIDs) from now on; False when CUDA was initialised
+    already in this process (then the driver keeps what it saw at that time)."""
+    global _cuda_held
+    torch = torch_module()
+    if torch is not None and torch.cuda.is_initialized():
+        return False
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    _cuda_held = False
+    return True
 
 
 def torch_module() -> Any | None:
@@ -17,7 +40,7 @@ def torch_module() -> Any | None:
 def cuda_available() -> bool:
     """True when torch is imported and sees a CUDA device."""
     torch = torch_module()
-    if torch is None:
+    if torch is None or _cuda_held:
         return False
     try:
         return bool(torch.cuda.is_available())

@@ -1,1 +1,1 @@
-"""The Jupyter server side: extension app, provisioner, handlers, events and directive listener."""
+"""The Jupyter server side: extension app, kernels' GPU state, provisioner, handlers, events, directives."""

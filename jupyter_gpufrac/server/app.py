@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import re
 import signal
@@ -27,8 +28,8 @@ from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.handlers import handlers, own_leases
 from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
+from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from jupyter_gpufrac.server.launch import lease_gpus
-from jupyter_gpufrac.server.provisioner import GpuFracProvisioner, gpu_label
 from jupyter_gpufrac.server.settings import KernelSettings, agent_command, default_checkpoint_root
 from jupyter_gpufrac.server.spares import SparePool, default_enabled
 from node_agent.quantities import QuantityError, parse_quantity
@@ -119,8 +120,17 @@ class GpuFrac(ExtensionApp):
 
     lease_poll_interval = Float(
         5.0,
-        help="Seconds between looks for a GPU share for kernels that started without one "
-        "(bursting and %gpu request changes come from the agent as they happen).",
+        help="Seconds between looks for a GPU share for kernels that started without one, and "
+        "for kernels idle past park_after (bursting and %gpu request changes come from the "
+        "agent as they happen).",
+    ).tag(config=True)
+
+    park_after = Float(
+        900.0,
+        help="Seconds a notebook kernel may stay idle before it is parked: checkpointed, "
+        "restarted without a GPU (CUDA untouched, tensors in host memory), its lease holding no "
+        "GPU memory. Its variables and the open notebook stay; its next cell gets a GPU first "
+        "(any with room) and then runs. 0 turns parking off.",
     ).tag(config=True)
 
     agent_check_interval = Float(
@@ -184,10 +194,10 @@ class GpuFrac(ExtensionApp):
         return value
 
     @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval",
-              "agent_check_interval")
+              "agent_check_interval", "park_after")
     def _validate_seconds(self, proposal: Any) -> float:
         value = float(proposal.value)
-        smallest = 0.0 if proposal.trait.name == "migrate_grace_period" else 0.1
+        smallest = 0.0 if proposal.trait.name in ("migrate_grace_period", "park_after") else 0.1
         if not value >= smallest or value == float("inf"):
             return self._bad_setting(
                 proposal,
@@ -262,9 +272,9 @@ class GpuFrac(ExtensionApp):
         self.agent_state_dir = os.path.join(jupyter_runtime_dir(), "gpufrac-agent")
         # None while the agent answers; else why not, for the REST models and the events.
         self.agent_error: str | None = None
-        self.restores: dict[str, dict[str, Any]] = {}
         self.embedded: EmbeddedAgent | None = None
         self.listener: DirectiveListener | None = None
+        self.kernels = Kernels(getattr(self.serverapp, "kernel_manager", None))
         self._tasks: set[asyncio.Task[Any]] = set()
         self.spares = (SparePool(self.spare_kernel_imports, self.max_spare_kernels, self.log)
                        if self.spare_kernels else None)
@@ -304,7 +314,7 @@ class GpuFrac(ExtensionApp):
         await self.ensure_agent()
         await self.release_stale_leases()
         self.listener = DirectiveListener(
-            self.link, self.client_name, serverapp.kernel_manager, self.events,
+            self.link, self.client_name, serverapp.kernel_manager, self.kernels, self.events,
             self.migrate_grace_period, self.kernel_settings.remember_request, self.log,
         )
         self._spawn(self.listener.run())
@@ -365,8 +375,8 @@ class GpuFrac(ExtensionApp):
         if self.embedded is not None:
             # The server shuts kernels down after its extensions: release their leases now,
             # while the agent still answers, so its ledger holds nothing stale next time.
-            for provisioner in self._provisioners().values():
-                lease, provisioner.lease = provisioner.lease, None
+            for _, gpu in self.kernels.items():
+                lease, gpu.lease = gpu.lease, None
                 if lease is not None:
                     try:
                         await self.link.release(str(lease["id"]))
@@ -387,17 +397,6 @@ class GpuFrac(ExtensionApp):
         if not task.cancelled() and task.exception() is not None:
             self.log.error("gpufrac: background task failed", exc_info=task.exception())
 
-    def _provisioners(self) -> dict[str, GpuFracProvisioner]:
-        if self.serverapp is None:
-            return {}
-        km = self.serverapp.kernel_manager
-        found = {}
-        for kernel_id in list(km.list_kernel_ids()):
-            provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
-            if isinstance(provisioner, GpuFracProvisioner):
-                found[kernel_id] = provisioner
-        return found
-
     def _kernel_launched(self, kernel_id: str, info: dict[str, Any]) -> None:
         """After each launch: when it restored, wait for the kernel hook's report."""
         reason = info.get("reason")
@@ -407,20 +406,20 @@ class GpuFrac(ExtensionApp):
     async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
         kernel = self.serverapp.kernel_manager.get_kernel(kernel_id) if self.serverapp else None
         report = None if kernel is None else await restore_report(kernel, RESTORE_REPORT_WAIT_S)
-        provisioner = self._provisioners().get(kernel_id)
-        if provisioner is not None and report is not None:
-            await provisioner.restored()
-        where: dict[str, Any] = {}
-        if provisioner is not None and provisioner.lease is not None:
-            uuids = lease_gpus(provisioner.lease)
-            if uuids:
-                where = {
-                    "gpu_uuid": uuids[0],
-                    "gpu_index": provisioner.gpus.get(uuids[0], {}).get("index"),
-                }
+        gpu = self.kernels.get(kernel_id)
+        if gpu is not None and report is not None:
+            await gpu.restored()
+        where = gpu.where() if gpu is not None else {}
         cause = str(reason.get("message") or "Restarted").rstrip(".")
         summary = restore_summary(report, RESTORE_REPORT_WAIT_S)
-        self.restores[kernel_id] = summary
+        if gpu is not None:
+            gpu.last_restore = summary
+        if reason.get("cause") == contract.CAUSE_PARKED and summary["ok"]:
+            # Nothing happened to the notebook that it must hear of: "parked" said it all, and
+            # the REST model keeps the verified report. A loss is said like any other.
+            self.log.info("kernel %s: parked with every variable (%s)", kernel_id,
+                          summary["message"])
+            return
         self.events.emit(
             kernel_id, "restored", f"{cause}; {summary['message']}",
             reason=str(reason.get("message") or ""), restored=summary["restored"],
@@ -438,22 +437,39 @@ class GpuFrac(ExtensionApp):
                 self.log.exception("gpufrac: the lease watch failed; looking again")
 
     async def _look_at_leases(self) -> None:
-        provisioners = self._provisioners()
+        kernels = self.kernels.items()
         await self._refresh_notebooks()
         if self.agent_error is None:
-            for kernel_id, provisioner in provisioners.items():
-                if provisioner.lease is None and provisioner.launches and not provisioner.closed:
-                    await self._give_gpu(kernel_id, provisioner)
+            for kernel_id, gpu in kernels:
+                if gpu.lease is None and gpu.launches and not gpu.closed:
+                    await self._give_gpu(kernel_id, gpu)
+            self._park_idle(kernels)
 
-    async def _give_gpu(self, kernel_id: str, provisioner: GpuFracProvisioner) -> None:
+    def _park_idle(self, kernels: list[tuple[str, KernelGpu]]) -> None:
+        """Park the kernels idle for park_after seconds (a refused one waits as long again)."""
+        km = self.kernels.kernel_manager
+        if not self.park_after or self.listener is None or km is None:
+            return
+        now = time.time()
+        for kernel_id, gpu in kernels:
+            kernel = km.get_kernel(kernel_id) if kernel_id in km else None
+            last = getattr(kernel, "last_activity", None)
+            if (getattr(kernel, "execution_state", None) != "idle"
+                    or not isinstance(last, datetime.datetime)):
+                continue
+            idle = now - last.timestamp()
+            if idle >= self.park_after and gpu.parkable(now, self.park_after):
+                self._spawn(self.listener.park_idle(kernel_id, idle))
+
+    async def _give_gpu(self, kernel_id: str, gpu: KernelGpu) -> None:
         """A kernel that started without a GPU share gets one once there is room."""
         if self.listener is None or self.listener.busy(kernel_id):
             return
-        lease = await provisioner.acquire_lease()
+        lease = await gpu.acquire_lease()
         if lease is None:
             return
         uuids = lease_gpus(lease)
-        label = gpu_label(provisioner.gpus, uuids[0] if uuids else None)
+        label = gpu.label(uuids[0] if uuids else None)
         self.log.info("kernel %s: a GPU share became free on %s", kernel_id, label)
         self._spawn(self.listener.restart_onto_lease(kernel_id, {
             "cause": contract.CAUSE_PLACED,
@@ -520,8 +536,8 @@ class GpuFrac(ExtensionApp):
     def _agent_lost(self, error: str) -> None:
         self.agent_error = self.agent_loss_text()
         self.log.warning("gpufrac: %s (%s)", self.agent_error, error)
-        for kernel_id, provisioner in self._provisioners().items():
-            if provisioner.lease is not None:
+        for kernel_id, gpu in self.kernels.items():
+            if gpu.lease is not None:
                 self.events.emit(kernel_id, "agent_unreachable", self.agent_error,
                                  reason=error)
 
@@ -529,22 +545,22 @@ class GpuFrac(ExtensionApp):
         """The agent answers again: make sure it knows every kernel's lease (a fresh one may not)."""
         self.agent_error = None
         self.log.info("gpufrac: the GPU agent at %s answers again", self.agent_socket)
-        for kernel_id, provisioner in self._provisioners().items():
-            if provisioner.lease is None:
+        for kernel_id, gpu in self.kernels.items():
+            if gpu.lease is None:
                 continue
             try:
-                outcome = await provisioner.reregister()
+                outcome = await gpu.reregister()
             except AgentError as err:
                 self.log.warning("kernel %s: lease check after the agent came back: %s",
                                  kernel_id, err)
                 continue
             if outcome == "lost":
-                self.events.emit(kernel_id, "no_gpu", provisioner.no_gpu_reason or "",
-                                 reason=provisioner.no_gpu_reason or "")
+                self.events.emit(kernel_id, "no_gpu", gpu.no_gpu_reason or "",
+                                 reason=gpu.no_gpu_reason or "")
                 continue
-            lease = provisioner.lease or {}
+            lease = gpu.lease or {}
             uuids = lease_gpus(lease)
-            label = gpu_label(provisioner.gpus, uuids[0] if uuids else None)
+            label = gpu.label(uuids[0] if uuids else None)
             text = {
                 "kept": f"The GPU agent answers again and holds this kernel's share on {label}.",
                 "recreated": f"The GPU agent came back without this kernel's share; it was "

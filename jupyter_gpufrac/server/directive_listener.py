@@ -13,12 +13,12 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.kernel_channel import checkpoint, wait_until_idle
-from jupyter_gpufrac.server.provisioner import GpuFracProvisioner, gpu_label
+from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from node_agent.quantities import format_bytes
 
 LONG_POLL_S = 25.0
 # Every kind: the server acts on migrate and killed, tells people of shrink, resized, bursting.
-HEARD = ("migrate", "shrink", "killed", "resized", "bursting")
+HEARD = ("migrate", "shrink", "killed", "resized", "bursting", "park", "unparked")
 MAX_BACKOFF_S = 10.0
 # Time left before the agent's deadline for the restart itself after the checkpoint.
 RESTART_MARGIN_S = 10.0
@@ -26,6 +26,10 @@ RESTART_MARGIN_S = 10.0
 KILL_SETTLE_S = 2.0
 # How long a cut-off cell may take to end after its interrupt before the kernel restarts anyway.
 INTERRUPT_WAIT_S = 5.0
+# How long a kernel may take to move its GPU tensors to host memory and checkpoint to park.
+PARK_CHECKPOINT_S = 300.0
+# How long a park waits for the kernel to be idle (the `%gpu park` cell to end).
+PARK_IDLE_WAIT_S = 10.0
 
 
 def restart_cause(directive: dict[str, Any]) -> str:
@@ -49,6 +53,7 @@ class DirectiveListener:
         link: AgentLink,
         client_name: str,
         kernel_manager: Any,
+        kernels: Kernels,
         events: KernelEventLog,
         grace_period: float,
         remember_request: Callable[[str, str | None], None],
@@ -57,6 +62,7 @@ class DirectiveListener:
         self.link = link
         self.client_name = client_name
         self.kernel_manager = kernel_manager
+        self.kernels = kernels
         self.events = events
         self.grace_period = grace_period
         self.remember_request = remember_request
@@ -122,8 +128,8 @@ class DirectiveListener:
         if kernel_id not in self.kernel_manager:
             self.log.info("directive %s for unknown kernel %s ignored", kind, kernel_id)
             return
-        provisioner = self._provisioner(kernel_id)
-        held = (provisioner.lease or {}).get("id") if provisioner is not None else None
+        gpu = self.kernels.get(kernel_id)
+        held = (gpu.lease or {}).get("id") if gpu is not None else None
         if held is None or held != directive.get("lease_id"):
             # Kernel ids show in `ps`: anyone may write one on a lease of their own.
             self.log.warning("directive %s for kernel %s names lease %s, not the kernel's (%s): "
@@ -142,6 +148,11 @@ class DirectiveListener:
                     self.resized(kernel_id, directive)
                 elif kind == "bursting":
                     self.bursting(kernel_id, directive)
+                elif kind == "park":
+                    await self._park(kernel_id, sentence(str(directive.get("reason") or "")
+                                                         or "Parked with %gpu park"))
+                elif kind == "unparked":
+                    await self.unparked(kernel_id, directive)
                 else:
                     self.log.warning("unknown directive %r for kernel %s", kind, kernel_id)
             except asyncio.CancelledError:
@@ -149,18 +160,13 @@ class DirectiveListener:
             except Exception:
                 self.log.exception("directive %s for kernel %s failed", kind, kernel_id)
 
-    def _provisioner(self, kernel_id: str) -> GpuFracProvisioner | None:
-        kernel = self.kernel_manager.get_kernel(kernel_id)
-        provisioner = getattr(kernel, "provisioner", None)
-        return provisioner if isinstance(provisioner, GpuFracProvisioner) else None
-
     # -- migrate -----------------------------------------------------------------------
 
     async def migrate(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """Checkpoint (now when idle, else after the grace period) and restart on the new GPU."""
         kernel = self.kernel_manager.get_kernel(kernel_id)
-        provisioner = self._provisioner(kernel_id)
-        if provisioner is None:
+        gpu = self.kernels.get(kernel_id)
+        if gpu is None:
             return
         try:
             lease = await self.link.lease(str(directive.get("lease_id")))
@@ -172,15 +178,14 @@ class DirectiveListener:
             # agent gave up on the move and killed the kernel: nothing to do here.
             self.log.info("kernel %s: lease is %s; migrate directive skipped", kernel_id, lease.get("state"))
             return
-        gpus = provisioner.gpus
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
         reason = str(directive.get("reason") or "")
-        moves = f"from {gpu_label(gpus, source)} to {gpu_label(gpus, target)}"
+        moves = f"from {gpu.label(source)} to {gpu.label(target)}"
         where = {
             "reason": reason,
-            "from_gpu_index": gpus.get(source or "", {}).get("index"),
-            "to_gpu_index": gpus.get(target or "", {}).get("index"),
-            "gpu_uuid": source, "gpu_index": gpus.get(source or "", {}).get("index"),
+            "from_gpu_index": gpu.index(source),
+            "to_gpu_index": gpu.index(target),
+            "gpu_uuid": source, "gpu_index": gpu.index(source),
         }
         now, clock = time.time(), time.monotonic()
         agent_deadline = float(directive.get("deadline") or now + self.grace_period + 60)
@@ -217,7 +222,7 @@ class DirectiveListener:
                 self.log.warning("kernel %s: checkpoint before move failed: %s", kernel_id, why)
         message = sentence(reason) if reason else f"Moved {moves}"
         self.log.info("kernel %s: restarting %s (cell cut off: %s)", kernel_id, moves, cut_off)
-        await self._restart_restoring(kernel_id, provisioner, {
+        await self._restart_restoring(kernel_id, gpu, {
             "cause": restart_cause(directive),
             "message": message + ".",
             "from_gpu": source,
@@ -225,15 +230,15 @@ class DirectiveListener:
         })
 
     async def _restart_restoring(
-        self, kernel_id: str, provisioner: GpuFracProvisioner, reason: dict[str, Any]
+        self, kernel_id: str, gpu: KernelGpu, reason: dict[str, Any]
     ) -> None:
         """Restart the kernel now; the new process restores the last good checkpoint."""
-        provisioner.request_restore(reason)
+        gpu.request_restore(reason)
         try:
             await self._restart(kernel_id, now=True)
         except Exception:
-            if provisioner.restore_pending:
-                provisioner.cancel_restore()
+            if gpu.restore_pending:
+                gpu.cancel_restore()
             raise
 
     async def _interrupt(self, kernel_id: str, kernel: Any) -> None:
@@ -259,15 +264,15 @@ class DirectiveListener:
         return lock is not None and lock.locked()
 
     async def restart_onto_lease(self, kernel_id: str, reason: dict[str, Any]) -> None:
-        """Restart a kernel onto the lease its provisioner now holds, with its variables.
+        """Restart a kernel onto the lease it now holds, with its variables.
 
         Used when a kernel gets a GPU it did not have; nothing forces it, so a running cell is
         never cut off: the restart waits until the kernel is idle.
         """
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
         async with lock:
-            provisioner = self._provisioner(kernel_id)
-            if provisioner is None:
+            gpu = self.kernels.get(kernel_id)
+            if gpu is None:
                 return
             kernel = self.kernel_manager.get_kernel(kernel_id)
             while not await wait_until_idle(kernel, time.monotonic() + 1.0):
@@ -279,7 +284,62 @@ class DirectiveListener:
             if not saved:
                 self.log.warning("kernel %s: checkpoint before restart failed: %s", kernel_id, why)
             self.log.info("kernel %s: restarting onto its new GPU share", kernel_id)
-            await self._restart_restoring(kernel_id, provisioner, reason)
+            await self._restart_restoring(kernel_id, gpu, reason)
+
+    # -- park --------------------------------------------------------------------------
+
+    async def park_idle(self, kernel_id: str, idle_s: float) -> None:
+        """Park a kernel that has been idle for ``idle_s`` seconds (unless something else is
+        under way for it)."""
+        if self.busy(kernel_id):
+            return
+        lock = self._locks.setdefault(kernel_id, asyncio.Lock())
+        async with lock:
+            minutes = f"{idle_s / 60:.0f} min" if idle_s >= 90 else f"{idle_s:.0f} s"
+            await self._park(kernel_id, f"Parked after {minutes} idle", idle_s)
+
+    async def _park(self, kernel_id: str, message: str, idle_s: float | None = None) -> None:
+        """Once the kernel is idle: its GPU tensors to host memory and a checkpoint, then a
+        restart without a GPU (the agent parks the lease at the launch)."""
+        gpu = self.kernels.get(kernel_id)
+        if (gpu is None or not gpu.hooked or gpu.lease is None
+                or gpu.lease.get("state") == "parked"):
+            return
+        kernel = self.kernel_manager.get_kernel(kernel_id)
+        if not await wait_until_idle(kernel, time.monotonic() + PARK_IDLE_WAIT_S):
+            # A cell runs again (the one after `%gpu park`): the kernel is in use, and a move
+            # must not wait behind a park. It is parked once it is idle long enough.
+            self.log.info("kernel %s: not parked: a cell is running", kernel_id)
+            return
+        saved, why = await checkpoint(kernel, timeout=PARK_CHECKPOINT_S, park=True)
+        if kernel_id not in self.kernel_manager:
+            return  # shut down meanwhile: its cleanup gave the lease back
+        if not saved:
+            gpu.park_refused = time.time()
+            self.log.warning("kernel %s: not parked: %s", kernel_id, why)
+            return
+        source = gpu.lease.get("physical_gpu")
+        self.log.info("kernel %s: parking (%s)", kernel_id, message)
+        await self._restart_restoring(kernel_id, gpu, {
+            "cause": contract.CAUSE_PARKED, "message": f"{message}; it gave {gpu.label(source)} "
+            "back", "from_gpu": source, "to_gpu": None, "idle_s": idle_s,
+        })
+
+    async def unparked(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """A cell of a parked kernel got it a GPU again: say where."""
+        gpu = self.kernels.get(kernel_id)
+        if gpu is None:
+            return
+        try:
+            await gpu.refresh()
+        except AgentError as err:
+            self.log.info("kernel %s: lease not refreshed after unpark: %s", kernel_id, err)
+        uuid = directive.get("gpu")
+        self.events.emit(
+            kernel_id, "unparked", f"Back on {gpu.label(str(uuid) if uuid else None)}: a cell "
+            "asked for a GPU, and it runs there.", gpu_uuid=uuid, gpu_index=gpu.index(uuid),
+            request=directive.get("request"), limit=directive.get("limit"),
+        )
 
     # -- shrink and killed -------------------------------------------------------------
 
@@ -303,24 +363,21 @@ class DirectiveListener:
     def resized(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """The user changed the share in the kernel (``%gpu request``): their next kernels ask
         for it too."""
-        provisioner = self._provisioner(kernel_id)
+        gpu = self.kernels.get(kernel_id)
         request, limit = directive.get("request_spec"), directive.get("limit_spec")
-        if provisioner is None or not isinstance(request, str) or not request:
+        if gpu is None or not isinstance(request, str) or not request:
             return
         spec = (request, limit if isinstance(limit, str) else None)
-        if provisioner.asked_share is not None and spec != provisioner.asked_share:
-            provisioner.asked_share = spec
-            provisioner.share_source = {"request": contract.SOURCE_MAGIC,
-                                        "limit": contract.SOURCE_MAGIC}
+        if gpu.changed_share(*spec):
             self.remember_request(*spec)
 
     def bursting(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """The kernel began to use loaned memory: say so, once per burst."""
-        provisioner = self._provisioner(kernel_id)
-        if provisioner is None:
+        gpu = self.kernels.get(kernel_id)
+        if gpu is None:
             return
         uuid = directive.get("gpu")
-        index = provisioner.gpus.get(str(uuid), {}).get("index")
+        index = gpu.index(uuid)
         self.events.emit(
             kernel_id, "bursting",
             f"Using {format_bytes(int(directive.get('usage') or 0))}, above its "
@@ -332,8 +389,8 @@ class DirectiveListener:
 
     async def killed(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """Tell the user; make sure the kernel comes back once, restoring its last checkpoint."""
-        provisioner = self._provisioner(kernel_id)
-        if provisioner is None:
+        state = self.kernels.get(kernel_id)
+        if state is None:
             return
         gpu = directive.get("gpu") or directive.get("to_gpu")
         moved = directive.get("cause") == "migrate_timeout"
@@ -349,17 +406,17 @@ class DirectiveListener:
         )
         killed_at = float(directive.get("created") or time.time())
         # A launch that began after the kill has read the killed lease and restores by itself.
-        if provisioner.last_launch_started >= killed_at:
+        if state.last_launch_started >= killed_at:
             return
-        provisioner.request_restore({
+        state.request_restore({
             "cause": contract.CAUSE_MIGRATED if moved else contract.CAUSE_OOM_KILLED,
             "message": message,
-            "from_gpu": (provisioner.lease or {}).get("physical_gpu") if moved else gpu,
+            "from_gpu": (state.lease or {}).get("physical_gpu") if moved else gpu,
             "to_gpu": gpu,
         })
-        await self._restart_dead(kernel_id, provisioner)
+        await self._restart_dead(kernel_id, state)
 
-    async def _restart_dead(self, kernel_id: str, provisioner: GpuFracProvisioner) -> None:
+    async def _restart_dead(self, kernel_id: str, gpu: KernelGpu) -> None:
         """Restart a killed kernel now, not on jupyter_client's restarter's next poll (up to
         ``time_to_dead`` seconds later), and never a second time when the restarter began.
 
@@ -368,7 +425,7 @@ class DirectiveListener:
         the callback count says whether it took the restart on; if not, nobody else will.
         """
         kernel = self.kernel_manager.get_kernel(kernel_id)
-        restarts, launches = provisioner.restarter_restarts, provisioner.launches
+        restarts, launches = gpu.restarter_restarts, gpu.launches
         restarter = bool(getattr(kernel, "autorestart", False))
         if restarter:
             kernel.stop_restarter()
@@ -380,7 +437,7 @@ class DirectiveListener:
                     self.log.info("kernel %s: reported killed but alive; leaving it be", kernel_id)
                     return
                 await asyncio.sleep(0.05)
-            if provisioner.restarter_restarts != restarts or provisioner.launches != launches:
+            if gpu.restarter_restarts != restarts or gpu.launches != launches:
                 return
             self.log.info("kernel %s: killed by the agent; restarting it now", kernel_id)
             await self._restart(kernel_id, now=True)

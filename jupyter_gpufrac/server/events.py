@@ -29,8 +29,9 @@ def make_event(kernel_id: str, event: str, message: str, **fields: Any) -> dict[
             data[name] = str(fields[name])
     if fields.get("ok") is not None:
         data["ok"] = bool(fields["ok"])
-    if fields.get("deadline") is not None:
-        data["deadline"] = float(fields["deadline"])
+    for name in ("deadline", "seconds"):
+        if fields.get(name) is not None:
+            data[name] = float(fields[name])
     for name in ("restored", "lost"):
         if fields.get(name) is not None:
             data[name] = [str(v) for v in fields[name]]

@@ -11,7 +11,6 @@ from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
 from jupyter_gpufrac.server.agent_link import AgentError, AgentUnavailable
-from jupyter_gpufrac.server.provisioner import GpuFracProvisioner
 from jupyter_gpufrac.server.rest_models import kernel_model, node_model
 
 AUTH_RESOURCE = "gpufrac"
@@ -74,24 +73,20 @@ class KernelHandler(GpuFracHandler):
             self.write_json({"error": f"no kernel with id {kernel_id}"}, status=404)
             return
         kernel = km.get_kernel(kernel_id)
-        provisioner = getattr(kernel, "provisioner", None)
-        if not isinstance(provisioner, GpuFracProvisioner):
-            provisioner = None
-        lease = provisioner.lease if provisioner is not None else None
+        gpu = app.kernels.get(kernel_id)
+        lease = gpu.lease if gpu is not None else None
         agent_error = app.agent_error
-        if lease is not None:
+        if gpu is not None and lease is not None:
             try:
-                lease = await app.link.lease(str(lease["id"]))
-                provisioner.lease = lease  # type: ignore[union-attr]
+                lease = await gpu.refresh()
             except AgentUnavailable:
                 # Last known lease: the widget keeps showing where the kernel runs, unverified.
                 agent_error = agent_error or app.agent_loss_text()
             except AgentError as err:
                 self.log.info("kernel %s: lease not refreshed: %s", kernel_id, err)
         self.write_json(kernel_model(
-            kernel_id, kernel, provisioner, lease, app.events.events(kernel_id),
-            agent_error=agent_error, restore=app.restores.get(kernel_id),
-            notebook=await self._notebook(kernel_id),
+            kernel_id, kernel, gpu, lease, app.events.events(kernel_id),
+            agent_error=agent_error, notebook=await self._notebook(kernel_id),
         ))
 
     async def _notebook(self, kernel_id: str) -> str | None:

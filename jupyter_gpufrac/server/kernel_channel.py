@@ -27,6 +27,10 @@ async def wait_until_idle(kernel: Any, deadline: float) -> bool:
         await asyncio.sleep(0.1)
 
 
+# How long an answered ask waits for the kernel's "idle" after it (it comes within milliseconds).
+SETTLE_S = 5.0
+
+
 class ChannelError(Exception):
     """The kernel did not answer an ask: gone, busy past the deadline, or without the extension."""
 
@@ -99,16 +103,38 @@ async def ask(kernel: Any, question: str, timeout: float) -> dict[str, Any]:
                 continue
             found = answer_in(reply, comm_id)
             if found is not None:
-                client.shell_channel.send(close_message(client.session, comm_id))
+                close = close_message(client.session, comm_id)
+                client.shell_channel.send(close)
+                await _settled(client, close["header"]["msg_id"],
+                               min(time.monotonic() + SETTLE_S, deadline))
                 return found
     finally:
         client.stop_channels()
 
 
-async def checkpoint(kernel: Any, timeout: float) -> tuple[bool, str]:
-    """Checkpoint the kernel now; returns whether it worked and, if not, why."""
+async def _settled(client: Any, msg_id: str, deadline: float) -> None:
+    """Wait (until ``deadline`` at most) for the kernel to say it is idle after ``msg_id``.
+
+    Frontends show a kernel's state from its last status message: a kernel restarted right
+    after an ask would otherwise leave them its "busy" for that ask, with no "idle" ever
+    following (JupyterLab then shows Busy until the next cell).
+    """
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            msg = await client.get_iopub_msg(timeout=remaining)
+        except queue.Empty:
+            return
+        if (msg.get("msg_type") == "status"
+                and msg.get("parent_header", {}).get("msg_id") == msg_id
+                and (msg.get("content") or {}).get("execution_state") == "idle"):
+            return
+
+
+async def checkpoint(kernel: Any, timeout: float, *, park: bool = False) -> tuple[bool, str]:
+    """Checkpoint the kernel now (``park``: after moving its GPU tensors to host memory, which
+    it undoes when the checkpoint fails); returns whether it worked and, if not, why."""
     try:
-        answer = await ask(kernel, contract.ASK_CHECKPOINT, timeout)
+        answer = await ask(kernel, contract.ASK_PARK if park else contract.ASK_CHECKPOINT, timeout)
     except ChannelError as err:  # a checkpoint that fails must not stop the move
         return False, str(err)
     if answer.get("ok") is True:

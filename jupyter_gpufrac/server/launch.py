@@ -208,6 +208,11 @@ def build_kernel_env(
         return env
     uuids = lease_gpus(lease)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
+    if lease.get("state") == "parked":
+        env[contract.PARKED] = "1"
+        # torch.cuda.is_available() then asks NVML, not the CUDA driver: a driver initialised
+        # while parked would never see the GPU the kernel gets back.
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     env[contract.LEASE_ID] = str(lease["id"])
     env[contract.REQUEST] = str(int(lease["request"]))
     env[contract.LIMIT] = str(int(lease["limit"]))

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import lease_gpus
 
 NOT_OURS = (
@@ -25,7 +26,7 @@ def _activity_after(kernel: Any, when: float) -> bool:
 
 def kernel_state(
     kernel: Any,
-    provisioner: Any,
+    gpu: KernelGpu | None,
     lease: dict[str, Any] | None,
     events: list[dict[str, Any]],
     *,
@@ -38,10 +39,10 @@ def kernel_state(
     share is unverified, and a restore that lost anything is ``restore-incomplete``.
     """
     now = time.time() if now is None else now
-    if provisioner is None:
+    if gpu is None:
         return "no-gpu", NOT_OURS, None
     if lease is None:
-        return "no-gpu", provisioner.no_gpu_reason or "This kernel has no GPU lease.", None
+        return "no-gpu", gpu.no_gpu_reason or "This kernel has no GPU lease.", None
     if agent_error is not None:
         return "agent-unreachable", agent_error, None
     state = str(lease.get("state") or "active")
@@ -52,8 +53,8 @@ def kernel_state(
             return "move-pending", step["message"], float(step["deadline"])
         return "migrating", step["message"] if step else (lease.get("reason") or None), None
     if state in contract.LEASE_STATE_SHOWN:
-        wanted = {"shrinking": "shrink_requested", "killed": "oom_killed"}
-        event = next((e for e in reversed(events) if e["event"] == wanted[state]), None)
+        wanted = {"shrinking": "shrink_requested", "killed": "oom_killed", "parked": "parked"}
+        event = next((e for e in reversed(events) if e["event"] == wanted.get(state)), None)
         reason = event["message"] if event else (lease.get("reason") or None)
         return contract.LEASE_STATE_SHOWN[state], reason, None
     # A bursting notice right after a restore must not hide what the restore lost.
@@ -83,37 +84,35 @@ def gpu_model(gpu: dict[str, Any] | None, simulated: bool) -> dict[str, Any] | N
 def kernel_model(
     kernel_id: str,
     kernel: Any,
-    provisioner: Any,
+    gpu: KernelGpu | None,
     lease: dict[str, Any] | None,
     events: list[dict[str, Any]],
     *,
     agent_error: str | None = None,
-    restore: dict[str, Any] | None = None,
     notebook: str | None = None,
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/kernels/<kernel_id>``."""
-    state, reason, deadline = kernel_state(kernel, provisioner, lease, events,
-                                           agent_error=agent_error)
-    gpu = None
-    if lease is not None and provisioner is not None:
+    state, reason, deadline = kernel_state(kernel, gpu, lease, events, agent_error=agent_error)
+    device = None
+    if lease is not None and gpu is not None:
         # Where the kernel runs now: a move shows its target only once the kernel is there.
         uuids = lease_gpus({**lease, "state": "active"})
         if uuids:
-            gpu = gpu_model(provisioner.gpus.get(uuids[0], {"uuid": uuids[0]}), provisioner.simulated)
+            device = gpu_model(gpu.gpus.get(uuids[0], {"uuid": uuids[0]}), gpu.simulated)
     return {
         "kernel_id": kernel_id,
         "state": state,
         "reason": reason,
         "deadline": deadline,
         "notebook": notebook,
-        "restore": restore,
-        "gpu": gpu,
+        "restore": gpu.last_restore if gpu is not None else None,
+        "gpu": device,
         "request": lease.get("request") if lease else None,
         "limit": lease.get("limit") if lease else None,
         "usage": lease.get("usage") if lease else None,
         "lease": lease,
         # Where request and limit came from (None: the lease predates this server process).
-        "share_source": getattr(provisioner, "share_source", None),
+        "share_source": gpu.share_source if gpu is not None else None,
         "events": events,
     }
 

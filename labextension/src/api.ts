@@ -22,7 +22,9 @@ export type KernelState =
   | 'restored'
   | 'restore-incomplete'
   | 'agent-unreachable'
-  | 'no-gpu';
+  | 'no-gpu'
+  | 'parked'
+  | 'waiting-for-gpu';
 
 /** Event names of the kernel event schema. */
 export type EventName =
@@ -36,7 +38,9 @@ export type EventName =
   | 'restored'
   | 'no_gpu'
   | 'agent_unreachable'
-  | 'agent_reachable';
+  | 'agent_reachable'
+  | 'parked'
+  | 'unparked';
 
 export interface IGpuRef {
   uuid: string;
@@ -96,6 +100,7 @@ export interface IGpuFracEvent {
   interrupted_cell?: string;
   /** For `move_pending`: unix seconds at which the running cell is cut off. */
   deadline?: number;
+  seconds?: number;
   /** The notebook's path, when the server knows it. */
   notebook?: string;
   time?: number;

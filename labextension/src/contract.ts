@@ -12,7 +12,9 @@ export const EVENT_KINDS = [
   'restored',
   'no_gpu',
   'agent_unreachable',
-  'agent_reachable'
+  'agent_reachable',
+  'parked',
+  'unparked'
 ] as const;
 
 export const KERNEL_STATES = [
@@ -25,7 +27,9 @@ export const KERNEL_STATES = [
   'restored',
   'restore-incomplete',
   'no-gpu',
-  'agent-unreachable'
+  'agent-unreachable',
+  'parked',
+  'waiting-for-gpu'
 ] as const;
 
 export const AGENT_SILENT_STATES = ['no-gpu', 'agent-unreachable'] as const;
@@ -41,7 +45,9 @@ export const EVENT_STATE: Readonly<Record<string, string>> = {
   oom_killed: 'oom-killed',
   restored: 'restored',
   no_gpu: 'no-gpu',
-  agent_unreachable: 'agent-unreachable'
+  agent_unreachable: 'agent-unreachable',
+  parked: 'parked',
+  unparked: 'guaranteed'
 };
 
 export const LEASE_STATE_WORDS: Readonly<Record<string, string>> = {
@@ -49,7 +55,8 @@ export const LEASE_STATE_WORDS: Readonly<Record<string, string>> = {
   active: 'running',
   migrating: 'moving',
   shrinking: 'shrinking',
-  killed: 'stopped'
+  killed: 'stopped',
+  parked: 'parked (holds no GPU)'
 };
 
 export const RESTORE_INCOMPLETE = 'restore-incomplete';

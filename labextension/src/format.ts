@@ -177,6 +177,13 @@ export function describeEvent(
       return trans.__(
         'The GPU agent answers again; GPU shares are verified again.'
       );
+    case 'parked':
+      return trans.__(
+        'Parked: gave its GPU back while idle%1; the next cell gets one first.',
+        why
+      );
+    case 'unparked':
+      return trans.__('Back on GPU %1.', event.gpu_index ?? '?');
     default:
       return event.event;
   }

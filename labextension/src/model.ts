@@ -349,7 +349,9 @@ export class GpuFracModel implements IDisposable {
     if (this._eventCount !== eventsBefore) {
       // Asked before the last event arrived: its state may predate that event
       // (the fetch the event started brings the current one); only the
-      // history is taken.
+      // history is taken. A Poll drops refresh() while a refresh is out, so
+      // that fetch is asked for here, once this tick has settled.
+      void this._poll.tick.then(() => this.refresh());
       return;
     }
     this._status = status;
@@ -379,11 +381,10 @@ export class GpuFracModel implements IDisposable {
       return;
     }
     const agent = this._node.agent;
-    if (
-      agent &&
-      agent.available !== undefined &&
-      this._eventCount === eventsBefore
-    ) {
+    if (this._eventCount !== eventsBefore) {
+      // As for a kernel: the refresh an event asked for meanwhile was dropped.
+      void this._nodePoll.tick.then(() => this.refreshNode());
+    } else if (agent && agent.available !== undefined) {
       this._setAgent(agent.available === false, agent.error ?? null);
     }
     this._followPace();

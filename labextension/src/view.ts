@@ -79,6 +79,12 @@ function helps(trans: ITrans): Record<string, string> {
       "The GPU agent does not answer, so this kernel's GPU share cannot be verified. Cells still run."
     ),
     'no-gpu': trans.__('This kernel holds no GPU lease.'),
+    parked: trans.__(
+      'Idle, so its GPU was given back; its variables are kept in host memory. The next cell gets a GPU first (maybe another one), then runs.'
+    ),
+    'waiting-for-gpu': trans.__(
+      'A cell is waiting for a GPU with room for this kernel; it runs as soon as there is one. Interrupt the kernel to cancel.'
+    ),
     unknown: trans.__(
       'The server has no GPU lease information for this kernel (yet).'
     ),
@@ -101,6 +107,8 @@ function labels(trans: ITrans): Record<string, string> {
     'oom-killed': trans.__('stopped'),
     'agent-unreachable': trans.__('agent unreachable'),
     'no-gpu': trans.__('no GPU'),
+    parked: trans.__('parked'),
+    'waiting-for-gpu': trans.__('waiting for a GPU'),
     unavailable: trans.__('unavailable'),
     unknown: '…'
   };
@@ -118,6 +126,8 @@ const SEVERITY: Record<string, Severity> = {
   'agent-unreachable': 'error',
   unavailable: 'error',
   'no-gpu': 'plain',
+  parked: 'info',
+  'waiting-for-gpu': 'warning',
   unknown: 'plain'
 };
 
@@ -279,6 +289,8 @@ function shortWords(trans: ITrans): Record<string, string> {
     'restore-incomplete': trans.__('losses'),
     'agent-unreachable': trans.__('agent unreachable'),
     'no-gpu': trans.__('no GPU'),
+    parked: trans.__('parked'),
+    'waiting-for-gpu': trans.__('waiting for a GPU'),
     unavailable: trans.__('unavailable'),
     unknown: ''
   };

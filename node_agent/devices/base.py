@@ -104,6 +104,10 @@ class GpuBackend(Protocol):
         """The agent placed ``pid`` on ``uuid``. Real drivers know this already and ignore it."""
         ...
 
+    def untrack(self, pid: int) -> None:
+        """``pid`` no longer has a GPU (its lease is parked). Real drivers ignore it too."""
+        ...
+
     def close(self) -> None:
         """Release the backend's resources."""
         ...

@@ -189,6 +189,9 @@ class NvmlBackend:
     def track(self, pid: int, uuid: str) -> None:
         """NVML sees processes by itself."""
 
+    def untrack(self, pid: int) -> None:
+        """NVML sees processes by itself."""
+
     def close(self) -> None:
         with self._lock:
             if self._initialised:

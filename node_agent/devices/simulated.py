@@ -193,6 +193,11 @@ class SimulatedBackend:
                                           self._gpus[uuid].info.context_size)
             self._rescan = True
 
+    def untrack(self, pid: int) -> None:
+        # Its host memory (a parked kernel's variables) is no device memory from now on.
+        with self._lock:
+            self._tracked.pop(pid, None)
+
     def close(self) -> None:
         with self._lock:
             self._tracked.clear()

@@ -84,7 +84,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    "measured by bench/migration_bench.py on the 2-core development box)")
     p.add_argument("--reattach-seconds", type=_positive(float, 0, "seconds >= 0"), default=timing.reattach,
                    metavar="S", help=f"a parked kernel getting a GPU back (default {timing.reattach:g}: "
-                   "assumed a restore from checkpoint, costed as a move until measured)")
+                   "charged as a move until timed on a GPU)")
     p.add_argument("--migrate-grace", type=_positive(float, 0, "seconds >= 0"), default=timing.migrate_grace,
                    metavar="S", help=f"a running cell's time to finish before a move cuts it off "
                    f"(default {timing.migrate_grace:g}, c.GpuFrac.migrate_grace_period)")

@@ -33,10 +33,11 @@ class Timing:
 
     ``move``: a planned move of an idle kernel, directive to restored state (bench/migration_bench.py
     on the 2-core development box: 4.3 s). ``reattach``: a parked kernel's next cell getting a GPU
-    back; assumed to cost a restore from checkpoint, which is most of a move, so the move's figure
-    until it is measured. ``migrate_grace``: how long a running cell may finish before a move cuts
-    it off (``c.GpuFrac.migrate_grace_period``). ``reclaim_grace``, ``restore_grace`` and
-    ``headroom`` (a share of the GPU) are the agent's defaults.
+    back; charged as a move (bench/park_bench.py measures 0.03 s on the simulated node, without
+    CUDA's initialisation and the copy back to the GPU, which only a GPU can time).
+    ``migrate_grace``: how long a running cell may finish before a move cuts it off
+    (``c.GpuFrac.migrate_grace_period``). ``reclaim_grace``, ``restore_grace`` and ``headroom``
+    (a share of the GPU) are the agent's defaults.
     """
 
     move: float = 4.3

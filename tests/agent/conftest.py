@@ -8,6 +8,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,3 +98,13 @@ def holders() -> Iterator[Callable[..., Holder]]:
     for h in made:
         h.stop()
 
+
+def notebook_holding(agent: AgentProcess, holders: Callable[..., Holder], request: str,
+                     limit: str, mib: int) -> tuple[dict[str, Any], Holder]:
+    """A notebook lease whose registered process holds ``mib`` MiB on its GPU."""
+    c = agent.client()
+    lease = c.create_lease(client="jupyter", request=request, limit=limit)
+    h = holders(CUDA_VISIBLE_DEVICES=lease["physical_gpu"])
+    lease = c.register_pid(lease["id"], h.pid)
+    h.hold(mib)
+    return lease, h

@@ -64,7 +64,8 @@ def test_lease_lifecycle(start_agent: Callable[..., AgentProcess], holders: Call
     assert "state" not in request.labels
     states = {s.labels["gpufrac_lease_state"]: s.value for s in samples
               if s.name == "gpufrac_lease_state" and s.labels["lease"] == lease["id"]}
-    assert states == {"pending": 0, "active": 1, "migrating": 0, "shrinking": 0, "killed": 0}
+    assert states == {"pending": 0, "active": 1, "migrating": 0, "shrinking": 0, "killed": 0,
+                      "parked": 0}
     c.release(lease["id"])
     assert c.leases() == []
     with pytest.raises(AgentError) as err:
@@ -335,7 +336,7 @@ def test_status_json_is_the_stable_document(
     assert set(doc) == {"gpus", "leases"}
     assert set(doc["gpus"][0]) == {"uuid", "index", "name", "memory_total", "memory_used"}
     assert set(doc["leases"][0]) == {"id", "kind", "owner_uid", "request", "limit", "usage",
-                                     "logical_gpu", "physical_gpu", "state"}
+                                     "logical_gpu", "physical_gpu", "physical_gpus", "state"}
     assert isinstance(doc["leases"][0]["request"], int)
     assert doc["leases"][0]["physical_gpu"].startswith("GPU-")
     table = subprocess.run(run, capture_output=True, text=True, check=True).stdout

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from harness.agent import AgentProcess, http_bytes, raw_request
 
 FIELDS = ["kind", "request", "limit", "devices", "client", "kernel_id", "name", "pid", "bytes",
-          "uid", "owner_uid", "x"]
+          "reason", "uid", "owner_uid", "x"]
 PATHS = ["/v1/node", "/v1/leases", "/v1/leases/{id}", "/v1/leases/{id}/pids",
-         "/v1/leases/{id}/usage", "/v1/leases/{id}/migrated", "/v1/directives", "/metrics",
+         "/v1/leases/{id}/usage", "/v1/leases/{id}/migrated", "/v1/leases/{id}/park",
+         "/v1/leases/{id}/park-request", "/v1/leases/{id}/unpark", "/v1/directives", "/metrics",
          "/v1/nothing", "/"]
 
 json_values = st.recursive(
@@ -44,7 +45,9 @@ ENDPOINTS = [
     ("GET", "/v1/node"), ("GET", "/v1/leases"), ("POST", "/v1/leases"),
     ("GET", "/v1/leases/{id}"), ("PATCH", "/v1/leases/{id}"), ("DELETE", "/v1/leases/{id}"),
     ("POST", "/v1/leases/{id}/pids"), ("POST", "/v1/leases/{id}/usage"),
-    ("POST", "/v1/leases/{id}/migrated"), ("GET", "/v1/directives"), ("GET", "/metrics"),
+    ("POST", "/v1/leases/{id}/migrated"), ("POST", "/v1/leases/{id}/park"),
+    ("POST", "/v1/leases/{id}/park-request"), ("POST", "/v1/leases/{id}/unpark"),
+    ("GET", "/v1/directives"), ("GET", "/metrics"),
 ]
 SPECIAL_BODIES = [b"", b"[]", b"null", b"{", b'"x"', b"[" * 5000, b'{"a": ' * 3000,
                   b"\xff\xfe", b'{"request": 1' + b"0" * 5000 + b"}"]
@@ -65,14 +68,19 @@ def requests(draw: Callable[..., Any]) -> bytes:
     method, path = draw(st.sampled_from(ENDPOINTS) | st.tuples(
         st.sampled_from(["GET", "POST", "PATCH", "DELETE", "PUT", "OPTIONS"]),
         st.sampled_from(PATHS)))
-    lease = draw(st.sampled_from(["{lease}", "{lease}", "l-000000000000", "x" * 64, "-"]))
+    lease = draw(st.sampled_from(["{lease}", "{lease}", "l-000000000000", "x" * 64, "-", "x" * 65,
+                                  "l%20x", "%ff", "l.x"]))
     path = path.replace("{id}", lease)
     query: dict[str, str] = {}
     if path == "/v1/directives":
         query[draw(st.sampled_from(["client", "lease"]))] = draw(
             st.sampled_from(["fuzz", "{lease}", "", "x" * 300]) | st.text(max_size=20))
-    for name in draw(st.sets(st.sampled_from(["after", "timeout", "client", "x"]), max_size=3)):
-        query[name] = draw(query_numbers if name in ("after", "timeout") else st.text(max_size=20))
+    for name in draw(st.sets(st.sampled_from(["after", "timeout", "client", "kinds", "x"]),
+                             max_size=3)):
+        query[name] = draw(
+            query_numbers if name in ("after", "timeout")
+            else st.sampled_from(["park", "park,unparked", "migrate,,park", "reboot", ""])
+            | st.text(max_size=20) if name == "kinds" else st.text(max_size=20))
     if query:
         path += "?" + urlencode(query, quote_via=quote)
     if draw(st.integers(0, 3)):

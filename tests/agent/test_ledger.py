@@ -85,6 +85,11 @@ def test_a_ledger_from_before_the_new_columns_opens(tmp_path: Path) -> None:
                    " 'active', 1.0, 1.0)")
     ledger = Ledger(tmp_path)
     assert ledger.leases["l-old"].orphan_deadline is None
+    # It ran on as many GPUs as it was planned on, and was never parked.
+    assert (ledger.leases["l-old"].devices, ledger.leases["l-old"].parked_at) == (1, None)
     assert ledger.update("l-old", orphan_deadline=9.0).orphan_deadline == 9.0
+    ledger.update("l-old", state="parked", logical=(), physical=(), parked_at=5.0)
     ledger.close()
-    assert Ledger(tmp_path).leases["l-old"].orphan_deadline == 9.0
+    again = Ledger(tmp_path).leases["l-old"]
+    assert again.orphan_deadline == 9.0
+    assert (again.state, again.logical, again.devices, again.parked_at) == ("parked", (), 1, 5.0)

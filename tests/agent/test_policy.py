@@ -576,3 +576,40 @@ def test_a_lease_owed_and_over_its_limit_is_reclaimed_for_the_owner() -> None:
         policy.Step(policy.WAIT, policy.LIMIT, 40.0)
     assert policy.reclaim_step(asked, 40.0, owed=False, grace=30.0, enforce_limit=False) == \
         policy.Step(policy.CANCEL)
+
+
+@given(placed_under_rules(), st.sampled_from([1, 2, 4, 8]), st.integers(1, 3), st.data())
+def test_the_gpus_said_to_be_short_are_those_placement_passes_over(
+    case: tuple[policy.Rules, list[Device], list[Placement]], eighths: int, count: int,
+    data: st.DataObject,
+) -> None:
+    """A lease waiting for a GPU is told why, GPU by GPU: the GPUs named are exactly those
+    plan_logical cannot use, so it is placed whenever fewer than it needs are named."""
+    rules, devices, leases = case
+    sick = data.draw(st.sets(st.sampled_from([d.uuid for d in devices])))
+    devices = [replace(d, healthy=d.uuid not in sick) for d in devices]
+    request = eighths * devices[0].total // 8
+    short = policy.shortfalls(devices, leases, request, rules)
+    chosen = policy.plan_logical(devices, leases, request, count, rules)
+    assert (chosen is not None) == (len(devices) - len(short) >= count)
+    assert not set(chosen or ()) & {s.uuid for s in short}
+    assert [s.index for s in short] == sorted(s.index for s in short)
+    load, by_id = policy.logical_load(leases), {p.id: p for p in leases}
+    for s in short:
+        device = next(d for d in devices if d.uuid == s.uuid)
+        assert s.free == max(0, device.total - load.get(s.uuid, 0))
+        assert not s.healthy or s.free < request or s.full
+        if s.whole is not None:
+            job = by_id[s.whole]
+            assert job.kind == JOB and s.uuid in job.logical and job.request >= device.total
+
+
+def test_a_gpu_held_by_a_whole_gpu_job_says_so() -> None:
+    devices = [Device("GPU-0", 0, 8 * GB), Device("GPU-1", 1, 8 * GB)]
+    leases = [Placement("j", JOB, 8 * GB, ("GPU-0",), ("GPU-0",)),
+              Placement("n", NOTEBOOK, 6 * GB, ("GPU-1",), ("GPU-1",))]
+    assert policy.shortfalls(devices, leases, 4 * GB) == [
+        policy.Shortfall("GPU-0", 0, 0, False, "j"), policy.Shortfall("GPU-1", 1, 2 * GB, False, None)]
+    assert policy.shortfalls(devices, leases, 2 * GB, policy.Rules(max_per_gpu=1)) == [
+        policy.Shortfall("GPU-0", 0, 0, True, "j"), policy.Shortfall("GPU-1", 1, 2 * GB, True, None)]
+    assert policy.shortfalls(devices, leases, 2 * GB) == [policy.Shortfall("GPU-0", 0, 0, False, "j")]

@@ -15,19 +15,9 @@ import pytest
 from harness.agent import AgentProcess, wait_for
 from node_agent.client import AgentClient, AgentError
 
-from .conftest import Holder
+from .conftest import Holder, notebook_holding
 
 MiB = 2**20
-
-
-def _notebook(agent: AgentProcess, holders: Callable[..., Holder], request: str, limit: str,
-              mib: int) -> tuple[dict, Holder]:
-    c = agent.client()
-    lease = c.create_lease(client="jupyter", request=request, limit=limit)
-    h = holders(CUDA_VISIBLE_DEVICES=lease["physical_gpu"])
-    lease = c.register_pid(lease["id"], h.pid)
-    h.hold(mib)
-    return lease, h
 
 
 def _run_job(agent: AgentProcess, out: Path) -> subprocess.Popen[str]:
@@ -45,8 +35,8 @@ def test_job_compacts_a_spread_notebook(
     agent = start_agent()
     c = agent.client()
     gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
-    a, a_proc = _notebook(agent, holders, "0.25", "1", 40)
-    b, b_proc = _notebook(agent, holders, "0.25", "1", 20)
+    a, a_proc = notebook_holding(agent, holders, "0.25", "1", 40)
+    b, b_proc = notebook_holding(agent, holders, "0.25", "1", 20)
     # Spread: both logically on GPU 0 (bin-packed), physically one per GPU.
     assert a["logical_gpu"] == b["logical_gpu"] == gpu0
     assert {a["physical_gpu"], b["physical_gpu"]} == {gpu0, gpu1}
@@ -90,8 +80,8 @@ def test_a_client_that_does_not_move_is_stopped_after_the_grace(
     agent = start_agent("--migrate-grace", "1")
     c = agent.client()
     gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
-    _notebook(agent, holders, "0.25", "1", 10)
-    b, b_proc = _notebook(agent, holders, "0.25", "1", 10)
+    notebook_holding(agent, holders, "0.25", "1", 10)
+    b, b_proc = notebook_holding(agent, holders, "0.25", "1", 10)
     assert b["physical_gpu"] == gpu1
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     out = tmp_path / "job.txt"
@@ -116,9 +106,9 @@ def _reclaim_setup(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], *args: str
 ) -> tuple[AgentProcess, dict, Holder, dict, Holder, dict, Holder]:
     agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", *args, spec="1x1GiB")
-    owner, owner_proc = _notebook(agent, holders, "512Mi", "512Mi", 100)
-    borrower, borrower_proc = _notebook(agent, holders, "128Mi", "1", 450)
-    quiet, quiet_proc = _notebook(agent, holders, "128Mi", "1", 1)
+    owner, owner_proc = notebook_holding(agent, holders, "512Mi", "512Mi", 100)
+    borrower, borrower_proc = notebook_holding(agent, holders, "128Mi", "1", 450)
+    quiet, quiet_proc = notebook_holding(agent, holders, "128Mi", "1", 1)
     c = agent.client()
     wait_for(lambda: c.lease(borrower["id"])["bursting"], what="borrower bursting")
     assert c.lease(borrower["id"])["state"] == "active", "no reclaim while nobody is owed"
@@ -180,8 +170,8 @@ def test_run_waits_out_an_agent_restart_and_leaves_no_lease(
     # A spread notebook whose client never moves it: the job waits for the migrate deadline.
     agent = start_agent("--migrate-grace", "6")
     c = agent.client()
-    _notebook(agent, holders, "0.25", "1", 10)
-    spread, spread_proc = _notebook(agent, holders, "0.25", "1", 10)
+    notebook_holding(agent, holders, "0.25", "1", 10)
+    spread, spread_proc = notebook_holding(agent, holders, "0.25", "1", 10)
     out = tmp_path / "job.txt"
     job = _run_job(agent, out)
     if when == "waiting":
@@ -207,8 +197,8 @@ def test_run_stopped_while_waiting_gives_its_lease_back(
 ) -> None:
     agent = start_agent("--migrate-grace", "120")
     c = agent.client()
-    _notebook(agent, holders, "0.25", "1", 10)
-    _notebook(agent, holders, "0.25", "1", 10)
+    notebook_holding(agent, holders, "0.25", "1", 10)
+    notebook_holding(agent, holders, "0.25", "1", 10)
     job = _run_job(agent, tmp_path / "never.txt")
     wait_for(lambda: any(x["kind"] == "job" for x in c.leases()), what="the job lease")
     job.terminate()
@@ -231,9 +221,9 @@ def test_a_restoring_kernel_is_spared_while_another_borrower_covers(
 ) -> None:
     agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", spec="1x1GiB")
     c = agent.client()
-    owner, owner_proc = _notebook(agent, holders, "512Mi", "512Mi", 100)
-    settled, settled_proc = _notebook(agent, holders, "128Mi", "1", 1)
-    restoring, restoring_proc = _notebook(agent, holders, "128Mi", "1", 1)
+    owner, owner_proc = notebook_holding(agent, holders, "512Mi", "512Mi", 100)
+    settled, settled_proc = notebook_holding(agent, holders, "128Mi", "1", 1)
+    restoring, restoring_proc = notebook_holding(agent, holders, "128Mi", "1", 1)
     assert settled["restore_until"] is None, "a first start restores nothing"
     restoring_proc = _come_back(c, holders, restoring, restoring_proc)
     restoring_proc.hold(300)
@@ -278,9 +268,9 @@ def test_the_third_stop_in_the_window_says_why_and_what_to_do(
     agent = start_agent("--reclaim-grace", "0.5", "--headroom", "0.25", "--restore-grace", "0",
                         spec="1x1GiB")
     c = agent.client()
-    owner, owner_proc = _notebook(agent, holders, "512Mi", "512Mi", 400)
-    borrower, proc = _notebook(agent, holders, "128Mi", "1", 1)
-    _notebook(agent, holders, "128Mi", "1", 1)
+    owner, owner_proc = notebook_holding(agent, holders, "512Mi", "512Mi", 400)
+    borrower, proc = notebook_holding(agent, holders, "128Mi", "1", 1)
+    notebook_holding(agent, holders, "128Mi", "1", 1)
     _, cursor = c.directives(lease=borrower["id"], after=-1, timeout=0)
     stops: list[tuple[dict, dict]] = []
     for n in range(3):
@@ -333,7 +323,7 @@ def test_four_quarter_shares_that_use_all_of_them_are_never_disturbed(
     assert (gpu["memory_reserved"], gpu["context_size"]) == (528 * MiB, 500 * MiB)
     usable = 4 * 1024 * MiB - 528 * MiB
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
-    kernels = [_notebook(agent, holders, "0.25", "0.25", 0) for _ in range(4)]
+    kernels = [notebook_holding(agent, holders, "0.25", "0.25", 0) for _ in range(4)]
     assert all(abs(lease["request"] - usable // 4) < MiB for lease, _ in kernels)
     with pytest.raises(AgentError) as refused:
         c.create_lease(client="jupyter", request="0.25")
@@ -369,7 +359,7 @@ def test_a_lease_above_its_limit_is_asked_back_then_stopped_with_nobody_owed(
     caught by measurement: the same ladder as a reclaim, though no other lease is owed."""
     agent = start_agent("--reclaim-grace", "0.5", "--enforce-limits", spec="1x2GiB")
     c = agent.client()
-    lease, proc = _notebook(agent, holders, "128Mi", "256Mi", 0)
+    lease, proc = notebook_holding(agent, holders, "128Mi", "256Mi", 0)
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     proc.hold(100)
     assert c.directives(client="jupyter", after=cursor, timeout=1)[0] == [], "within its limit"

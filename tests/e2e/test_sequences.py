@@ -45,9 +45,9 @@ from .sequence_cells import (
 pytestmark = pytest.mark.e2e
 
 EVENTS = ("mutate", "idle_move", "busy_move", "finishing_move", "oom_kill", "kernel_sigkill",
-          "resize", "resize_move", "agent_restart", "user_restart")
+          "resize", "resize_move", "agent_restart", "user_restart", "park")
 # How often each event is drawn after every kind has had its turn.
-WEIGHTS = (8, 2, 1, 1, 1, 2, 1, 1, 1, 1)
+WEIGHTS = (8, 2, 1, 1, 1, 2, 1, 1, 1, 1, 1)
 SETTLED = ("guaranteed", "bursting", "restored", "restore-incomplete")
 KERNELSPECS = {
     # The subject: a lease of 0.3 of a 2 GiB GPU, so 900 MiB held is a burst.
@@ -203,6 +203,20 @@ class Sequence:
         # The state is as before the cut-off cell; now it runs to its end in both.
         self.check("the cut-off cell")
         self.both(CUT_OFF_DONE)
+
+    def do_park(self) -> None:
+        """Parked (`%gpu park`): no GPU held; the check's cell then gets one first."""
+        since = time.time()
+        assert "parking once this cell ends" in self.subject.ok("%gpu park")
+        wait_for(lambda: self.lease()["state"] == "parked", 60, "the park", interval=0.1)
+        assert self.lease()["physical_gpus"] == [] and self.status()["state"] == "parked"
+        wait_for(lambda: (self.status()["restore"] or {}).get("time", 0) > since, 60,
+                 "the parked kernel's restore", interval=0.1)
+        restore = self.status()["restore"]
+        assert restore["ok"] is True, restore
+        back = self.subject.ok("pass")
+        assert "gpufrac: back on GPU" in back, back
+        self.settle_share()
 
     def do_finishing_move(self) -> None:
         """A cell that ends within the grace period is completed: the move keeps its change."""

@@ -159,3 +159,27 @@ print(json.dumps({{"before": before, "after": after, "same": ns["pair"][0] is ns
     seen = _python(code)
     assert int(seen["before"]) > 512 * MiB > 64 * MiB > int(seen["after"])  # type: ignore[arg-type]
     assert seen["same"] is True and seen["left"] == 0 and seen["device"] == "cuda:0"
+
+
+def test_a_parked_process_gets_the_gpu_it_is_given_and_its_tensors_back() -> None:
+    """A parked kernel starts with no GPU visible and CUDA untouched; pointing CUDA at a GPU
+    before it initialises, in the same process, must reach that GPU and nothing else."""
+    target = _uuids()[-1]
+    code = f"""
+import json, torch
+from jupyter_gpufrac.kernel import offload, torch_adapter
+torch_adapter.hold_cuda()
+ns = {{"w": torch.arange(1000.0), "model": torch.nn.Linear(4, 2)}}  # restored to host memory
+records = [offload.Offloaded("w", "tensor", "cuda:0", 4000, id(ns["w"])),
+           offload.Offloaded("model", "module", "cuda:0", 40, id(ns["model"]))]
+held = torch_adapter.cuda_available() or torch.cuda.is_initialized()
+attached = torch_adapter.attach_cuda({target!r})
+back, left = offload.reload(ns, records, None)
+print(json.dumps({{"held": held, "attached": attached, "w": str(ns["w"].device),
+                  "model": str(next(ns["model"].parameters()).device), "left": len(left),
+                  "count": torch.cuda.device_count(),
+                  "uuid": "GPU-" + str(torch.cuda.get_device_properties(0).uuid)}}))
+"""
+    seen = _python(code, CUDA_VISIBLE_DEVICES="", PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    assert seen == {"held": False, "attached": True, "w": "cuda:0", "model": "cuda:0",
+                    "left": 0, "count": 1, "uuid": target}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -51,3 +52,37 @@ def test_everything_is_a_clean_no_op_without_cuda() -> None:
     assert torch_adapter.current_device() == "cpu"
     assert torch_adapter.cuda_rng_states() is None
     assert torch_adapter.set_cuda_rng_states([b"x"]) is False
+
+
+def test_a_parked_kernel_never_asks_cuda_until_it_attaches_to_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The driver reads CUDA_VISIBLE_DEVICES when it initialises: one question from a parked
+    # kernel (is_available initialises it) and the GPU it gets back would stay invisible.
+    asked: list[str] = []
+
+    def is_available() -> bool:
+        asked.append("is_available")
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(torch_adapter, "_cuda_held", False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    torch_adapter.hold_cuda()
+    assert torch_adapter.current_device() == "cpu"
+    assert torch_adapter.reserved_bytes() is None and torch_adapter.cuda_rng_states() is None
+    assert torch_adapter.set_memory_cap(1 << 30) is None and not torch_adapter.empty_cache()
+    assert asked == []
+    assert torch_adapter.attach_cuda("GPU-1,GPU-2")
+    assert torch_adapter.cuda_available() and asked == ["is_available"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-1,GPU-2"
+
+
+def test_a_process_that_initialised_cuda_cannot_be_pointed_at_another_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch_adapter, "_cuda_held", True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not torch_adapter.attach_cuda("GPU-1")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch_adapter.cuda_available()

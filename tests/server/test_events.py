@@ -67,18 +67,23 @@ def test_importing_the_extension_touches_neither_nvml_nor_agent() -> None:
 
 
 def test_a_bursting_notice_does_not_hide_what_a_restore_lost() -> None:
+    import logging
     from types import SimpleNamespace
 
+    from jupyter_gpufrac.server.kernels import KernelGpu
     from jupyter_gpufrac.server.rest_models import kernel_state
+    from jupyter_gpufrac.server.settings import standalone_settings
 
     lease = {"state": "active", "bursting": True}
     restored = {"event": "restored", "ok": False, "time": 100.0,
                 "message": "Stopped; 1 of 2 variables restored; lost: g."}
     bursting = {"event": "bursting", "time": 100.1, "message": "Using 271 MiB"}
-    kernel, provisioner = SimpleNamespace(last_activity=None), SimpleNamespace()
-    state, reason, _ = kernel_state(kernel, provisioner, lease, [restored, bursting], now=101.0)
+    log = logging.getLogger("test")
+    kernel = SimpleNamespace(last_activity=None)
+    gpu = KernelGpu("k-1", {}, lambda: standalone_settings(log), log)
+    state, reason, _ = kernel_state(kernel, gpu, lease, [restored, bursting], now=101.0)
     assert (state, reason) == ("restore-incomplete", restored["message"])
     # Anything else after the restore (a shrink request, a move) is news: shown instead.
     moved = {"event": "migrating", "time": 100.2, "message": "Moving"}
-    assert kernel_state(kernel, provisioner, lease, [restored, bursting, moved],
+    assert kernel_state(kernel, gpu, lease, [restored, bursting, moved],
                         now=101.0)[0] == "bursting"

@@ -65,8 +65,8 @@ async def test_a_directive_for_a_lease_the_kernel_does_not_hold_is_ignored(
         reply = await jp_fetch("api", "kernels", method="POST", body=json.dumps({}))
         kernel_id = json.loads(reply.body)["id"]
         provisioner = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner
-        await until(lambda: provisioner.lease is not None, 30, "the kernel's lease")
-        own = provisioner.lease["id"]
+        await until(lambda: provisioner.gpu.lease is not None, 30, "the kernel's lease")
+        own = provisioner.gpu.lease["id"]
         # Made here by the server's own uid: the agent hands such a lease's directives to the
         # server's client name, so only the server's own check stands between it and the kernel.
         forged = own_agent.client().create_lease(
@@ -83,7 +83,7 @@ async def test_a_directive_for_a_lease_the_kernel_does_not_hold_is_ignored(
         finally:
             listener.log.removeHandler(handler)
         assert any(f"names lease {forged['id']}, not the kernel's ({own})" in m for m in seen), seen
-        assert provisioner.lease["id"] == own
+        assert provisioner.gpu.lease["id"] == own
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
     finally:
         await app.stop_extension()

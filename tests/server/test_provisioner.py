@@ -101,7 +101,7 @@ async def test_lease_env_and_arguments_across_restarts(isolated: Path, no_leases
     try:
         provisioner = km.provisioner
         assert isinstance(provisioner, GpuFracProvisioner)
-        lease = no_leases.client().lease(provisioner.lease["id"])
+        lease = no_leases.client().lease(provisioner.gpu.lease["id"])
         assert lease["kernel_id"] == km.kernel_id and lease["request_spec"] == "0.25"
         assert (lease["compute_request"], lease["compute_limit"]) == (0.4, 0.4)
         assert lease["pids"] == [provisioner.pid]
@@ -124,15 +124,15 @@ async def test_lease_env_and_arguments_across_restarts(isolated: Path, no_leases
             else:
                 assert "GPUFRAC_RESTORE" not in env and "GPUFRAC_RESTART_REASON" not in env
             if launch == 0:
-                provisioner.request_restore({"cause": "oom_killed", "message": "test"})
+                provisioner.gpu.request_restore({"cause": "oom_killed", "message": "test"})
             await km.restart_kernel(now=True)
             # The lease is kept across restarts: same id, the new pid registered.
-            assert provisioner.lease["id"] == lease["id"]
+            assert provisioner.gpu.lease["id"] == lease["id"]
             assert no_leases.client().lease(lease["id"])["pids"] == [provisioner.pid]
-        assert provisioner.launches == 4
+        assert provisioner.gpu.launches == 4
     finally:
         await km.shutdown_kernel(now=True)
-    assert provisioner.lease is None  # released: the no_leases fixture checks the agent
+    assert provisioner.gpu.lease is None  # released: the no_leases fixture checks the agent
 
 
 async def test_kernel_starts_without_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,8 +147,8 @@ async def test_kernel_starts_without_agent(tmp_path: Path, monkeypatch: pytest.M
     try:
         provisioner = km.provisioner
         assert isinstance(provisioner, GpuFracProvisioner)
-        assert provisioner.lease is None
-        assert socket in (provisioner.no_gpu_reason or "")
+        assert provisioner.gpu.lease is None
+        assert socket in (provisioner.gpu.no_gpu_reason or "")
         _, env = process_view(provisioner.pid)
         # Nothing is managed on this node: the kernel keeps whatever GPUs it was given.
         assert env["CUDA_VISIBLE_DEVICES"] == "GPU-untouched"
@@ -179,8 +179,8 @@ async def test_full_node_starts_the_kernel_without_gpus(isolated: Path, no_lease
         await km.start_kernel()
         provisioner = km.provisioner
         assert isinstance(provisioner, GpuFracProvisioner)
-        assert provisioner.lease is None
-        assert "gave this kernel no GPU" in (provisioner.no_gpu_reason or "")
+        assert provisioner.gpu.lease is None
+        assert "gave this kernel no GPU" in (provisioner.gpu.no_gpu_reason or "")
         _, env = process_view(provisioner.pid)
         # The GPUs are leased to others: the kernel must not use them.
         assert env["CUDA_VISIBLE_DEVICES"] == ""
@@ -199,8 +199,8 @@ async def test_a_kernel_shut_down_never_takes_a_lease_again(
     km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
     await km.start_kernel()
     provisioner = km.provisioner
-    assert isinstance(provisioner, GpuFracProvisioner) and provisioner.lease is not None
+    assert isinstance(provisioner, GpuFracProvisioner) and provisioner.gpu.lease is not None
     await km.shutdown_kernel(now=True)
-    assert provisioner.lease is None and provisioner.closed
-    assert await provisioner.acquire_lease() is None
+    assert provisioner.gpu.lease is None and provisioner.gpu.closed
+    assert await provisioner.gpu.acquire_lease() is None
     assert no_leases.client().leases() == []

@@ -337,11 +337,11 @@ async def test_a_restoring_restart_adopts_the_spare_a_plain_one_does_not(
         cold_pid = provisioner.pid
         key = provisioner._spare_pool()[1]  # type: ignore[index]
         spare = await ready_spare(served_pool, key)
-        provisioner.request_restore({"cause": "oom_killed", "message": "test"})
+        provisioner.gpu.request_restore({"cause": "oom_killed", "message": "test"})
         await km.restart_kernel(now=True)
         assert provisioner.pid == spare.pid != cold_pid and provisioner.pgid == spare.pid
         assert km.get_connection_info() == connection  # same ports: the page stays connected
-        lease = no_leases.client().lease(provisioner.lease["id"])  # type: ignore[index]
+        lease = no_leases.client().lease(provisioner.gpu.lease["id"])  # type: ignore[index]
         assert lease["pids"] == [spare.pid]
         argv, _ = process_view(spare.pid)
         assert "spare_main()" in argv[2]  # /proc shows what it was started with, not the launch
@@ -376,36 +376,3 @@ async def test_a_restoring_restart_adopts_the_spare_a_plain_one_does_not(
         await served_pool.stop()
     for pid in [*pids, spare.pid]:
         await until_gone(pid, 5)
-
-
-async def test_a_restart_after_a_kill_waits_for_the_agent_to_measure_it(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Until its next tick the agent still counts the killed process: a restore that soon would
-    be given too little room. A move is not held up."""
-    from jupyter_client.kernelspec import KernelSpec
-
-    from jupyter_gpufrac.server import provisioner as module
-
-    monkeypatch.setenv("GPUFRAC_AGENT_SOCKET", str(tmp_path / "agent.sock"))
-    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
-    answers = [{"id": "l-1", "state": "killed", "pids": [], "usage": 900},
-               {"id": "l-1", "state": "killed", "pids": [], "usage": 0}]
-    asked: list[str] = []
-
-    async def lease(self: Any, lease_id: str) -> dict[str, Any]:
-        asked.append(lease_id)
-        return answers[min(len(asked), len(answers) - 1)]
-
-    monkeypatch.setattr(module.AgentLink, "lease", lease)
-    prov = GpuFracProvisioner(kernel_id="k-1", kernel_spec=KernelSpec(argv=["python"]))
-    prov.lease = answers[0]
-    await prov._until_agent_measured()
-    assert asked == ["l-1"]
-    asked.clear()
-    for held in ({"id": "l-1", "state": "migrating", "pids": [], "usage": 900},  # a move
-                 {"id": "l-1", "state": "active", "pids": [os.getpid()], "usage": 900},  # alive
-                 {"id": "l-1", "state": "killed", "pids": [], "usage": 0}):  # measured
-        prov.lease = held
-        await prov._until_agent_measured()
-    assert asked == []
