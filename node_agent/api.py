@@ -34,12 +34,15 @@ from node_agent.service import (
     Refused,
     Resize,
 )
+from node_agent.stats import CHECKPOINT_TRIGGERS, OFFLOAD_REASONS, Observation
 
 log = logging.getLogger("gpufrac.agent")
 
 # Bounds on what a request may carry (an id is a UUID; a name is for people).
 MAX_ID = 128
 MAX_TEXT = 200
+# A checkpoint longer than a day is a clock gone wrong, not a checkpoint.
+MAX_OBSERVED_SECONDS = 86400.0
 # A lease id in a path, as the agent makes them (l-3f9a0c1b2d4e), with room to spare.
 LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -155,6 +158,38 @@ def parse_park(body: dict[str, Any]) -> str | None:
     if reason is not None and not 0 < len(reason) <= MAX_TEXT:
         raise ApiError(400, "reason", f"expected 1 to {MAX_TEXT} characters")
     return reason
+
+
+def parse_observation(body: dict[str, Any]) -> Observation:
+    """``POST /v1/leases/<id>/observations``: a checkpoint or an offload the kernel made."""
+    kind = _field(body, "kind", str, required=True, expected='"checkpoint" or "offload"')
+    if kind == "checkpoint":
+        _reject_unknown(body, ("kind", "trigger", "bytes", "written_bytes", "seconds"))
+        why = _field(body, "trigger", str, required=True,
+                     expected=f"one of {list(CHECKPOINT_TRIGGERS)}")
+        if why not in CHECKPOINT_TRIGGERS:
+            raise ApiError(400, "trigger", f"expected one of {list(CHECKPOINT_TRIGGERS)}, got {why!r}")
+    elif kind == "offload":
+        _reject_unknown(body, ("kind", "reason", "bytes"))
+        why = _field(body, "reason", str, required=True,
+                     expected=f"one of {list(OFFLOAD_REASONS)}")
+        if why not in OFFLOAD_REASONS:
+            raise ApiError(400, "reason", f"expected one of {list(OFFLOAD_REASONS)}, got {why!r}")
+    else:
+        raise ApiError(400, "kind", f'expected "checkpoint" or "offload", got {kind!r}')
+    sizes = {}
+    for name in ("bytes", "written_bytes"):
+        value = _field(body, name, int, 0, required=name == "bytes",
+                       expected="a number of bytes, an integer >= 0")
+        if value < 0:
+            raise ApiError(400, name, f"expected an integer >= 0, got {value}")
+        sizes[name] = value
+    seconds = body.get("seconds", 0.0)
+    if (isinstance(seconds, bool) or not isinstance(seconds, int | float)
+            or not (math.isfinite(seconds) and 0 <= seconds <= MAX_OBSERVED_SECONDS)):
+        raise ApiError(400, "seconds", f"expected 0 to {MAX_OBSERVED_SECONDS:g} seconds, "
+                                       f"got {seconds!r}")
+    return Observation(kind, why, sizes["bytes"], sizes["written_bytes"], float(seconds))
 
 
 def parse_usage(body: dict[str, Any]) -> int:
@@ -339,6 +374,13 @@ class UsageHandler(LeaseRoute):
         self.finish()
 
 
+class ObservationsHandler(LeaseRoute):
+    def post(self, lease_id: str) -> None:
+        self.agent.observe(self.caller, lease_id, parse_observation(self.lease_body(lease_id)))
+        self.set_status(204)
+        self.finish()
+
+
 class MigratedHandler(LeaseRoute):
     def post(self, lease_id: str) -> None:
         self.reply(self.agent.migrated(self.caller, lease_id).to_json())
@@ -411,6 +453,7 @@ def make_app(agent: Agent, admin_gid: int | None = None, token: str | None = Non
             (lease, LeaseHandler, args),
             (lease + "/pids", PidsHandler, args),
             (lease + "/usage", UsageHandler, args),
+            (lease + "/observations", ObservationsHandler, args),
             (lease + "/migrated", MigratedHandler, args),
             (lease + "/park", ParkHandler, args),
             (lease + "/park-request", ParkRequestHandler, args),

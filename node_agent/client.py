@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 # httpx, json, shlex and asyncio are imported where first needed, not here: kernels import
@@ -185,6 +185,10 @@ def _register_pid_call(lease_id: str, pid: int) -> _Call[dict[str, Any]]:
 
 def _report_usage_call(lease_id: str, nbytes: int) -> _Call[None]:
     return _Call("POST", f"/v1/leases/{lease_id}/usage", _nothing, {"bytes": nbytes})
+
+
+def _observe_call(lease_id: str, observation: Mapping[str, Any]) -> _Call[None]:
+    return _Call("POST", f"/v1/leases/{lease_id}/observations", _nothing, dict(observation))
 
 
 def _migrated_call(lease_id: str) -> _Call[dict[str, Any]]:
@@ -438,6 +442,10 @@ class AgentClient(_Common):
     def report_usage(self, lease_id: str, nbytes: int) -> None:
         self._send(_report_usage_call(lease_id, nbytes))
 
+    def observe(self, lease_id: str, observation: Mapping[str, Any]) -> None:
+        """A checkpoint or an offload this lease's kernel made (docs/agent-api.md)."""
+        self._send(_observe_call(lease_id, observation))
+
     def migrated(self, lease_id: str) -> dict[str, Any]:
         return self._send(_migrated_call(lease_id))
 
@@ -555,6 +563,10 @@ class AsyncAgentClient(_Common):
 
     async def report_usage(self, lease_id: str, nbytes: int) -> None:
         await self._send(_report_usage_call(lease_id, nbytes))
+
+    async def observe(self, lease_id: str, observation: Mapping[str, Any]) -> None:
+        """A checkpoint or an offload this lease's kernel made (docs/agent-api.md)."""
+        await self._send(_observe_call(lease_id, observation))
 
     async def migrated(self, lease_id: str) -> dict[str, Any]:
         return await self._send(_migrated_call(lease_id))

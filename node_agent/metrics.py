@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from node_agent.ledger import STATES
-from node_agent.stats import UNPARKED, AgentStats
+from node_agent.stats import CHECKPOINT_TRIGGERS, OFFLOAD_REASONS, UNPARKED, AgentStats
 
 if TYPE_CHECKING:
     from node_agent.ledger import Lease
@@ -219,6 +219,40 @@ def _events(stats: AgentStats, host: str) -> Iterator[Metric]:
     waits.add_metric([host], stats.unpark_seconds.cumulative(),
                      sum_value=stats.unpark_seconds.total)
     yield waits
+    yield from _reported(stats, host)
+
+
+def _reported(stats: AgentStats, host: str) -> Iterator[Metric]:
+    """What kernels reported doing (``POST /v1/leases/{id}/observations``)."""
+    triggers = "by trigger: cell (after each cell), server (asked before a move or a " \
+               "restart), park, manual (%gpu checkpoint)"
+    for name, help_text, hists in (
+        ("gpufrac_checkpoint_duration_seconds", f"How long kernels' checkpoints took, {triggers}.",
+         stats.checkpoint_seconds),
+        ("gpufrac_checkpoint_size_bytes", "What kernels' checkpoints hold (unchanged data "
+         f"included: an incremental checkpoint writes less), {triggers}.", stats.checkpoint_bytes),
+    ):
+        family = HistogramMetricFamily(name, help_text, labels=["trigger", "hostname"])
+        for trigger in CHECKPOINT_TRIGGERS:
+            family.add_metric([trigger, host], hists[trigger].cumulative(),
+                              sum_value=hists[trigger].total)
+        yield family
+    written = CounterMetricFamily(
+        "gpufrac_checkpoint_written_bytes", f"Bytes kernels' checkpoints wrote, {triggers}.",
+        labels=["trigger", "hostname"])
+    for trigger in CHECKPOINT_TRIGGERS:
+        written.add_metric([trigger, host], stats.checkpoint_written[trigger])
+    yield written
+    for name, help_text, counts in (
+        ("gpufrac_offloads", "Times kernels moved their GPU tensors to host memory, by reason: "
+         "shrink (a reclaim), park, manual (%gpu offload).", stats.offloads),
+        ("gpufrac_offloaded_bytes", "Bytes of GPU tensors kernels moved to host memory, by "
+         "reason: shrink, park, manual.", stats.offloaded_bytes),
+    ):
+        counter = CounterMetricFamily(name, help_text, labels=["reason", "hostname"])
+        for reason in OFFLOAD_REASONS:
+            counter.add_metric([reason, host], counts[reason])
+        yield counter
 
 
 def _lease_labels(lease: Lease) -> list[str]:

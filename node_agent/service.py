@@ -23,7 +23,7 @@ from node_agent.quantities import (
     format_bytes,
     parse_quantity,
 )
-from node_agent.stats import AFTER_WAIT, AT_ONCE, MIGRATED, RELEASED, AgentStats
+from node_agent.stats import AFTER_WAIT, AT_ONCE, MIGRATED, RELEASED, AgentStats, Observation
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -725,6 +725,11 @@ class Agent:
         lease = self.lease(caller, lease_id)
         if lease.physical:  # a lease with no GPU (parked) holds no device memory
             self._reported[lease.id] = used
+
+    def observe(self, caller: Caller, lease_id: str, seen: Observation) -> None:
+        """A checkpoint or an offload a lease's kernel made, counted for /metrics."""
+        self.lease(caller, lease_id)  # the caller's own lease (or an admin's): else 403/404
+        self.stats.observed(seen)
 
     def migrated(self, caller: Caller, lease_id: str) -> Lease:
         self._wake()

@@ -1,5 +1,6 @@
 """What the agent did, counted in memory for /metrics: moves and how long they took, shrinks
-and kills by cause, parks and unparks.
+and kills by cause, parks and unparks; and what kernels reported doing: checkpoints (size and
+time) and offloads.
 
 Kept apart from the ledger on purpose: these are node-wide tallies with no user data, and a
 write per event would cost a transaction for a number Prometheus only rates. They start from
@@ -20,6 +21,17 @@ MOVE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # A cell of a parked kernel waits for its GPU from milliseconds (room) to minutes (a job ends).
 UNPARK_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 60.0, 300.0, 1800.0)
 
+# A checkpoint takes milliseconds when little changed and minutes for tens of GB.
+CHECKPOINT_SECONDS_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0)
+# What a checkpoint holds, from a few variables to a large model (bytes).
+CHECKPOINT_BYTES_BUCKETS = tuple(float(2**n) for n in range(10, 41, 3))  # 1 KiB .. 1 TiB
+
+# Why a kernel took a checkpoint: after a cell, asked by its server (before a move or a
+# restart), to park, or by its user (`%gpu checkpoint`).
+CHECKPOINT_TRIGGERS = ("cell", "server", "park", "manual")
+# Why a kernel moved GPU tensors to host memory: a reclaim (shrink), a park, or its user.
+OFFLOAD_REASONS = ("shrink", "park", "manual")
+
 # How a move ends: the client reported it done, the agent killed the kernel at the deadline,
 # or the lease was released (the kernel shut down) before either.
 MIGRATED = "migrated"
@@ -32,6 +44,18 @@ OUTCOMES = (MIGRATED, MIGRATE_TIMEOUT, RELEASED)
 AT_ONCE = "at_once"
 AFTER_WAIT = "after_wait"
 UNPARKED = (AT_ONCE, AFTER_WAIT)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a kernel reports having done: a checkpoint (``why`` is its trigger) or an offload
+    (``why`` is its reason), of ``nbytes``."""
+
+    kind: str  # "checkpoint" or "offload"
+    why: str
+    nbytes: int
+    written: int = 0  # a checkpoint's bytes written (unchanged ones are not)
+    seconds: float = 0.0
 
 
 @dataclass
@@ -79,6 +103,14 @@ class AgentStats:
     # From a parked kernel's ask for a GPU to the GPU: the wait its cell sees.
     unpark_seconds: Histogram = field(default_factory=lambda: Histogram(UNPARK_BUCKETS))
     _unparking: dict[str, float] = field(default_factory=dict)
+    # Reported by kernels, by trigger: how long their checkpoints took and what they hold.
+    checkpoint_seconds: dict[str, Histogram] = field(default_factory=lambda: {
+        t: Histogram(CHECKPOINT_SECONDS_BUCKETS) for t in CHECKPOINT_TRIGGERS})
+    checkpoint_bytes: dict[str, Histogram] = field(default_factory=lambda: {
+        t: Histogram(CHECKPOINT_BYTES_BUCKETS) for t in CHECKPOINT_TRIGGERS})
+    checkpoint_written: Counter[str] = field(default_factory=Counter)  # bytes, by trigger
+    offloads: Counter[str] = field(default_factory=Counter)  # by reason
+    offloaded_bytes: Counter[str] = field(default_factory=Counter)  # by reason
     # Moves not ended yet: lease id -> monotonic start. A move under way when the agent
     # restarted is not timed (its start is lost with the process), rather than timed wrong.
     _moving: dict[str, float] = field(default_factory=dict)
@@ -116,3 +148,13 @@ class AgentStats:
 
     def unpark_waited(self) -> None:
         self.unpark_waits += 1
+
+    def observed(self, seen: Observation) -> None:
+        """Count what a kernel reported (validated by the API: known kind and why)."""
+        if seen.kind == "checkpoint":
+            self.checkpoint_seconds[seen.why].observe(seen.seconds)
+            self.checkpoint_bytes[seen.why].observe(seen.nbytes)
+            self.checkpoint_written[seen.why] += seen.written
+        else:
+            self.offloads[seen.why] += 1
+            self.offloaded_bytes[seen.why] += seen.nbytes

@@ -32,6 +32,7 @@ from jupyter_gpufrac.kernel import (
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from jupyter_gpufrac.kernel.import_hook import after_import
+from jupyter_gpufrac.kernel.observations import ObservationSender
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,11 @@ class GpuFracHook:
         self.tensorflow_capped: list[str] = []
         self._cells_path = environment.checkpoint_dir / store.CELLS_FILE
         self._previous_cells = self._read_previous_cells()
+        # Checkpoints and offloads, told to the agent for its metrics (with a lease only).
+        self.observations: ObservationSender | None = None
+        if environment.lease_id:
+            self.observations = ObservationSender(
+                lambda: make_client(environment.agent_socket), environment.lease_id)
         # Started parked: CUDA stays untouched until a cell gets a GPU back (see unpark).
         self.parked = environment.parked
         # (message id, why) of the last cell that did not get a GPU back.
@@ -262,7 +268,7 @@ class GpuFracHook:
                                         cut_off=cut_off)
         for action in actions:
             if action is ladder.Action.OFFLOAD:
-                self.release(cache_only=False)
+                self.release(cache_only=False, reason="shrink")
             elif action is ladder.Action.EMPTY_CACHE:
                 torch_adapter.empty_cache()
             elif action is ladder.Action.CHECKPOINT:
@@ -303,7 +309,7 @@ class GpuFracHook:
         if not self.env.checkpoint_dir_stable:
             return
         try:
-            self.checkpoint()
+            self.checkpoint(trigger="cell")
             self.checkpoint_error = None
         except CheckpointError as exc:
             if self.checkpoint_error != str(exc):
@@ -346,14 +352,20 @@ class GpuFracHook:
 
     # -- checkpoint and restore --------------------------------------------------------------
 
-    def checkpoint(self, *, full: bool = False) -> CheckpointResult:
-        """Checkpoint the notebook namespace now (raises CheckpointError for people)."""
+    def checkpoint(self, *, full: bool = False, trigger: str = "manual") -> CheckpointResult:
+        """Checkpoint the notebook namespace now (raises CheckpointError for people);
+        ``trigger`` says why, for the agent's metrics: cell, server, park or manual."""
         extra = {"kernel_id": self.env.kernel_id,
                  "offloaded": [asdict(r) for r in self.offloaded]}
-        return self.checkpointer.take(
+        result = self.checkpointer.take(
             self.ip.user_ns, hidden=self._hidden(), full=full,
             execution_count=self._execution_count(), extra=extra,
         )
+        if self.observations is not None:
+            self.observations.checkpoint(
+                trigger, result.tensors_bytes + result.buffers_bytes,
+                result.bytes_written + result.group_bytes_written, result.seconds)
+        return result
 
     def restore(self, reason: kenv.RestartReason | None, *, at_start: bool) -> dict[str, Any]:
         """Restore the last good checkpoint into the namespace; returns the report.
@@ -465,12 +477,15 @@ class GpuFracHook:
 
     # -- memory ------------------------------------------------------------------------------
 
-    def release(self, *, cache_only: bool) -> list[offload.Offloaded]:
-        """Empty the allocator cache and (unless ``cache_only``) move GPU tensors to the host."""
+    def release(self, *, cache_only: bool, reason: str = "manual") -> list[offload.Offloaded]:
+        """Empty the allocator cache and (unless ``cache_only``) move GPU tensors to the host;
+        ``reason`` (shrink, park or manual) is for the agent's metrics."""
         moved: list[offload.Offloaded] = []
         if not cache_only:
             moved = offload.offload(self.ip.user_ns)
             self.offloaded += moved
+            if moved and self.observations is not None:
+                self.observations.offload(reason, sum(r.nbytes for r in moved))
         torch_adapter.empty_cache()
         return moved
 
@@ -509,9 +524,9 @@ class GpuFracHook:
             raise CheckpointError(
                 f"its GPU tensors ({messages.fmt_bytes(allocated)}) do not fit in the host memory "
                 f"available ({messages.fmt_bytes(available)}), so it keeps its GPU")
-        moved = self.release(cache_only=False)
+        moved = self.release(cache_only=False, reason="park")
         try:
-            result = self.checkpoint()
+            result = self.checkpoint(trigger="park")
         except BaseException:
             self.offloaded = [r for r in self.offloaded if r not in moved]
             offload.reload(self.ip.user_ns, moved, None)

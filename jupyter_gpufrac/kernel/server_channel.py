@@ -14,7 +14,7 @@ def answer(hook: Any, data: Any) -> dict[str, Any]:
     ask = data.get("ask") if isinstance(data, dict) else None
     if ask == contract.ASK_CHECKPOINT:
         try:
-            return {"ok": True, "checkpoint": hook.checkpoint().to_json()}
+            return {"ok": True, "checkpoint": hook.checkpoint(trigger="server").to_json()}
         except CheckpointError as exc:
             return {"ok": False, "error": str(exc)}
     if ask == contract.ASK_RESTORE_REPORT:

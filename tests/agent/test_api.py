@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from unix_users import as_user
 
 from harness.agent import AgentProcess, free_port, full_listen_queue, nvml_works, wait_for
@@ -365,3 +366,38 @@ def test_notices_come_only_to_whoever_asks_for_them(start_agent: Callable[..., A
     with pytest.raises(AgentError) as err:
         c.directives(client="t", after=cursor, timeout=0, kinds=["resized", "reboot"])
     assert err.value.status == 400 and err.value.field == "kinds" and "bursting" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({}, "kind", "is required"),
+        ({"kind": "snapshot", "bytes": 1}, "kind", '"checkpoint" or "offload"'),
+        ({"kind": "checkpoint", "bytes": 1}, "trigger", "is required"),
+        ({"kind": "checkpoint", "trigger": "often", "bytes": 1}, "trigger", "one of"),
+        ({"kind": "checkpoint", "trigger": "cell"}, "bytes", "is required"),
+        ({"kind": "checkpoint", "trigger": "cell", "bytes": -1}, "bytes", ">= 0"),
+        ({"kind": "checkpoint", "trigger": "cell", "bytes": 1.5}, "bytes", "integer"),
+        ({"kind": "checkpoint", "trigger": "cell", "bytes": 1, "written_bytes": True},
+         "written_bytes", "integer"),
+        ({"kind": "checkpoint", "trigger": "cell", "bytes": 1, "seconds": -0.1}, "seconds", "0 to"),
+        ({"kind": "checkpoint", "trigger": "cell", "bytes": 1, "seconds": "1"}, "seconds", "0 to"),
+        ({"kind": "checkpoint", "trigger": "cell", "bytes": 1, "seconds": 1e9}, "seconds", "0 to"),
+        ({"kind": "offload", "reason": "boredom", "bytes": 1}, "reason", "one of"),
+        ({"kind": "offload", "reason": "park", "bytes": 1, "trigger": "cell"}, "trigger",
+         "unknown field"),
+        ({"kind": "offload", "reason": "park", "bytes": 1, "uid": 0}, "uid", "SO_PEERCRED"),
+    ],
+)
+def test_bad_observations_name_the_field_and_count_nothing(
+    start_agent: Callable[..., AgentProcess], body: dict[str, Any], field: str, words: str
+) -> None:
+    c = start_agent().client()
+    lease = c.create_lease(client="t", request="0.25")
+    with pytest.raises(AgentError) as err:
+        c.request("POST", f"/v1/leases/{lease['id']}/observations", body)
+    assert (err.value.status, err.value.field) == (400, field), err.value
+    assert words in err.value.message, err.value.message
+    reported = [s for f in text_string_to_metric_families(c.metrics()) for s in f.samples
+                if s.name.startswith(("gpufrac_checkpoint_", "gpufrac_offload"))]
+    assert reported and all(s.value == 0 for s in reported), "nothing half-counted"

@@ -16,16 +16,17 @@ from hypothesis import strategies as st
 from harness.agent import AgentProcess, http_bytes, raw_request
 
 FIELDS = ["kind", "request", "limit", "devices", "client", "kernel_id", "name", "pid", "bytes",
-          "reason", "uid", "owner_uid", "x"]
+          "reason", "uid", "owner_uid", "x", "trigger", "written_bytes", "seconds"]
 PATHS = ["/v1/node", "/v1/leases", "/v1/leases/{id}", "/v1/leases/{id}/pids",
-         "/v1/leases/{id}/usage", "/v1/leases/{id}/migrated", "/v1/leases/{id}/park",
-         "/v1/leases/{id}/park-request", "/v1/leases/{id}/unpark", "/v1/directives", "/metrics",
-         "/v1/nothing", "/"]
+         "/v1/leases/{id}/usage", "/v1/leases/{id}/observations", "/v1/leases/{id}/migrated",
+         "/v1/leases/{id}/park", "/v1/leases/{id}/park-request", "/v1/leases/{id}/unpark",
+         "/v1/directives", "/metrics", "/v1/nothing", "/"]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40)
     | st.sampled_from(["0.25", "1", "1Gi", "2500M", "1e-300", "nan", "-1", "0", "9" * 33,
-                       "notebook", "job", "1.5", "4Gi "]),
+                       "notebook", "job", "1.5", "4Gi ", "checkpoint", "offload", "cell",
+                       "shrink"]),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=3),
     max_leaves=8,
@@ -45,6 +46,7 @@ ENDPOINTS = [
     ("GET", "/v1/node"), ("GET", "/v1/leases"), ("POST", "/v1/leases"),
     ("GET", "/v1/leases/{id}"), ("PATCH", "/v1/leases/{id}"), ("DELETE", "/v1/leases/{id}"),
     ("POST", "/v1/leases/{id}/pids"), ("POST", "/v1/leases/{id}/usage"),
+    ("POST", "/v1/leases/{id}/observations"),
     ("POST", "/v1/leases/{id}/migrated"), ("POST", "/v1/leases/{id}/park"),
     ("POST", "/v1/leases/{id}/park-request"), ("POST", "/v1/leases/{id}/unpark"),
     ("GET", "/v1/directives"), ("GET", "/metrics"),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from unix_users import as_user
@@ -226,3 +227,41 @@ def test_the_dashboard_reads_only_what_the_agent_exports(
     queried |= {m for v in dashboard["templating"]["list"]
                 for m in re.findall(r"\bgpufrac_\w+", json.dumps(v.get("query", "")))}
     assert queried and queried <= exported, queried - exported
+
+
+def test_kernels_checkpoints_and_offloads_are_histograms_and_counters(
+    start_agent: Callable[..., AgentProcess],
+) -> None:
+    agent = start_agent()
+    c = agent.client()
+    lease = c.create_lease(client="jupyter", request="0.25")
+    before = _samples(c.metrics())
+    # Every trigger and reason is there at 0 before any report.
+    for trigger in ("cell", "server", "park", "manual"):
+        assert _value(before, "gpufrac_checkpoint_duration_seconds_count", trigger=trigger) == 0
+        assert _value(before, "gpufrac_checkpoint_written_bytes_total", trigger=trigger) == 0
+    for reason in ("shrink", "park", "manual"):
+        assert _value(before, "gpufrac_offloads_total", reason=reason) == 0
+
+    c.observe(lease["id"], {"kind": "checkpoint", "trigger": "cell", "bytes": 3 * MiB,
+                            "written_bytes": MiB, "seconds": 0.004})
+    c.observe(lease["id"], {"kind": "checkpoint", "trigger": "cell", "bytes": 3 * MiB,
+                            "written_bytes": 0, "seconds": 0.2})
+    c.observe(lease["id"], {"kind": "offload", "reason": "shrink", "bytes": 600 * MiB})
+    after = _samples(c.metrics())
+    assert _value(after, "gpufrac_checkpoint_duration_seconds_count", trigger="cell") == 2
+    assert _value(after, "gpufrac_checkpoint_duration_seconds_sum", trigger="cell") == pytest.approx(0.204)
+    assert _value(after, "gpufrac_checkpoint_duration_seconds_bucket", trigger="cell",
+                  le="0.005") == 1
+    assert _value(after, "gpufrac_checkpoint_size_bytes_bucket", trigger="cell",
+                  le=str(float(2**22))) == 2  # 3 MiB <= 4 MiB
+    assert _value(after, "gpufrac_checkpoint_written_bytes_total", trigger="cell") == MiB
+    assert _value(after, "gpufrac_checkpoint_duration_seconds_count", trigger="park") == 0
+    assert _value(after, "gpufrac_offloads_total", reason="shrink") == 1
+    assert _value(after, "gpufrac_offloaded_bytes_total", reason="shrink") == 600 * MiB
+
+    # Another user may not report on this lease: it is not theirs to know of.
+    refused = as_user(NOBODY, lambda: agent.client().observe(
+        lease["id"], {"kind": "offload", "reason": "park", "bytes": 1}))
+    assert refused["status"] == 404 and "no lease" in refused["message"], refused
+    assert _value(_samples(c.metrics()), "gpufrac_offloads_total", reason="park") == 0

@@ -49,7 +49,10 @@ def assert_as_saved(ns: dict[str, Any]) -> None:
     """The namespace the old code saved, every kind of variable as it was."""
     want = expected()
     model, opt = ns["model"], ns["opt"]
-    assert model(torch.ones(1, 4)).tolist() == want["model_output"]
+    # The writer's machine may run another float32 kernel than this one (a last-bit difference);
+    # the optimizer state and the tensors below are compared exactly.
+    assert torch.allclose(model(torch.ones(1, 4)), torch.tensor(want["model_output"]),
+                          rtol=1e-6, atol=0.0)
     assert opt.param_groups[0]["params"][0] is model.fc.weight
     assert opt.state[model.fc.weight]["exp_avg"].tolist() == want["exp_avg"]
     weights, row = ns["weights"], ns["row"]

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from harness.agent import AgentProcess, wait_for
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
@@ -320,3 +322,39 @@ def test_other_frameworks_are_capped_at_the_limit_less_the_context(tmp_path: Pat
             ("/physical_device:GPU:0", [(limit - context) // 2**20])]
         # A bypass of the PyTorch cap is named where the user looks.
         assert "PYTORCH_NO_CUDA_MEMORY_CACHING is set" in k.run("%gpu").stdout
+
+
+def test_checkpoints_reach_the_agents_metrics_by_trigger(tmp_path: Path) -> None:
+    """After each cell, when the server asks and by %gpu checkpoint: timed and sized in the
+    agent's /metrics, without the cell waiting for the agent."""
+    with AgentProcess(tmp_path / "agent", "1x1GiB", ["--log-level", "warning"]) as agent:
+        client = agent.client()
+        lease = client.create_lease(client="test", request="0.25", kernel_id="km")
+        env = {"GPUFRAC_LEASE_ID": lease["id"], "GPUFRAC_AGENT_SOCKET": agent.socket,
+               "GPUFRAC_REQUEST": str(lease["request"]), "GPUFRAC_LIMIT": str(lease["limit"]),
+               "GPUFRAC_GPU_TOTAL": str(GiB), "GPUFRAC_GPU_UUID": lease["physical_gpu"],
+               "GPUFRAC_CHECKPOINT_DIR": str(tmp_path / "ck")}
+
+        def count(trigger: str) -> float:
+            found = [s.value for f in text_string_to_metric_families(client.metrics())
+                     for s in f.samples
+                     if s.name == "gpufrac_checkpoint_duration_seconds_count"
+                     and s.labels["trigger"] == trigger]
+            return found[0]
+
+        with running_kernel(env) as k:
+            assert k.run("data = list(range(100_000))").status == "ok"
+            assert k.run("import os\nmore = os.urandom(2**20)").status == "ok"
+            assert k.ask(contract.ASK_CHECKPOINT)["ok"] is True
+            assert k.run("%gpu checkpoint").status == "ok"
+            # The one at start, one after each of the three cells (the magic's cell too).
+            wait_for(lambda: count("cell") >= 4, 15, "after-cell checkpoints in /metrics")
+            wait_for(lambda: count("server") == 1 and count("manual") == 1, 15,
+                     "the asked and the manual checkpoint in /metrics")
+            assert count("park") == 0
+            samples = {(s.name, s.labels.get("trigger"), s.labels.get("le")): s.value
+                       for f in text_string_to_metric_families(client.metrics())
+                       for s in f.samples}
+            # 1 MiB of random bytes cannot be compressed: written once, by a cell checkpoint.
+            assert samples[("gpufrac_checkpoint_size_bytes_bucket", "manual", "+Inf")] == 1
+            assert samples[("gpufrac_checkpoint_written_bytes_total", "cell", None)] >= 2**20

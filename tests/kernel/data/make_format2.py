@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-FORMAT2_COMMIT = "2da8bd34aa97b4952eb5b35075ade3cbf0386ea4"  # the last commit writing format 2
+FORMAT2_COMMIT = "1263b51f38663acd04cc87c9e9f75ce50df58cde"  # the last commit writing format 2
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 
