@@ -10,7 +10,8 @@ the 1,000 small variables do not. Printed, as medians of ``--runs`` runs:
 - the first checkpoint's time against a raw write + fsync of the same bytes into one file;
 - a restore against a raw read of the same bytes into new memory, both from a cold page
   cache (``posix_fadvise(DONTNEED)`` on every file first);
-- bytes on disk against ``dill.dump_module`` (when dill is installed) and a one-shot
+- bytes on disk, save (+ fsync) and cold load against ``dill.dump_module`` (when dill is
+  installed: ``pip install dill``, as ``make bench`` does), and bytes against a one-shot
   ``cloudpickle.dumps`` of the same variables.
 
 Run: python bench/checkpoint_bench.py [--scale 0.25] [--runs 5] [--strings] [--dir DIR]
@@ -19,14 +20,13 @@ Run: python bench/checkpoint_bench.py [--scale 0.25] [--runs 5] [--strings] [--d
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import types
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -192,7 +192,7 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def bench(root: Path, ns: dict[str, Any], runs: int) -> None:
+def bench(root: Path, ns: dict[str, Any], runs: int, scale: float, strings: bool) -> None:
     ck_dir, raw = root / "first", root / "raw.bin"
 
     def fresh() -> None:
@@ -248,25 +248,66 @@ def bench(root: Path, ns: dict[str, Any], runs: int) -> None:
     print(f"  restore, cold cache    {median(t_load):8.3f} s  {gb / median(t_load):5.2f} GB/s   raw read "
           f"{median(t_raw_r):6.3f} s   restore / raw {median(t_raw_r) / median(t_load):.2f}   "
           f"(goal >= 0.8)")
-    on_disk_against(ns, size)
+    against_dill(root, ns, size, runs, median(t_ck), median(t_load), scale, strings)
 
 
-def on_disk_against(ns: dict[str, Any], size: int) -> None:
+# dill.dump_module saves a notebook's real __main__, so its contender runs in a process of its
+# own whose __main__ holds the namespace; a second process (imports done first) loads it cold.
+DILL_SAVE = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import dill, checkpoint_bench
+globals().update(checkpoint_bench.build_namespace(float(sys.argv[2]), sys.argv[4] == "1"))
+start = time.perf_counter()
+with open(sys.argv[3], "wb") as fh:
+    dill.dump_module(fh)
+    fh.flush()
+    os.fsync(fh.fileno())
+print(time.perf_counter() - start)
+"""
+DILL_LOAD = """
+import sys, time
+import dill, numpy, pandas, torch
+start = time.perf_counter()
+dill.load_module(sys.argv[1])
+print(time.perf_counter() - start)
+"""
+
+
+def against_dill(root: Path, ns: dict[str, Any], size: int, runs: int, save_s: float,
+                 load_s: float, scale: float, strings: bool) -> None:
+    """Bytes on disk, save (+ fsync) and cold load of ``dill.dump_module`` on the same
+    namespace, beside the first checkpoint and the cold restore measured above."""
     values = {k: v for k, v in ns.items() if not k.startswith("__")}
+    one_shot = len(cloudpickle.dumps(values, protocol=5))
+    print(f"  on disk vs one cloudpickle.dumps: {size:,} B vs {one_shot:,} B ({size - one_shot:+,} B)")
     try:
         import dill  # type: ignore[import-untyped]
     except ImportError:
-        print("  on disk vs dill.dump_module: skipped, dill is not installed")
-    else:
-        module = types.ModuleType("__main__")
-        module.__dict__.update(values)
-        buffer = io.BytesIO()
-        dill.dump_module(buffer, module=module)
-        dill_size = len(buffer.getvalue())
-        print(f"  on disk vs dill.dump_module: {size:,} B vs {dill_size:,} B "
-              f"({size - dill_size:+,} B)")
-    one_shot = len(cloudpickle.dumps(values, protocol=5))
-    print(f"  on disk vs one cloudpickle.dumps: {size:,} B vs {one_shot:,} B ({size - one_shot:+,} B)")
+        print("  vs dill.dump_module: skipped, dill is not installed (pip install dill)")
+        return
+    path = root / "dill.pkl"
+    here = str(Path(__file__).resolve().parent)
+    saves, loads = [], []
+    for _ in range(runs):
+        path.unlink(missing_ok=True)
+        os.sync()
+        done = subprocess.run([sys.executable, "-c", DILL_SAVE, here, str(scale), str(path),
+                               "1" if strings else "0"], capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"  vs dill.dump_module {dill.__version__}: it failed on this namespace: {last}")
+            return
+        saves.append(float(done.stdout.split()[-1]))
+        drop_cache(iter([path]))
+        done = subprocess.run([sys.executable, "-c", DILL_LOAD, str(path)], capture_output=True,
+                              text=True, check=True)
+        loads.append(float(done.stdout.split()[-1]))
+    dill_size = path.stat().st_size
+    print(f"  vs dill.dump_module {dill.__version__}: on disk {size:,} B vs {dill_size:,} B "
+          f"({size - dill_size:+,} B); save {save_s:.3f} s vs {median(saves):.3f} s "
+          f"(dill / ours {median(saves) / save_s:.2f}); cold load {load_s:.3f} s vs "
+          f"{median(loads):.3f} s (dill / ours {median(loads) / load_s:.2f})")
 
 
 def main() -> None:
@@ -285,7 +326,7 @@ def main() -> None:
               f"{os.cpu_count()} CPUs")
         ns = build_namespace(args.scale, args.strings)
         print(describe(ns, args.scale, args.strings))
-        bench(root, ns, args.runs)
+        bench(root, ns, args.runs, args.scale, args.strings)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
