@@ -224,8 +224,8 @@ def _events(stats: AgentStats, host: str) -> Iterator[Metric]:
 
 def _reported(stats: AgentStats, host: str) -> Iterator[Metric]:
     """What kernels reported doing (``POST /v1/leases/{id}/observations``)."""
-    triggers = "by trigger: cell (after each cell), server (asked before a move or a " \
-               "restart), park, manual (%gpu checkpoint)"
+    triggers = "by trigger: cell (after each cell, and the empty one of a fresh kernel), " \
+               "server (asked before a move or a restart), park, manual (%gpu checkpoint)"
     for name, help_text, hists in (
         ("gpufrac_checkpoint_duration_seconds", f"How long kernels' checkpoints took, {triggers}.",
          stats.checkpoint_seconds),

@@ -51,6 +51,10 @@ class ObservationSender:
         try:
             self._queue.put_nowait(body)
         except queue.Full:
+            self._drop()
+
+    def _drop(self) -> None:
+        with self._lock:  # counted from the kernel's thread and from the sender's
             self.dropped += 1
 
     def _run(self) -> None:
@@ -62,7 +66,7 @@ class ObservationSender:
                 client.observe(self.lease_id, body)
                 self.sent += 1
             except Exception as exc:  # the agent may be away: the figure is lost, not the kernel
-                self.dropped += 1
+                self._drop()
                 if self.dropped == 1:
                     log.info("gpufrac: an observation for the agent was dropped: %s", exc)
             finally:
