@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ _IPYTHON_NAMES = frozenset(
 _HISTORY = re.compile(r"^_(i|ii|iii|i\d+|\d+)$")
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every name at every checkpoint
 def is_ipython_name(name: str) -> bool:
     """True for names IPython or the interpreter own (``__warningregistry__``), not the user."""
     dunder = len(name) > 4 and name.startswith("__") and name.endswith("__")
