@@ -160,16 +160,45 @@ class Notebook:
         self.server = server
         self.kernel_id = kernel_id
         self.session = uuid.uuid4().hex
-        url = server.url.replace("http://", "ws://")
-        self.ws = websocket.create_connection(
-            f"{url}/api/kernels/{kernel_id}/channels?session_id={self.session}",
-            header=[f"Authorization: token {server.token}"], timeout=60,
-        )
+        self.ws = self._connect()
         # Messages of a cell read ahead by :meth:`printed`, by its message id.
         self._kept: dict[str, list[dict[str, Any]]] = {}
 
+    def _connect(self) -> websocket.WebSocket:
+        url = self.server.url.replace("http://", "ws://")
+        return websocket.create_connection(
+            f"{url}/api/kernels/{self.kernel_id}/channels?session_id={self.session}",
+            header=[f"Authorization: token {self.server.token}"], timeout=60,
+        )
+
+    def _catch_up(self) -> None:
+        """Read what has arrived, keeping each cell's messages; after a ``restarting`` status
+        (jupyter_client's restarter restarted the kernel) connect anew, as JupyterLab does:
+        the server then makes sure the new kernel's IOPub reaches this page before it answers,
+        where the old connection may miss a cell's first messages (or all of them)."""
+        restarted = False
+        while True:
+            self.ws.settimeout(0.01)
+            try:
+                opcode, data = self.ws.recv_data(control_frame=True)
+            except websocket.WebSocketTimeoutException:
+                break
+            if opcode != websocket.ABNF.OPCODE_TEXT:
+                continue
+            msg: dict[str, Any] = json.loads(data)
+            if msg.get("msg_type") == "status" and \
+                    msg.get("content", {}).get("execution_state") == "restarting":
+                restarted = True
+            parent = msg.get("parent_header", {}).get("msg_id")
+            if parent:
+                self._kept.setdefault(parent, []).append(msg)
+        if restarted:
+            self.ws.close()
+            self.ws = self._connect()
+
     def send(self, code: str) -> str:
         """Send a cell without waiting for it; returns its message id."""
+        self._catch_up()
         msg_id = uuid.uuid4().hex
         self.ws.send(json.dumps({
             "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": self.session,
