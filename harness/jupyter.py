@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,10 +63,12 @@ def start_server(
     config: str = "",
     kernelspecs: dict[str, dict[str, Any]] | None = None,
     deadline_s: float = 60,
+    env: Mapping[str, str] | None = None,
 ) -> Server:
     """``python -m jupyter_server`` with its own HOME and Jupyter dirs, the extension enabled.
 
-    ``kernelspecs`` maps names to kernelspec metadata for extra ipykernel kernelspecs.
+    ``kernelspecs`` maps names to kernelspec metadata for extra ipykernel kernelspecs; ``env``
+    is added to the server's environment (a pod's, say).
     """
     dirs = {name: tmp / name for name in ("home", "config", "data", "runtime", "root")}
     for path in dirs.values():
@@ -86,6 +88,7 @@ def start_server(
         + config
     )
     token, port = uuid.uuid4().hex, free_port()
+    added = dict(env or {})
     env = {
         **os.environ,
         "HOME": str(dirs["home"]),
@@ -97,6 +100,7 @@ def start_server(
     }
     env.pop("JUPYTER_PATH", None)
     env.pop("RUNAI_GPU_MEMORY_LIMIT", None)
+    env.update(added)
     log = tmp / "server.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -135,9 +139,10 @@ def stop_server(server: Server) -> None:
 
 @contextlib.contextmanager
 def running_server(
-    tmp: Path, agent_socket: str, config: str = "", kernelspecs: dict[str, dict[str, Any]] | None = None
+    tmp: Path, agent_socket: str, config: str = "", kernelspecs: dict[str, dict[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
-    server = start_server(tmp, agent_socket, config, kernelspecs)
+    server = start_server(tmp, agent_socket, config, kernelspecs, env=env)
     try:
         yield server
     finally:

@@ -32,6 +32,14 @@ SHARE_SOURCE = "GPUFRAC_SHARE_SOURCE"
 # The file holding the user's remembered %gpu request for this environment (--reset removes it).
 REMEMBERED_REQUEST = "GPUFRAC_REMEMBERED_REQUEST"
 
+# The server's own environment on Kubernetes (the pod spec sets them; docs/kubernetes.md): the
+# folder of the downward API's files (annotations, name, namespace, uid), the container's name
+# (KAI's per-container annotations are keyed by it), and the GPUs the container can see ("all",
+# or UUIDs; unset: only those the cluster gave it).
+PODINFO = "GPUFRAC_PODINFO"
+CONTAINER = "GPUFRAC_CONTAINER"
+REACHABLE_GPUS = "GPUFRAC_REACHABLE_GPUS"
+
 # Set anew by every launch and removed from the inherited environment first, so that a
 # value from an earlier launch (a restore flag, an old GPU) never leaks into the next one.
 LAUNCH_VARIABLES = (

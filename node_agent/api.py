@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import reprlib
 import resource
 import socket
 import struct
@@ -40,6 +41,10 @@ log = logging.getLogger("gpufrac.agent")
 
 # Bounds on what a request may carry (an id is a UUID; a name is for people).
 MAX_ID = 128
+# The fields that are lists of GPU UUIDs (POST /v1/leases).
+GPU_LISTS = ("logical_gpus", "reachable_gpus")
+# More GPUs than any node has: a list longer than this is not a list of this node's GPUs.
+MAX_GPUS = 64
 MAX_TEXT = 200
 # A checkpoint longer than a day is a clock gone wrong, not a checkpoint.
 MAX_OBSERVED_SECONDS = 86400.0
@@ -105,7 +110,7 @@ def _compute_fraction(body: dict[str, Any], name: str) -> float | None:
 def parse_create_lease(body: dict[str, Any]) -> CreateLease:
     """``POST /v1/leases``."""
     _reject_unknown(body, ("kind", "request", "limit", "devices", "client", "kernel_id", "name",
-                           "compute_request", "compute_limit"))
+                           "compute_request", "compute_limit", "logical_gpus", "reachable_gpus"))
     kind = _field(body, "kind", str, policy.NOTEBOOK, expected=f"one of {policy.KINDS}")
     if kind not in policy.KINDS:
         raise ApiError(400, "kind", f"expected one of {policy.KINDS}, got {kind!r}")
@@ -131,7 +136,21 @@ def parse_create_lease(body: dict[str, Any]) -> CreateLease:
         devices=devices, kernel_id=kernel_id, name=name,
         compute_request=_compute_fraction(body, "compute_request"),
         compute_limit=_compute_fraction(body, "compute_limit"),
+        logical=_gpu_list(body, "logical_gpus"), reach=_gpu_list(body, "reachable_gpus") or (),
     )
+
+
+def _gpu_list(body: dict[str, Any], name: str) -> tuple[str, ...] | None:
+    """A list of distinct GPU UUIDs (``logical_gpus``: the cluster's plan; ``reachable_gpus``:
+    the GPUs the client's processes can see)."""
+    value = _field(body, name, list, expected="a list of GPU UUIDs")
+    if value is None:
+        return None
+    if not value or len(value) > MAX_GPUS or not all(
+            isinstance(u, str) and 0 < len(u) <= MAX_ID for u in value) or len(set(value)) < len(value):
+        raise ApiError(400, name, f"expected 1 to {MAX_GPUS} distinct GPU UUIDs, got "
+                                  f"{reprlib.repr(value)}")
+    return tuple(value)
 
 
 def parse_resize(body: dict[str, Any]) -> Resize:
@@ -257,7 +276,8 @@ class BaseHandler(web.RequestHandler):
         raise ApiError(401, None, "a token is required over TCP: send 'Authorization: token <token>'")
 
     def body(self) -> dict[str, Any]:
-        """The request's JSON object; every field a scalar (no request needs more)."""
+        """The request's JSON object; every field a scalar, or a list of GPU UUIDs where a
+        request takes one (no request needs more)."""
         if not self.request.body:
             return {}
         if len(self.request.body) > MAX_JSON:
@@ -270,6 +290,8 @@ class BaseHandler(web.RequestHandler):
         if not isinstance(value, dict):
             raise ApiError(400, None, "body: expected a JSON object")
         for key, item in value.items():
+            if isinstance(item, list) and key in GPU_LISTS:
+                continue  # checked, with the rest of its body, by its parser
             if not isinstance(item, str | int | float | bool | type(None)):
                 raise ApiError(400, key[:MAX_ID], "expected a string, number, true/false or null, "
                                                   f"got {type(item).__name__}")

@@ -31,6 +31,7 @@ from traitlets import (
     Enum,
     Float,
     Int,
+    List,
     TraitError,
     TraitType,
     Unicode,
@@ -53,6 +54,7 @@ from node_agent.client import (
     serve_command,
     socket_folder_problem,
 )
+from node_agent.kubelet.claims import GPU_RESOURCE, RESERVATION_NAMESPACES
 from node_agent.quantities import QuantityError, parse_quantity
 from node_agent.service import AgentConfig
 from node_agent.status import render_status, status_document
@@ -419,6 +421,29 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
     token_file = Unicode(None, allow_none=True,
                          help="The file holding the TCP token (16 characters or more).",
                          ).tag(config=True)
+    kubelet_socket = Unicode(
+        None, allow_none=True,
+        help="On Kubernetes: the kubelet's PodResources socket (usually "
+        "/var/lib/kubelet/pod-resources/kubelet.sock). Each container holding whole GPUs then "
+        "gets a job lease pinned to them, and notebooks there move off.",
+    ).tag(config=True)
+    gpu_resource = List(
+        Unicode(), default_value=[GPU_RESOURCE],
+        help="The kubelet resources that are whole GPUs (with --kubelet-socket).",
+    ).tag(config=True)
+    container_logs = Unicode(
+        _AGENT.container_logs,
+        help="Where the kubelet links containers' logs (<pod>_<namespace>_<container>-<id>.log): "
+        "with a process's cgroup they name the pod container it runs in, for /metrics and "
+        "status. Absent off Kubernetes.",
+    ).tag(config=True)
+    reservation_namespace = List(
+        Unicode(), default_value=list(RESERVATION_NAMESPACES),
+        help="Namespaces of the pods that reserve a GPU for the fractional pods sharing it (KAI's "
+        "binder --resource-reservation-namespace): their GPUs are not whole-GPU jobs.",
+    ).tag(config=True)
+    kubelet_interval = Float(2.0, min=0.01, help="Seconds between looks at the kubelet's list of "
+                             "pods' devices (its API has no watch).").tag(config=True)
     # Application's own trait, made to take lower-case names as well (traitlets turns names
     # into numbers as it applies them).
     log_level = Union(
@@ -432,7 +457,8 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             "simulate", "fallback-simulate", "poll-interval", "reclaim-grace", "migrate-grace",
             "orphan-grace", "restore-grace", "kill-window", "headroom", "context-size",
             "max-workloads-per-gpu", "max-leases-per-user", "admin-group", "tcp", "token-file",
-            "log-level")},
+            "log-level", "kubelet-socket", "gpu-resource", "kubelet-interval", "container-logs",
+            "reservation-namespace")},
     }
     flags = {
         **GpuFracAgent.flags,
@@ -520,6 +546,14 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
 
         async def main() -> None:
             await agent.start()
+            kubelet = None
+            if self.kubelet_socket:
+                from node_agent.kubelet.watch import KubeletWatch
+
+                kubelet = KubeletWatch(agent, self.kubelet_socket, self.gpu_resource,
+                                       self.kubelet_interval, self.reservation_namespace)
+                await kubelet.poll_once()
+                kubelet.start()
             app = make_app(agent, admin_gid, token)
             server = listen_unix(app, socket_path)
             if tcp:
@@ -537,6 +571,8 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             await stop.wait()
             if watch is not None:
                 watch.cancel()
+            if kubelet is not None:
+                await kubelet.stop()
             server.stop()
             await agent.stop()
 

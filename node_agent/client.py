@@ -420,11 +420,14 @@ class AgentClient(_Common):
                      limit: str | float | int | None = None, kind: str = "notebook",
                      devices: int = 1, kernel_id: str | None = None,
                      name: str | None = None, compute_request: str | float | None = None,
-                     compute_limit: str | float | None = None) -> dict[str, Any]:
+                     compute_limit: str | float | None = None,
+                     logical_gpus: Sequence[str] | None = None,
+                     reachable_gpus: Sequence[str] | None = None) -> dict[str, Any]:
         return self._send(_create_lease_call({
             "kind": kind, "client": client, "devices": devices, "request": request,
             "limit": limit, "kernel_id": kernel_id, "name": name,
-            "compute_request": compute_request, "compute_limit": compute_limit}))
+            "compute_request": compute_request, "compute_limit": compute_limit,
+            "logical_gpus": logical_gpus, "reachable_gpus": reachable_gpus}))
 
     def lease(self, lease_id: str) -> dict[str, Any]:
         return self._send(_lease_call(lease_id))
@@ -542,11 +545,14 @@ class AsyncAgentClient(_Common):
                            limit: str | float | int | None = None, kind: str = "notebook",
                            devices: int = 1, kernel_id: str | None = None,
                            name: str | None = None, compute_request: str | float | None = None,
-                           compute_limit: str | float | None = None) -> dict[str, Any]:
+                           compute_limit: str | float | None = None,
+                           logical_gpus: Sequence[str] | None = None,
+                           reachable_gpus: Sequence[str] | None = None) -> dict[str, Any]:
         return await self._send(_create_lease_call({
             "kind": kind, "client": client, "devices": devices, "request": request,
             "limit": limit, "kernel_id": kernel_id, "name": name,
-            "compute_request": compute_request, "compute_limit": compute_limit}))
+            "compute_request": compute_request, "compute_limit": compute_limit,
+            "logical_gpus": logical_gpus, "reachable_gpus": reachable_gpus}))
 
     async def lease(self, lease_id: str) -> dict[str, Any]:
         return await self._send(_lease_call(lease_id))

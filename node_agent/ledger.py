@@ -19,6 +19,11 @@ from typing import Any
 from node_agent.policy import Placement
 
 STATES = ("pending", "active", "migrating", "shrinking", "killed", "parked")
+# ``planned_by`` of a lease whose logical GPUs the cluster's scheduler chose (KAI's plan, told
+# by the lease's client), and of a job lease for a pod the kubelet gave whole GPUs: its life is
+# the pod's, not its processes'.
+CLUSTER = "cluster"
+KUBELET = "kubelet"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS leases (
@@ -45,6 +50,9 @@ CREATE TABLE IF NOT EXISTS leases (
     compute_limit REAL,
     devices INTEGER,
     parked_at REAL,
+    reach TEXT,
+    planned_by TEXT,
+    pod TEXT,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -74,7 +82,8 @@ CREATE INDEX IF NOT EXISTS kills_by_lease ON kills (lease_id, at);
 # Columns added after the first release: (name, SQL type), added to older ledgers on open.
 _ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("registered", "REAL"),
                   ("compute_request", "REAL"), ("compute_limit", "REAL"), ("devices", "INTEGER"),
-                  ("parked_at", "REAL"))
+                  ("parked_at", "REAL"), ("reach", "TEXT"), ("planned_by", "TEXT"),
+                  ("pod", "TEXT"))
 
 
 @dataclass(frozen=True)
@@ -118,11 +127,20 @@ class Lease:
     # When it was parked: set while it is parked or waiting to be placed again, so that it is
     # told `unparked` once it runs.
     parked_at: float | None = None
+    # The GPUs its processes can be started on (empty: any of the node's): a container sees
+    # only the GPUs it was given.
+    reach: tuple[str, ...] = ()
+    # Who chose its logical GPUs: "" the agent, else CLUSTER or KUBELET; the agent never
+    # re-plans those.
+    planned_by: str = ""
+    # On Kubernetes: (namespace, pod, container) its processes run in, or the pod holding the
+    # GPUs of a KUBELET lease; () elsewhere.
+    pod: tuple[str, ...] = ()
 
     def placement(self) -> Placement:
         return Placement(
             self.id, self.kind, self.request, self.logical, self.physical,
-            self.usage, self.created, self.limit,
+            self.usage, self.created, self.limit, self.reach, bool(self.planned_by),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -155,6 +173,10 @@ class Lease:
             "restore_until": self.restore_until,
             "orphan_deadline": self.orphan_deadline,
             "parked_at": self.parked_at,
+            "reachable_gpus": list(self.reach),
+            "planned_by": self.planned_by or "agent",
+            "pod": dict(zip(("namespace", "name", "container"), self.pod, strict=True))
+            if self.pod else None,
             "created": self.created,
             "updated": self.updated,
         }
@@ -242,6 +264,8 @@ class Ledger:
                 compute_request=r["compute_request"], compute_limit=r["compute_limit"],
                 devices=r["devices"],
                 parked_at=r["parked_at"],
+                reach=tuple(json.loads(r["reach"] or "[]")), planned_by=r["planned_by"] or "",
+                pod=tuple(json.loads(r["pod"] or "[]")),
             )
 
     def directives_after(self, seq: int, client: str | None = None,
@@ -302,16 +326,17 @@ class Ledger:
                 "INSERT INTO leases (id, kind, owner_uid, client, kernel_id, name, request, lim,"
                 " request_spec, limit_spec, logical, physical, target, state, reason, deadline,"
                 " restore_until, orphan_deadline, registered, compute_request, compute_limit,"
-                " devices, parked_at, created, updated)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " devices, parked_at, reach, planned_by, pod, created, updated)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     lease.id, lease.kind, lease.owner_uid, lease.client, lease.kernel_id,
                     lease.name, lease.request, lease.limit, lease.request_spec, lease.limit_spec,
                     json.dumps(lease.logical), json.dumps(lease.physical), json.dumps(lease.target),
                     lease.state, lease.reason, lease.deadline, lease.restore_until,
                     lease.orphan_deadline, lease.registered, lease.compute_request,
-                    lease.compute_limit, lease.devices, lease.parked_at, lease.created,
-                    lease.updated,
+                    lease.compute_limit, lease.devices, lease.parked_at,
+                    json.dumps(lease.reach), lease.planned_by, json.dumps(lease.pod),
+                    lease.created, lease.updated,
                 ),
             )
             self.leases[lease.id] = lease
@@ -323,7 +348,7 @@ class Ledger:
         "request_spec": "request_spec", "limit_spec": "limit_spec",
         "restore_until": "restore_until", "orphan_deadline": "orphan_deadline",
         "compute_request": "compute_request", "compute_limit": "compute_limit",
-        "registered": "registered", "parked_at": "parked_at",
+        "registered": "registered", "parked_at": "parked_at", "pod": "pod",
     }
 
     def update(self, lease_id: str, **changes: Any) -> Lease:

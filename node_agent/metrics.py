@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 GPU_LABELS = ("gpu", "UUID", "modelName", "hostname")
 # Per lease, then the GPU labels of each device it runs on. The state is a metric of its
 # own: as a label it would start a new series at every change.
-LEASE_LABELS = ("lease", "kernel_id", "user", "kind")
+# namespace, pod, container: as the DCGM exporter names them; empty (absent) off Kubernetes.
+LEASE_LABELS = ("lease", "kernel_id", "user", "kind", "namespace", "pod", "container")
 # Leases that hold memory on their physical GPU: a moving one still runs where it was.
 RUNNING = ("active", "shrinking", "migrating")
 # Every cause a counter can have, exported at 0 before it first happens: a series that
@@ -257,7 +258,8 @@ def _reported(stats: AgentStats, host: str) -> Iterator[Metric]:
 
 def _lease_labels(lease: Lease) -> list[str]:
     # An empty label is an absent one to Prometheus: a job has no kernel.
-    return [lease.id, lease.kernel_id or "", user_name(lease.owner_uid), lease.kind]
+    pod = lease.pod or ("", "", "")
+    return [lease.id, lease.kernel_id or "", user_name(lease.owner_uid), lease.kind, *pod]
 
 
 def render_metrics(agent: Agent, caller: Caller) -> str:

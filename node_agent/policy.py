@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from itertools import accumulate
 
@@ -42,6 +42,9 @@ class Placement:
     usage: int = 0
     created: float = 0.0
     limit: int = 0
+    # The GPUs it can run on (empty: any), and whether the cluster fixed its logical GPUs.
+    reach: tuple[str, ...] = ()
+    fixed: bool = False
 
     @property
     def devices(self) -> int:
@@ -364,6 +367,69 @@ def plan_compaction(
         Move(p.id, p.physical, p.logical, p.usage * p.devices)
         for p in sorted(moved.values(), key=lambda p: p.id)
     ]
+
+
+@dataclass(frozen=True)
+class Evacuation:
+    """Room on GPUs the cluster gave a pod whole: the notebooks whose logical GPU was there and
+    where the plan puts them now (id -> logical GPUs), the moves that empty those GPUs, and the
+    notebooks that stay for want of room elsewhere (reclaim takes their memory back)."""
+
+    relocated: Mapping[str, tuple[str, ...]]
+    moves: list[Move]
+    stranded: tuple[str, ...]
+
+
+def plan_evacuation(devices: Sequence[Device], leases: Sequence[Placement],
+                    pinned: Mapping[str, int], rules: Rules = Rules()) -> Evacuation:
+    """Empty the ``pinned`` GPUs (uuid -> bytes the pod takes) of notebooks, moving the least.
+
+    The cluster has already started the pod there: nothing can refuse it. Notebooks the agent
+    planned on a pinned GPU get a new logical GPU among those they can reach (largest request
+    first, binpack, as a new lease would); then every notebook running on a pinned GPU goes
+    home. A notebook the cluster planned there, one with no room elsewhere, or one whose move
+    cannot be planned is stranded where it is.
+    """
+    others = [d for d in devices if d.uuid not in pinned]
+    placed: dict[str, Placement] = {p.id: p for p in leases}
+    relocated: dict[str, tuple[str, ...]] = {}
+    stranded: list[str] = []
+    displaced = sorted((p for p in leases if p.kind == NOTEBOOK and set(p.logical) & set(pinned)),
+                       key=lambda p: (-p.request, p.id))
+    for p in displaced:
+        rest = [q for q in placed.values() if q.id != p.id and q.id not in stranded]
+        reachable = [d for d in others if not p.reach or d.uuid in p.reach]
+        # A plan the cluster made is not ours to change.
+        logical = None if p.fixed else plan_logical(reachable, rest, p.request, p.devices, rules)
+        if logical is None:
+            stranded.append(p.id)
+            continue
+        relocated[p.id] = logical
+        placed[p.id] = replace(p, logical=logical)
+    # Only what runs on a pinned GPU need move; a stranded notebook is left where it runs.
+    planned = [p for p in placed.values() if p.id not in stranded]
+    held = [replace(placed[i], logical=placed[i].physical) for i in stranded]
+    moves = plan_compaction(devices, [*planned, *held], pinned, rules)
+    if moves is None:
+        # Not all of it fits: move those that have room at home, one by one.
+        moves = []
+        running = {p.id: p for p in planned}
+        for p in sorted(planned, key=lambda p: p.id):
+            if (set(p.physical) & set(pinned) and not set(p.logical) & set(pinned)
+                    and _room_at_home(devices, list(running.values()), p)):
+                moves.append(Move(p.id, p.physical, p.logical, p.usage * p.devices))
+                running[p.id] = replace(p, physical=p.logical)
+    moving = {m.lease_id for m in moves}
+    stranded += [p.id for p in planned if set(p.physical) & set(pinned) and p.id not in moving
+                 and p.id not in stranded]
+    return Evacuation(relocated, moves, tuple(sorted(stranded)))
+
+
+def _room_at_home(devices: Sequence[Device], leases: Sequence[Placement], p: Placement) -> bool:
+    """Whether ``p`` fits on its logical GPUs where leases run now."""
+    capacity = {d.uuid: d.total for d in devices if d.healthy}
+    running = physical_load(q for q in leases if q.id != p.id)
+    return all(running.get(u, 0) + p.request <= capacity.get(u, 0) for u in p.logical)
 
 
 def reclaim_order(

@@ -59,15 +59,53 @@ def stat(pid: int) -> Stat | None:
                 int(fields[11]) + int(fields[12]), int(fields[21]) * PAGE_SIZE)
 
 
-def _real_uid(pid: int) -> int | None:
+def pid_namespace(pid: int | str) -> str | None:
+    """The process's PID namespace (``pid:[inode]``), or None when it cannot be read."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _status_field(pid: int, name: bytes) -> list[bytes] | None:
+    """The values of one line of /proc/<pid>/status (``Uid:``, ``NSpid:``), or None."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[1])
+                if line.startswith(name):
+                    return line.split()[1:]
     except OSError:
         pass
     return None
+
+
+def _innermost_pid(pid: int) -> int | None:
+    """The process's id in its own PID namespace (the last of ``NSpid``)."""
+    ids = _status_field(pid, b"NSpid:")
+    return int(ids[-1]) if ids else None
+
+
+def as_seen_here(caller: int, pid: int) -> int | None:
+    """Process ``pid`` of the PID namespace ``caller`` runs in, as the agent numbers it; None
+    when no such process is visible here.
+
+    A kernel in a container (a Kubernetes pod) is numbered in the pod's namespace, and only
+    the caller's own namespace is searched: a pod cannot name a process of another.
+    """
+    theirs = pid_namespace(caller)
+    if theirs is None or theirs == pid_namespace("self"):
+        return pid
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            here = int(entry.name)
+            if _innermost_pid(here) == pid and pid_namespace(here) == theirs:
+                return here
+    return None
+
+
+def _real_uid(pid: int) -> int | None:
+    uids = _status_field(pid, b"Uid:")
+    return int(uids[0]) if uids else None
 
 
 def identify(pid: int) -> ProcessIdentity | None:

@@ -7,14 +7,16 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from node_agent import policy, procs
 from node_agent.caps import mps_running
 from node_agent.devices import DeviceError, GpuBackend, GpuInfo, Sweep
-from node_agent.ledger import Directive, Lease, Ledger
+from node_agent.kubelet import cgroups
+from node_agent.kubelet.claims import WholeGpus
+from node_agent.ledger import CLUSTER, KUBELET, Directive, Lease, Ledger
 from node_agent.quantities import (
     MiB,
     Quantity,
@@ -131,6 +133,8 @@ class AgentConfig:
     # Stop leases that stay above their limit. None: with NVML only; a simulated node counts
     # resident memory, which an `import torch` alone takes past a tight limit.
     enforce_limits: bool | None = None
+    # Where the kubelet links containers' logs, which name the pod container of a process.
+    container_logs: str = cgroups.CONTAINER_LOGS
 
     @property
     def rules(self) -> policy.Rules:
@@ -154,6 +158,10 @@ class CreateLease:
     name: str = ""
     compute_request: float | None = None
     compute_limit: float | None = None
+    # The cluster's plan (KAI's): its logical GPUs, taken as they are where they have room.
+    logical: tuple[str, ...] | None = None
+    # The GPUs its processes can see (empty: all of the node's).
+    reach: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -323,6 +331,14 @@ class Agent:
                     (owner[p] for p in self._procs.ancestors(pid) if p in owner), None)
                 if lease_id is not None:
                     members.setdefault(lease_id, {}).setdefault(uuid, []).append(pid)
+        # A pod's whole GPU: whatever no lease holds there is the pod's (the device plugin gave
+        # the GPU to it alone); its processes register nowhere.
+        for lease in self.ledger.leases.values():
+            if lease.planned_by == KUBELET:
+                for uuid in lease.physical:
+                    theirs = {p for found in members.values() for p in found.get(uuid, [])}
+                    members.setdefault(lease.id, {})[uuid] = [
+                        pid for pid in m.processes.get(uuid, {}) if pid not in theirs]
         return members
 
     def _update_usage(self, m: Sweep) -> None:
@@ -406,6 +422,8 @@ class Agent:
 
     def _forget_dead(self, now: float) -> None:
         for lease in list(self.ledger.leases.values()):
+            if lease.planned_by == KUBELET:
+                continue  # it lives as long as its pod does (sync_cluster)
             alive = tuple((pid, start) for pid, start in lease.pids
                           if self._procs.is_alive(pid, start))
             if alive != lease.pids:
@@ -425,6 +443,56 @@ class Agent:
             if now >= deadline:
                 log.info("lease %s: no live process by its orphan deadline, released", lease.id)
                 self._release(lease)
+
+    # --- the cluster's pods (Kubernetes) ---------------------------------------------------
+    def sync_cluster(self, claims: Mapping[str, WholeGpus]) -> None:
+        """Job leases for the containers the kubelet gave whole GPUs (by ``namespace/pod/
+        container``): pinned to exactly those GPUs when they appear, with the notebooks there
+        moved off; released when they are gone."""
+        held = {lease.name: lease for lease in self.ledger.leases.values()
+                if lease.planned_by == KUBELET}
+        for key, lease in held.items():
+            claim = claims.get(key)
+            if claim is None or set(claim.gpus) != set(lease.logical):
+                log.info("lease %s: pod container %s no longer holds %s, released", lease.id, key,
+                         self._labels(lease.logical))
+                self._wake()
+                self._release(lease)
+        for key, claim in claims.items():
+            if key not in held or set(claim.gpus) != set(held[key].logical):
+                self._wake()
+                self._pin(claim)
+
+    def _pin(self, claim: WholeGpus) -> None:
+        gpus = [self.gpu(uuid) for uuid in claim.gpus]
+        if any(gpu is None for gpu in gpus):
+            log.warning("pod container %s holds %s, not all GPUs this agent sees (%s)", claim.key,
+                        ", ".join(claim.gpus), ", ".join(g.uuid for g in self.gpus))
+            return
+        size = min(gpu.memory_usable for gpu in gpus if gpu is not None)
+        labels = self._labels(claim.gpus)
+        evacuation = policy.plan_evacuation(self.devices(), self.planning_view(),
+                                            dict.fromkeys(claim.gpus, size), self.config.rules)
+        now = time.time()
+        reason = f"pod container {claim.key} holds {labels} whole (from the kubelet)"
+        if evacuation.stranded:
+            reason += (f"; {len(evacuation.stranded)} notebook(s) there have nowhere else to go "
+                       "and give their memory back as the pod needs it: "
+                       + ", ".join(evacuation.stranded))
+        lease = Lease(
+            id="l-" + secrets.token_hex(6), kind=policy.JOB, owner_uid=0, client=KUBELET,
+            name=claim.key, request=size, limit=size, request_spec="1", limit_spec="1",
+            logical=claim.gpus, physical=claim.gpus, state="active", created=now, updated=now,
+            reason=reason, devices=len(claim.gpus), planned_by=KUBELET,
+            pod=(claim.namespace, claim.pod, claim.container),
+        )
+        with self.ledger.transaction():
+            self.ledger.insert(lease)
+            for lease_id, logical in evacuation.relocated.items():
+                self.ledger.update(lease_id, logical=logical)
+            self._start_moves(evacuation.moves, f"make room for pod container {claim.key}, "
+                                                f"which the cluster gave {labels}")
+        log.info("lease %s: %s; %d notebook(s) move off", lease.id, reason, len(evacuation.moves))
 
     # --- views -----------------------------------------------------------------------
     def _context(self, gpu: GpuInfo) -> int:
@@ -513,8 +581,10 @@ class Agent:
         req, lim = self._resolve_share(ask.request, ask.limit)
         compute_request, compute_limit = _compute_share(
             (None, None), ask.compute_request, ask.compute_limit)
+        self._check_gpus(ask)
 
-        logical, physical, moves = self._place(ask.kind, req, lim, ask.devices, self.planning_view())
+        logical, physical, moves = self._place(ask.kind, req, lim, ask.devices, self.planning_view(),
+                                               reach=ask.reach, logical=ask.logical)
         now = time.time()
         lease = Lease(
             id="l-" + secrets.token_hex(6), kind=ask.kind, owner_uid=caller.uid, client=ask.client,
@@ -523,6 +593,7 @@ class Agent:
             physical=physical, state="pending" if moves else "active", created=now, updated=now,
             reason=self._waiting_reason(moves) if moves else "placed",
             compute_request=compute_request, compute_limit=compute_limit, devices=ask.devices,
+            reach=ask.reach, planned_by=CLUSTER if ask.logical is not None else "",
         )
         with self.ledger.transaction():
             self.ledger.insert(lease)
@@ -557,10 +628,40 @@ class Agent:
                           f"ask for at least {format_bytes(context)} (a share counts its context)")
         return req, lim
 
-    def _place(self, kind: str, req: int, lim: int, count: int, others: list[policy.Placement]
+    def _check_gpus(self, ask: CreateLease) -> None:
+        """The GPUs a lease names are this node's, healthy, and its logical ones reachable."""
+        for name, uuids in (("reachable_gpus", ask.reach), ("logical_gpus", ask.logical or ())):
+            for uuid in uuids:
+                gpu = self.gpu(uuid)
+                if gpu is None or not gpu.healthy:
+                    known = ", ".join(g.uuid for g in self.gpus if g.healthy)
+                    raise Refused(name, f"{uuid} is not a healthy GPU of this node; it has {known}")
+        if ask.logical is not None:
+            if len(ask.logical) != ask.devices:
+                raise Refused("logical_gpus", f"expected {ask.devices} GPU(s), one per device, "
+                                              f"got {len(ask.logical)}")
+            unreachable = set(ask.logical) - set(ask.reach) if ask.reach else set()
+            if unreachable:
+                raise Refused("reachable_gpus", "must include the logical GPUs, where the lease "
+                                                f"moves back to; {sorted(unreachable)} are not")
+
+    def _place(self, kind: str, req: int, lim: int, count: int, others: list[policy.Placement],
+               *, reach: tuple[str, ...] = (), logical: tuple[str, ...] | None = None
                ) -> tuple[tuple[str, ...], tuple[str, ...], list[policy.Move]]:
+        """Where a lease of ``req`` bytes on ``count`` GPUs goes: its logical GPUs (planned, or
+        the cluster's ``logical`` where they have room), the ones it runs on among those it can
+        ``reach``, and the moves that make room there."""
         devices = self.devices()
         rules = self.config.rules
+        if logical is not None:
+            planned = [d for d in devices if d.uuid in logical]
+            if policy.plan_logical(planned, others, req, count, rules) is None:
+                raise Conflict(
+                    "logical_gpus",
+                    f"the cluster's plan puts it on {self._labels(logical)}, which has no room for "
+                    f"{format_bytes(req)} more in this node's plan (leases the cluster does not "
+                    "know of hold it: gpufrac-agent status shows them)")
+            return self._run_where(kind, req, lim, logical, others, reach)
         logical = policy.plan_logical(devices, others, req, count, rules)
         if logical is None:
             if policy.plan_logical(devices, others, req, count) is not None:
@@ -577,7 +678,15 @@ class Agent:
                 f"guarantee is {format_bytes(best)}. Ask for less, or wait for leases to end "
                 "(gpufrac-agent status shows them)",
             )
-        physical = policy.plan_physical(devices, others, kind, req, logical, lim, rules)
+        return self._run_where(kind, req, lim, logical, others, reach)
+
+    def _run_where(self, kind: str, req: int, lim: int, logical: tuple[str, ...],
+                   others: list[policy.Placement], reach: tuple[str, ...]
+                   ) -> tuple[tuple[str, ...], tuple[str, ...], list[policy.Move]]:
+        devices = self.devices()
+        rules = self.config.rules
+        reachable = [d for d in devices if not reach or d.uuid in reach]
+        physical = policy.plan_physical(reachable, others, kind, req, logical, lim, rules)
         moves = policy.plan_compaction(devices, others, {u: req for u in physical}, rules)
         if moves is None:
             raise Conflict("request", "no set of moves makes room; try again shortly")
@@ -641,7 +750,8 @@ class Agent:
                 lease = self.ledger.update(lease.id, **changes, reason="request changed in place")
                 self._directive(lease, "resized", said, **notice)
             return lease
-        logical, physical, moves = self._place(lease.kind, req, lim, len(lease.logical), others)
+        logical, physical, moves = self._place(lease.kind, req, lim, len(lease.logical), others,
+                                               **self._kept_plan(lease))
         if physical == lease.physical:
             # It stays; whatever must make room moves, and it is told nothing (there is
             # nothing for it to do).
@@ -680,20 +790,32 @@ class Agent:
     def register_pid(self, caller: Caller, lease_id: str, pid: int) -> Lease:
         self._wake()
         lease = self.lease(caller, lease_id)
+        asked = pid
+        if caller.pid is not None:
+            # The caller's number for it: a kernel in a container has another here.
+            found = procs.as_seen_here(caller.pid, pid)
+            if found is None:
+                raise Refused("pid", f"no process {pid} in your PID namespace is visible to the "
+                                     "agent (on Kubernetes it needs hostPID: true)")
+            pid = found
         ident = procs.identify(pid)
         if ident is None:
-            raise Refused("pid", f"no running process {pid}")
+            raise Refused("pid", f"no running process {asked}")
         if caller.uid != 0 and ident.uid != caller.uid:
             # Only your own processes: the agent may kill what is registered.
-            raise NotYours("pid", f"process {pid} is not yours")
+            raise NotYours("pid", f"process {asked} is not yours")
         for other in self.ledger.leases.values():
             if other.id != lease.id and any(p == (pid, ident.start_time) for p in other.pids):
                 # One process, one lease: otherwise its memory counts twice.
-                raise Conflict("pid", f"process {pid} is already registered to lease {other.id}")
+                raise Conflict("pid", f"process {asked} is already registered to lease {other.id}")
         pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
         ended = {p for p, _ in lease.pids} - {p for p, _ in pids} - {pid}
         now = time.time()
         changes: dict[str, Any] = {"orphan_deadline": None, "registered": lease.registered or now}
+        # Metrics and status name the pod container it runs in (on Kubernetes).
+        container = cgroups.container_of(pid, self.config.container_logs)
+        if container is not None:
+            changes["pod"] = (container.namespace, container.pod, container.container)
         if lease.kind == policy.NOTEBOOK and (
             lease.registered is not None or lease.state in ("killed", "migrating")
         ):
@@ -761,8 +883,10 @@ class Agent:
             return lease
         if lease.state not in PARKABLE:
             raise Conflict("lease", f"lease is {lease.state}: {_NOT_NOW[lease.state]}")
+        # The cluster's plan holds while it is parked (the cluster still counts it there).
         lease = self.ledger.update(
-            lease.id, state="parked", logical=(), physical=(), target=(), deadline=None,
+            lease.id, state="parked", logical=lease.logical if lease.planned_by else (),
+            physical=(), target=(), deadline=None,
             parked_at=time.time(),
             reason=reason or "parked: its idle kernel gave the GPU back; its next cell gets one "
                              "first")
@@ -802,6 +926,11 @@ class Agent:
         return lease
 
     @staticmethod
+    def _kept_plan(lease: Lease) -> dict[str, Any]:
+        """What placing ``lease`` again keeps: the GPUs it can reach, the cluster's plan."""
+        return {"reach": lease.reach, "logical": lease.logical if lease.planned_by else None}
+
+    @staticmethod
     def _notebook_only(lease: Lease) -> None:
         if lease.kind != policy.NOTEBOOK:
             raise Conflict("lease", f"lease is a {lease.kind}: only notebook leases park (a job "
@@ -813,7 +942,8 @@ class Agent:
         reason in words while no GPU has room (``how``: AT_ONCE or AFTER_WAIT, for /metrics)."""
         try:
             logical, physical, moves = self._place(lease.kind, lease.request, lease.limit,
-                                                   lease.devices, self.planning_view())
+                                                   lease.devices, self.planning_view(lease.id),
+                                                   **self._kept_plan(lease))
         except Conflict:
             reason = self._no_room_reason(lease)
             if (lease.state, lease.reason) == ("pending", reason):
@@ -966,7 +1096,9 @@ class Agent:
                 owed.add(r.lease_id)
                 self._climb(leases[r.lease_id], now, r)
         for lease in list(leases.values()):
-            if lease.id not in owed and lease.state in ("active", "shrinking"):
+            # A pod's whole GPUs are its own: nothing of them is a loan, nor its to give back.
+            if (lease.id not in owed and lease.state in ("active", "shrinking")
+                    and lease.planned_by != KUBELET):
                 self._climb(lease, now, None)
 
     def _climb(self, lease: Lease, now: float, owed: policy.Reclaim | None) -> None:

@@ -10,7 +10,7 @@ from node_agent.quantities import format_bytes
 # The stable keys of `status --json`: scripts depend on them.
 STATUS_GPU_KEYS = ("uuid", "index", "name", "memory_total", "memory_used")
 STATUS_LEASE_KEYS = ("id", "kind", "owner_uid", "request", "limit", "usage", "logical_gpu",
-                     "physical_gpu", "physical_gpus", "state")
+                     "physical_gpu", "physical_gpus", "state", "pod")
 
 
 def status_document(client: AgentClient) -> dict[str, Any]:
@@ -63,6 +63,12 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
             format_bytes(lease["limit"]), format_bytes(lease["usage"]), compute_text(lease),
             ",".join(gpu(u) for u in lease["logical_gpus"]) or "-", physical, state,
         ])
+    pods = [lease.get("pod") for lease in leases]
+    if any(pods):
+        # On Kubernetes: the pod container each lease's processes run in (or that holds it).
+        lease_rows[0].append("POD")
+        for row, pod in zip(lease_rows[1:], pods, strict=True):
+            row.append("/".join((pod["namespace"], pod["name"], pod["container"])) if pod else "-")
     out.append(_table(lease_rows))
     if any(lease.get("compute_request") is not None for lease in leases):
         out.append("compute shares: " + ("held by CUDA MPS (active-thread percentage)"

@@ -34,12 +34,15 @@ class AgentLink(AsyncAgentClient):
 
     async def create_notebook_lease(
         self, *, request: str, limit: str | None, client: str, kernel_id: str, name: str,
-        compute_request: str | None = None, compute_limit: str | None = None,
+        compute_request: str | None = None, compute_limit: str | None = None, devices: int = 1,
+        logical_gpus: Sequence[str] | None = None, reachable_gpus: Sequence[str] | None = None,
     ) -> dict[str, Any]:
-        """A burstable, movable lease for a kernel."""
+        """A burstable, movable lease for a kernel (on Kubernetes: where the cluster planned it,
+        on the GPUs its container sees)."""
         return await self.create_lease(
             kind="notebook", request=request, limit=limit, client=client, kernel_id=kernel_id,
             name=name, compute_request=compute_request, compute_limit=compute_limit,
+            devices=devices, logical_gpus=logical_gpus, reachable_gpus=reachable_gpus,
         )
 
     async def directives(

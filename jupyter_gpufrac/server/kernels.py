@@ -11,6 +11,7 @@ from typing import Any
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
 from jupyter_gpufrac.server.launch import lease_gpus, resolve_share
+from jupyter_gpufrac.server.podinfo import cluster_gpus, reachable_gpus, read_podinfo
 from jupyter_gpufrac.server.settings import KernelSettings
 from node_agent.quantities import Quantity, format_bytes
 
@@ -201,7 +202,8 @@ class KernelGpu:
                     f"without a GPU lease ({err}). Start one with `{settings.agent_command}`; "
                     "the kernel gets a GPU share as soon as it answers."
                 )
-            elif err.status in (400, 422) and err.field in ("request", "limit", "devices"):
+            elif err.status in (400, 422) and err.field in ("request", "limit", "devices",
+                                                             "logical_gpus", "reachable_gpus"):
                 raise GpuFracConfigError(
                     f"GPU {err.field} for kernel {self.kernel_id} was refused by the agent: "
                     f"{err.message}"
@@ -321,9 +323,12 @@ class KernelGpu:
 
     async def _create_lease(self, link: AgentLink, settings: KernelSettings,
                             env: Mapping[str, str]) -> dict[str, Any]:
+        # On Kubernetes: KAI's share for the pod, and its plan (the GPUs it gave the pod).
+        pod = read_podinfo(os.environ)
+        planned = cluster_gpus(os.environ) if pod is not None else None
         share = resolve_share(
             self.metadata, settings.last_request(), os.environ, settings.default_request,
-            settings.default_limit,
+            settings.default_limit, pod.share() if pod is not None else None,
         )
         totals = [int(gpu["memory_total"]) for gpu in self.gpus.values() if gpu.get("memory_total")]
         limit = share.effective_limit(min(totals) if totals else None)
@@ -346,6 +351,9 @@ class KernelGpu:
             name=env.get("JPY_SESSION_NAME", ""),
             compute_request=wire(share.compute_request),
             compute_limit=wire(share.compute_limit),
+            devices=len(planned) if planned else 1,
+            logical_gpus=planned,
+            reachable_gpus=reachable_gpus(os.environ, planned) if pod is not None else None,
         )
         self.asked_share = (str(lease.get("request_spec")), lease.get("limit_spec"))
         return lease

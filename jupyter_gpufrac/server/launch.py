@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.podinfo import PodShare
 from node_agent.caps import framework_caps
 from node_agent.quantities import Quantity, QuantityError, parse_kai_gpu_memory, parse_quantity
 
@@ -104,11 +105,13 @@ def resolve_share(
     environ: Mapping[str, str],
     default_request: str,
     default_limit: str,
+    pod: PodShare | None = None,
 ) -> ShareSpec:
     """Pick request and limit for a new kernel's lease.
 
     Sources, first that says wins: the kernelspec's ``metadata.gpufrac``, the user's last
-    ``%gpu request``, ``c.GpuFrac``; the environment's ``RUNAI_GPU_MEMORY_LIMIT`` is a limit.
+    ``%gpu request``, the share KAI gave the pod (its annotations), ``c.GpuFrac``; the
+    environment's ``RUNAI_GPU_MEMORY_LIMIT`` is a limit.
     Every value is checked here so that a typo names its source (raises QuantityError).
     """
     gpufrac = (kernelspec_metadata or {}).get("gpufrac") or {}
@@ -123,6 +126,7 @@ def resolve_share(
         (contract.SOURCE_KERNELSPEC, spec_request, spec_limit),
         (contract.SOURCE_REMEMBERED, _optional(last.get("request"), "%gpu request"),
          _optional(last.get("limit"), "%gpu request --limit")),
+        *([(pod.source, pod.request, pod.limit)] if pod is not None else []),
         (contract.SOURCE_CONFIG,
          parse_quantity(default_request or DEFAULT_REQUEST, "c.GpuFrac.default_request"),
          _optional(default_limit or None, "c.GpuFrac.default_limit")),

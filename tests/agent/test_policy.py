@@ -613,3 +613,67 @@ def test_a_gpu_held_by_a_whole_gpu_job_says_so() -> None:
     assert policy.shortfalls(devices, leases, 2 * GB, policy.Rules(max_per_gpu=1)) == [
         policy.Shortfall("GPU-0", 0, 0, True, "j"), policy.Shortfall("GPU-1", 1, 2 * GB, True, None)]
     assert policy.shortfalls(devices, leases, 2 * GB) == [policy.Shortfall("GPU-0", 0, 0, False, "j")]
+
+
+@st.composite
+def pods_arrive(draw: st.DrawFn) -> tuple[policy.Rules, list[Device], list[Placement], dict[str, int]]:
+    """A node as the agent left it, some leases fixed by the cluster or seeing only some GPUs,
+    and a pod the kubelet gave one or more GPUs whole."""
+    rules, devices, leases = draw(placed_under_rules())
+    uuids = [d.uuid for d in devices]
+    leases = [replace(p, fixed=draw(st.booleans()) and p.kind == NOTEBOOK,
+                      reach=tuple(draw(st.sets(st.sampled_from(uuids))) | set(p.logical)
+                                  | set(p.physical)) if draw(st.booleans()) else ())
+              for p in leases]
+    pinned = draw(st.sets(st.sampled_from(uuids), min_size=1, max_size=len(uuids)))
+    return rules, devices, leases, {u: devices[0].total for u in sorted(pinned)}
+
+
+@given(pods_arrive())
+@settings(max_examples=300)
+def test_a_pod_s_gpus_are_emptied_of_every_notebook_that_has_somewhere_to_go(
+    case: tuple[policy.Rules, list[Device], list[Placement], dict[str, int]]
+) -> None:
+    rules, devices, leases, pinned = case
+    plan = policy.plan_evacuation(devices, leases, pinned, rules)
+    by_id = {p.id: p for p in leases}
+    moves = {m.lease_id: m for m in plan.moves}
+    for lease_id, logical in plan.relocated.items():
+        p = by_id[lease_id]
+        # Only notebooks the agent planned on a pinned GPU are re-planned, within their reach.
+        assert p.kind == NOTEBOOK and not p.fixed and set(p.logical) & set(pinned)
+        assert not set(logical) & set(pinned) and len(logical) == p.devices
+        assert not p.reach or set(logical) <= set(p.reach)
+    for m in plan.moves:
+        p = by_id[m.lease_id]
+        # A move leaves a pinned GPU for the notebook's (new) logical GPU, never another.
+        assert p.kind == NOTEBOOK and set(m.from_gpus) == set(p.physical)
+        assert m.to_gpus == plan.relocated.get(p.id, p.logical)
+        assert not set(m.to_gpus) & set(pinned)
+    # After the moves, a notebook still on a pinned GPU is stranded, and said to be.
+    for p in leases:
+        if p.kind == NOTEBOOK and set(p.physical) & set(pinned) and p.id not in moves:
+            assert p.id in plan.stranded
+    assert set(plan.stranded).isdisjoint(moves)
+    # Re-planning never over-promises: the logical plan off the pod's GPUs stays in capacity.
+    after = [replace(p, logical=plan.relocated.get(p.id, p.logical)) for p in leases]
+    before_load = policy.logical_load(leases)
+    load = policy.logical_load(after)
+    for d in devices:
+        if d.uuid not in pinned and load.get(d.uuid, 0) > before_load.get(d.uuid, 0):
+            assert load[d.uuid] <= d.total
+
+
+def test_a_notebook_whose_logical_gpu_a_pod_takes_is_planned_anew_and_moves() -> None:
+    devices = [Device("GPU-0", 0, 16 * GB), Device("GPU-1", 1, 16 * GB)]
+    leases = [Placement("nb", NOTEBOOK, 4 * GB, ("GPU-0",), ("GPU-0",), 1 * GB)]
+    plan = policy.plan_evacuation(devices, leases, {"GPU-0": 16 * GB})
+    assert plan.relocated == {"nb": ("GPU-1",)} and plan.stranded == ()
+    assert plan.moves == [policy.Move("nb", ("GPU-0",), ("GPU-1",), 1 * GB)]
+    # The cluster planned it there (KAI's plan and the kubelet disagree): it stays, said so.
+    fixed = [replace(leases[0], fixed=True)]
+    assert policy.plan_evacuation(devices, fixed, {"GPU-0": 16 * GB}) == policy.Evacuation(
+        {}, [], ("nb",))
+    # It cannot see GPU 1: nowhere to go.
+    blind = [replace(leases[0], reach=("GPU-0",))]
+    assert policy.plan_evacuation(devices, blind, {"GPU-0": 16 * GB}).stranded == ("nb",)
