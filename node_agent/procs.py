@@ -98,7 +98,7 @@ def as_seen_here(caller: int, pid: int) -> int | None:
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             here = int(entry.name)
-            if _innermost_pid(here) == pid and pid_namespace(here) == theirs:
+            if pid_namespace(here) == theirs and _innermost_pid(here) == pid:
                 return here
     return None
 

@@ -219,6 +219,8 @@ class Agent:
         self._ticked = 0.0
         self._judged = 0.0
         self._woken = asyncio.Event()
+        # Pod containers holding GPUs this agent does not see (said once each).
+        self._unseen_pods: set[str] = set()
 
     # --- life cycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -449,6 +451,7 @@ class Agent:
         """Job leases for the containers the kubelet gave whole GPUs (by ``namespace/pod/
         container``): pinned to exactly those GPUs when they appear, with the notebooks there
         moved off; released when they are gone."""
+        self._unseen_pods &= set(claims)
         held = {lease.name: lease for lease in self.ledger.leases.values()
                 if lease.planned_by == KUBELET}
         for key, lease in held.items():
@@ -466,9 +469,12 @@ class Agent:
     def _pin(self, claim: WholeGpus) -> None:
         gpus = [self.gpu(uuid) for uuid in claim.gpus]
         if any(gpu is None for gpu in gpus):
-            log.warning("pod container %s holds %s, not all GPUs this agent sees (%s)", claim.key,
-                        ", ".join(claim.gpus), ", ".join(g.uuid for g in self.gpus))
+            if claim.key not in self._unseen_pods:  # said once, not at every look
+                log.warning("pod container %s holds %s, not all GPUs this agent sees (%s)",
+                            claim.key, ", ".join(claim.gpus), ", ".join(g.uuid for g in self.gpus))
+            self._unseen_pods.add(claim.key)
             return
+        self._unseen_pods.discard(claim.key)
         size = min(gpu.memory_usable for gpu in gpus if gpu is not None)
         labels = self._labels(claim.gpus)
         evacuation = policy.plan_evacuation(self.devices(), self.planning_view(),
@@ -477,8 +483,7 @@ class Agent:
         reason = f"pod container {claim.key} holds {labels} whole (from the kubelet)"
         if evacuation.stranded:
             reason += (f"; {len(evacuation.stranded)} notebook(s) there have nowhere else to go "
-                       "and give their memory back as the pod needs it: "
-                       + ", ".join(evacuation.stranded))
+                       "and are asked to park: " + ", ".join(evacuation.stranded))
         lease = Lease(
             id="l-" + secrets.token_hex(6), kind=policy.JOB, owner_uid=0, client=KUBELET,
             name=claim.key, request=size, limit=size, request_spec="1", limit_spec="1",
@@ -492,6 +497,16 @@ class Agent:
                 self.ledger.update(lease_id, logical=logical)
             self._start_moves(evacuation.moves, f"make room for pod container {claim.key}, "
                                                 f"which the cluster gave {labels}")
+            # No GPU it can reach has room: parked, its kernel keeps its variables in host
+            # memory and its next cell waits for a GPU (a kernel without the hook, or in a
+            # cell, stays, and is reclaimed from as the pod needs its memory).
+            for stranded in evacuation.stranded:
+                stuck = self.ledger.leases[stranded]
+                if stuck.state in ("active", "shrinking"):
+                    self._directive(
+                        stuck, "park", f"pod container {claim.key} was given {labels}, where it "
+                        "ran, and no other GPU it can reach has room for it",
+                        gpu=stuck.physical[0], request=stuck.request, limit=stuck.limit)
         log.info("lease %s: %s; %d notebook(s) move off", lease.id, reason, len(evacuation.moves))
 
     # --- views -----------------------------------------------------------------------
@@ -629,13 +644,17 @@ class Agent:
         return req, lim
 
     def _check_gpus(self, ask: CreateLease) -> None:
-        """The GPUs a lease names are this node's, healthy, and its logical ones reachable."""
+        """The GPUs a lease names are this node's, its logical ones healthy and reachable."""
         for name, uuids in (("reachable_gpus", ask.reach), ("logical_gpus", ask.logical or ())):
             for uuid in uuids:
                 gpu = self.gpu(uuid)
-                if gpu is None or not gpu.healthy:
-                    known = ", ".join(g.uuid for g in self.gpus if g.healthy)
-                    raise Refused(name, f"{uuid} is not a healthy GPU of this node; it has {known}")
+                if gpu is None:
+                    known = ", ".join(g.uuid for g in self.gpus)
+                    raise Refused(name, f"{uuid} is not a GPU of this node; it has {known}")
+                if name == "logical_gpus" and not gpu.healthy:
+                    # Not the caller's mistake: the lease waits, as for room.
+                    raise Conflict(name, f"the cluster's plan puts it on {self.gpu_label(uuid)}, "
+                                         f"which is not usable now: {gpu.error}")
         if ask.logical is not None:
             if len(ask.logical) != ask.devices:
                 raise Refused("logical_gpus", f"expected {ask.devices} GPU(s), one per device, "

@@ -325,7 +325,7 @@ class KernelGpu:
                             env: Mapping[str, str]) -> dict[str, Any]:
         # On Kubernetes: KAI's share for the pod, and its plan (the GPUs it gave the pod).
         pod = read_podinfo(os.environ)
-        planned = cluster_gpus(os.environ) if pod is not None else None
+        planned = cluster_gpus(os.environ, pod) if pod is not None else None
         share = resolve_share(
             self.metadata, settings.last_request(), os.environ, settings.default_request,
             settings.default_limit, pod.share() if pod is not None else None,

@@ -15,8 +15,10 @@ FRACTION = "gpu-fraction"
 MEMORY = "gpu-memory"
 DEVICES = "gpu-fraction-num-devices"
 FRACTION_CONTAINER = "gpu-fraction-container-name"
-# KAI's per-container form: nvidia.com/container.<name>.gpu-memory.request / .limit
+# KAI's per-container form: nvidia.com/container.<name>.gpu-memory.request / .limit, and the
+# devices it granted the container.
 CONTAINER_MEMORY = "nvidia.com/container.{container}.gpu-memory.{which}"
+CONTAINER_DEVICES = "nvidia.com/container.{container}.gpus.devices"
 # What KAI's binder (and the device plugin) set: the GPUs the container was given.
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 
@@ -149,12 +151,15 @@ def _unquote(quoted: str, number: int) -> str:
     return out.decode("utf-8", "replace")
 
 
-def cluster_gpus(environ: Mapping[str, str]) -> tuple[str, ...] | None:
-    """The GPUs the cluster gave the container (``NVIDIA_VISIBLE_DEVICES``), when it names them
-    by UUID, plain or as CDI devices (``k8s.device-plugin.nvidia.com/gpu=GPU-…``); None when it
-    names none, all, or indexes (no plan to take)."""
-    value = environ.get(VISIBLE_DEVICES, "").strip()
-    uuids = tuple(u.rpartition("=")[2].strip() for u in value.split(",") if u.strip())
+def cluster_gpus(environ: Mapping[str, str], pod: PodInfo | None = None) -> tuple[str, ...] | None:
+    """The GPUs the cluster gave the container: KAI's per-container ``gpus.devices`` annotation,
+    else ``NVIDIA_VISIBLE_DEVICES``, when they name them by UUID, plain or as CDI devices
+    (``k8s.device-plugin.nvidia.com/gpu=GPU-…``); None when they name none, all, or indexes (no
+    plan to take)."""
+    value = environ.get(VISIBLE_DEVICES, "")
+    if pod is not None:
+        value = pod.annotations.get(CONTAINER_DEVICES.format(container=pod.container), value)
+    uuids = tuple(u.rpartition("=")[2].strip() for u in value.strip().split(",") if u.strip())
     if not uuids or not all(u.startswith("GPU-") for u in uuids):
         return None
     return uuids

@@ -323,3 +323,26 @@ def test_a_parked_notebook_keeps_the_clusters_plan(
     assert full.value.field == "logical_gpus"
     back = c.unpark(lease["id"])
     assert back["state"] == "active" and back["logical_gpus"] == [gpus[3]]
+
+
+def test_a_notebook_with_nowhere_to_go_is_asked_to_park(
+        k8s_agent: AgentProcess, kubelet: FakeKubelet, holders: Callable[..., Holder]) -> None:
+    c = k8s_agent.client()
+    gpus = [gpu["uuid"] for gpu in c.node()["gpus"]]
+    # Its container sees one GPU only: the one a whole-GPU pod is then given.
+    lease = c.create_lease(client="jupyter", request="1Gi", reachable_gpus=[gpus[2]],
+                           logical_gpus=[gpus[2]])
+    c.register_pid(lease["id"], holders().pid)
+    _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
+    kubelet.hold("team-d", "train", [gpus[2]])
+    found, _ = c.directives(client="jupyter", after=cursor, timeout=10, kinds=["migrate", "park"])
+    [park] = [d for d in found if d["kind"] == "park"]
+    assert park["lease_id"] == lease["id"] and "team-d/train/main" in park["reason"]
+    assert not [d for d in found if d["kind"] == "migrate"]
+    job = pods_leases(k8s_agent)["team-d/train/main"]
+    assert lease["id"] in job["reason"] and "park" in job["reason"]
+    # Parked, it holds nothing; it waits there (the cluster's plan) until the pod ends.
+    assert c.park(lease["id"])["physical_gpus"] == []
+    assert c.unpark(lease["id"])["state"] == "pending"
+    kubelet.end("train")
+    wait_for(lambda: c.lease(lease["id"])["state"] == "active", 10, "the notebook placed again")

@@ -106,6 +106,10 @@ def test_the_cluster_s_gpus_and_what_the_container_reaches(tmp_path: Path) -> No
     # Where the device plugin hands devices out by CDI name.
     cdi = f"k8s.device-plugin.nvidia.com/gpu={a},k8s.device-plugin.nvidia.com/gpu={b}"
     assert cluster_gpus({"NVIDIA_VISIBLE_DEVICES": cdi}) == (a, b)
+    # KAI's per-container annotation of the devices it granted comes first.
+    granted = pod({"nvidia.com/container.notebook.gpus.devices": b})
+    assert cluster_gpus({"NVIDIA_VISIBLE_DEVICES": a}, granted) == (b,)
+    assert cluster_gpus({"NVIDIA_VISIBLE_DEVICES": a}, pod({})) == (a,)
     for value in ("all", "none", "void", "0,1", ""):
         assert cluster_gpus({"NVIDIA_VISIBLE_DEVICES": value}) is None
     assert reachable_gpus({}, (a,)) == (a,)
