@@ -1,4 +1,5 @@
-"""Agent benchmark: placement latency through the socket, compaction decision time, agent CPU.
+"""Agent benchmark: placement latency through the socket, compaction decision time, agent CPU
+(also while it follows a kubelet, as on Kubernetes).
 
 Prints figures and ratios measured side by side in one run, then each against its goal
 (issue #11); medians, since machines are noisy.
@@ -17,6 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.kubelet import GPU, FakeKubelet
 from node_agent import policy
 from node_agent.client import AgentClient
 
@@ -136,13 +140,17 @@ def cpu_seconds(pid: int) -> float:
 
 
 def agent_cpu(churning: int, settle: float = 10.0, windows: int = 3,
-              window: float = 12.0) -> float:
+              window: float = 12.0, kubelet: FakeKubelet | None = None) -> float:
     """Median share of one core the agent uses at the default poll interval, with LEASES
-    leases whose processes live; ``churning`` of them change their usage all the time."""
+    leases whose processes live; ``churning`` of them change their usage all the time. With
+    ``kubelet``, the agent also follows it at its default interval."""
     what = f"{churning} of them changing usage" if churning else "idle node"
+    if kubelet is not None:
+        what += f", following a kubelet that lists {KUBELET_PODS} pods"
     print(f"== agent CPU at the default poll interval, {LEASES} leases with live processes "
           f"({what})")
-    with agent("--simulate", "8x80GiB") as (proc, c):
+    follow = ["--kubelet-socket", kubelet.socket_path] if kubelet is not None else []
+    with agent("--simulate", "8x80GiB", *follow) as (proc, c):
         children = [subprocess.Popen([sys.executable, "-c", CHURN], stdin=subprocess.PIPE)
                     for _ in range(churning)]
         children += [subprocess.Popen(["sleep", "600"]) for _ in range(LEASES - churning)]
@@ -169,21 +177,45 @@ def agent_cpu(churning: int, settle: float = 10.0, windows: int = 3,
                 child.wait()
 
 
+KUBELET_PODS = 200
+
+
+def listed_pods() -> list[dict[str, object]]:
+    """A busy node's list: pods with devices other than whole GPUs, and KAI's reservation pods
+    (which hold GPUs, and which the agent leaves alone): nothing for the agent to act on."""
+    pods: list[dict[str, object]] = [
+        {"namespace": f"team-{i % 7}", "name": f"pod-{i}", "containers": [
+            {"name": "main", "devices": {"example.com/nic": [f"nic{i % 4}"]}},
+            {"name": "sidecar", "devices": {}}]}
+        for i in range(KUBELET_PODS - 8)]
+    pods += [{"namespace": "kai-resource-reservation", "name": f"gpu-reservation-{i}",
+              "containers": [{"name": "resource-reservation", "devices": {GPU: [str(i)]}}]}
+             for i in range(8)]
+    return pods
+
+
 def main() -> None:
     ratio = placement_latency()
     compaction = compaction_decision()
     idle = agent_cpu(churning=0)
+    with tempfile.TemporaryDirectory() as d, FakeKubelet(Path(d) / "kubelet.sock") as kubelet:
+        kubelet.set_pods(listed_pods())
+        following = agent_cpu(churning=0, kubelet=kubelet)
+        print(f"   {kubelet.lists} looks at the kubelet")
     busy = agent_cpu(churning=16)
     print("== against the goals (figure / goal: at most 1.00 meets it)")
     rows = (
         ("agent CPU, idle node", f"{idle * 100:.3f} %", idle * 100 / 0.5, "0.5 %"),
         ("agent CPU, usage changing", f"{busy * 100:.3f} %", busy * 100 / 0.5, "0.5 %"),
+        ("agent CPU, idle, kubelet followed", f"{following * 100:.3f} %", following * 100 / 0.5,
+         "0.5 %"),
         ("compaction, 12 candidates", f"{compaction[12] * 1e3:.3f} ms", compaction[12] * 1e3,
          "1 ms"),
         ("placement p50 / GET /v1/node p50", f"{ratio:.2f}x", ratio / 1.2, "1.2x"),
     )
     for name, figure, share, goal in rows:
         print(f"   {name:34s} {figure:>10s}   goal <= {goal:6s} {share:5.2f}")
+    print(f"   idle following a kubelet / idle CPU: {following / idle:.2f}")
     print(f"   idle / changing CPU: {idle / busy:.2f}; compaction 16 / 12 / 8 candidates: "
           f"{compaction[16] / compaction[8]:.2f} / {compaction[12] / compaction[8]:.2f} / 1")
 

@@ -93,7 +93,9 @@ def as_seen_here(caller: int, pid: int) -> int | None:
     the caller's own namespace is searched: a pod cannot name a process of another.
     """
     theirs = pid_namespace(caller)
-    if theirs is None or theirs == pid_namespace("self"):
+    if theirs is None:
+        return None  # gone, or not ours to read: which process it means cannot be told
+    if theirs == pid_namespace("self"):
         return pid
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():

@@ -75,22 +75,38 @@ def container_devices(answer: bytes) -> list[ContainerDevices]:
     ]
 
 
-async def list_devices(socket_path: str, timeout: float = 5.0) -> list[ContainerDevices]:
-    """Ask the kubelet (``List``) which devices each container on the node holds."""
-    try:
-        import grpc
-        from grpc import aio
-    except ImportError as exc:  # the agent's Kubernetes mode is an extra
-        raise KubeletError("the kubelet's API needs grpcio: pip install 'jupyter-gpufrac[kubernetes]'"
-                           ) from exc
-    request = _classes()["ListPodResourcesRequest"]()
-    async with aio.insecure_channel(f"unix://{socket_path}") as channel:
-        call = channel.unary_unary(LIST_METHOD, request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=bytes)
+class PodResourcesClient:
+    """The kubelet's PodResources API on its socket, over one channel kept between calls
+    (gRPC reconnects it when the kubelet restarts)."""
+
+    def __init__(self, socket_path: str, timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self._channel: Any = None
+        self._list: Any = None
+
+    async def list_devices(self) -> list[ContainerDevices]:
+        """Which devices each container on the node holds (``List``)."""
         try:
-            answer = await call(request, timeout=timeout)
+            import grpc
+            from grpc import aio
+        except ImportError as exc:  # the agent's Kubernetes mode is an extra
+            raise KubeletError("the kubelet's API needs grpcio: pip install "
+                               "'jupyter-gpufrac[kubernetes]'") from exc
+        if self._channel is None:
+            self._channel = aio.insecure_channel(f"unix://{self.socket_path}")
+            self._list = self._channel.unary_unary(
+                LIST_METHOD, request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=bytes)
+        try:
+            answer = await self._list(_classes()["ListPodResourcesRequest"](), timeout=self.timeout)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            raise KubeletError(f"PodResources List on {socket_path}: {code}: {details}") from exc
-    return container_devices(answer)
+            raise KubeletError(f"PodResources List on {self.socket_path}: {code}: {details}") from exc
+        return container_devices(answer)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._list = None

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 
 from node_agent.kubelet.claims import RESERVATION_NAMESPACES, whole_gpu_claims
-from node_agent.kubelet.podresources import KubeletError, list_devices
+from node_agent.kubelet.podresources import KubeletError, PodResourcesClient
 from node_agent.service import Agent
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ class KubeletWatch:
                  interval: float, reservations: Sequence[str] = RESERVATION_NAMESPACES) -> None:
         self.agent = agent
         self.socket_path = socket_path
+        self.kubelet = PodResourcesClient(socket_path)
         self.resources = tuple(resources)
         self.reservations = tuple(reservations)
         self.interval = interval
@@ -36,7 +37,7 @@ class KubeletWatch:
     async def poll_once(self) -> bool:
         """One look; whether the kubelet answered."""
         try:
-            listed = await list_devices(self.socket_path)
+            listed = await self.kubelet.list_devices()
         except KubeletError as exc:
             if self.failing is None:
                 log.warning("cannot ask the kubelet (%s); pods' leases stay as they are until it "
@@ -66,6 +67,7 @@ class KubeletWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self.kubelet.close()
 
     async def _run(self) -> None:
         while True:

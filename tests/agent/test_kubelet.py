@@ -17,7 +17,7 @@ from harness.agent import AgentProcess, wait_for
 from harness.kubelet import GPU, FakeKubelet, compiled
 from node_agent.client import AgentError
 from node_agent.kubelet.cgroups import PodContainer, containers_by_id, pod_of_cgroup
-from node_agent.kubelet.podresources import KubeletError, container_devices, list_devices
+from node_agent.kubelet.podresources import KubeletError, PodResourcesClient, container_devices
 from tests.agent.conftest import Holder
 
 
@@ -58,8 +58,15 @@ def test_the_agent_reads_what_protoc_serialises() -> None:
 
 
 def test_a_missing_kubelet_is_an_error_that_says_where(tmp_path: Path) -> None:
+    async def ask() -> None:
+        client = PodResourcesClient(str(tmp_path / "none.sock"), timeout=2)
+        try:
+            await client.list_devices()
+        finally:
+            await client.close()
+
     with pytest.raises(KubeletError, match=str(tmp_path / "none.sock")):
-        asyncio.run(list_devices(str(tmp_path / "none.sock"), timeout=2))
+        asyncio.run(ask())
 
 
 def test_a_pod_on_a_notebooks_gpu_moves_the_notebook_home(
