@@ -552,8 +552,11 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
 
                 kubelet = KubeletWatch(agent, self.kubelet_socket, self.gpu_resource,
                                        self.kubelet_interval, self.reservation_namespace)
-                await kubelet.poll_once()
+                await kubelet.look()
                 kubelet.start()
+            else:
+                # Pods' leases live only while a kubelet is followed: nobody would end them.
+                agent.sync_cluster({})
             app = make_app(agent, admin_gid, token)
             server = listen_unix(app, socket_path)
             if tcp:

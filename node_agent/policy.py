@@ -373,7 +373,8 @@ def plan_compaction(
 class Evacuation:
     """Room on GPUs the cluster gave a pod whole: the notebooks whose logical GPU was there and
     where the plan puts them now (id -> logical GPUs), the moves that empty those GPUs, and the
-    notebooks that stay for want of room elsewhere (reclaim takes their memory back)."""
+    notebooks that still run there afterwards (no room elsewhere, or planned there by the
+    cluster)."""
 
     relocated: Mapping[str, tuple[str, ...]]
     moves: list[Move]
@@ -393,43 +394,48 @@ def plan_evacuation(devices: Sequence[Device], leases: Sequence[Placement],
     others = [d for d in devices if d.uuid not in pinned]
     placed: dict[str, Placement] = {p.id: p for p in leases}
     relocated: dict[str, tuple[str, ...]] = {}
-    stranded: list[str] = []
+    unplaced: list[str] = []  # displaced, with no room to be planned anywhere else
     displaced = sorted((p for p in leases if p.kind == NOTEBOOK and set(p.logical) & set(pinned)),
                        key=lambda p: (-p.request, p.id))
     for p in displaced:
-        rest = [q for q in placed.values() if q.id != p.id and q.id not in stranded]
+        rest = [q for q in placed.values() if q.id != p.id and q.id not in unplaced]
         reachable = [d for d in others if not p.reach or d.uuid in p.reach]
         # A plan the cluster made is not ours to change.
         logical = None if p.fixed else plan_logical(reachable, rest, p.request, p.devices, rules)
         if logical is None:
-            stranded.append(p.id)
+            unplaced.append(p.id)
             continue
         relocated[p.id] = logical
         placed[p.id] = replace(p, logical=logical)
-    # Only what runs on a pinned GPU need move; a stranded notebook is left where it runs.
-    planned = [p for p in placed.values() if p.id not in stranded]
-    held = [replace(placed[i], logical=placed[i].physical) for i in stranded]
+    # Only what runs on a pinned GPU need move; one that could not be planned stays where it runs.
+    planned = [p for p in placed.values() if p.id not in unplaced]
+    held = [replace(placed[i], logical=placed[i].physical) for i in unplaced]
     moves = plan_compaction(devices, [*planned, *held], pinned, rules)
     if moves is None:
-        # Not all of it fits: move those that have room at home, one by one.
+        # Not all of it fits: move, one by one, those that have room at home beside everything
+        # that runs (the stranded included) within the rules.
         moves = []
-        running = {p.id: p for p in planned}
+        running = {p.id: p for p in [*planned, *held]}
         for p in sorted(planned, key=lambda p: p.id):
             if (set(p.physical) & set(pinned) and not set(p.logical) & set(pinned)
-                    and _room_at_home(devices, list(running.values()), p)):
+                    and _room_at_home(devices, list(running.values()), p, rules)):
                 moves.append(Move(p.id, p.physical, p.logical, p.usage * p.devices))
                 running[p.id] = replace(p, physical=p.logical)
     moving = {m.lease_id for m in moves}
-    stranded += [p.id for p in planned if set(p.physical) & set(pinned) and p.id not in moving
-                 and p.id not in stranded]
+    stranded = [p.id for p in [*planned, *held] if p.kind == NOTEBOOK and p.id not in moving
+                and set(p.physical) & set(pinned)]
     return Evacuation(relocated, moves, tuple(sorted(stranded)))
 
 
-def _room_at_home(devices: Sequence[Device], leases: Sequence[Placement], p: Placement) -> bool:
-    """Whether ``p`` fits on its logical GPUs where leases run now."""
+def _room_at_home(devices: Sequence[Device], leases: Sequence[Placement], p: Placement,
+                  rules: Rules) -> bool:
+    """Whether ``p`` fits on its logical GPUs where ``leases`` run now, within the rules."""
     capacity = {d.uuid: d.total for d in devices if d.healthy}
-    running = physical_load(q for q in leases if q.id != p.id)
-    return all(running.get(u, 0) + p.request <= capacity.get(u, 0) for u in p.logical)
+    others = [q for q in leases if q.id != p.id]
+    running, count = physical_load(others), physical_count(others)
+    return all(running.get(u, 0) + p.request <= capacity.get(u, 0)
+               and (rules.max_per_gpu is None or count.get(u, 0) < rules.max_per_gpu)
+               for u in p.logical)
 
 
 def reclaim_order(

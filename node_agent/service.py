@@ -219,8 +219,10 @@ class Agent:
         self._ticked = 0.0
         self._judged = 0.0
         self._woken = asyncio.Event()
-        # Pod containers holding GPUs this agent does not see (said once each).
-        self._unseen_pods: set[str] = set()
+        # (pod container, GPU) the kubelet lists that this agent does not see (said once each),
+        # and notebooks on pods' GPUs asked to park, once each.
+        self._unseen_pods: set[tuple[str, str]] = set()
+        self._parks_asked: set[str] = set()
 
     # --- life cycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -351,8 +353,9 @@ class Agent:
             found = members.get(lease.id, {})
             registered = {pid for pid, _ in lease.pids}
             started = {p for pids in found.values() for p in pids} - registered
-            # Pinned by start time when seen: a kill later never hits a reused pid.
-            self._children[lease.id] = [
+            # Pinned by start time when seen: a kill later never hits a reused pid. A pod's
+            # processes are never the agent's to stop.
+            self._children[lease.id] = [] if lease.planned_by == KUBELET else [
                 (ident.pid, ident.start_time) for pid in sorted(started)
                 if (ident := self._procs.identify(pid)) is not None
                 and ident.uid == lease.owner_uid]
@@ -448,66 +451,114 @@ class Agent:
 
     # --- the cluster's pods (Kubernetes) ---------------------------------------------------
     def sync_cluster(self, claims: Mapping[str, WholeGpus]) -> None:
-        """Job leases for the containers the kubelet gave whole GPUs (by ``namespace/pod/
-        container``): pinned to exactly those GPUs when they appear, with the notebooks there
-        moved off; released when they are gone."""
-        self._unseen_pods &= set(claims)
-        held = {lease.name: lease for lease in self.ledger.leases.values()
+        """A job lease for every GPU a container was given whole (``claims`` by ``namespace/
+        pod/container``, from the kubelet), pinned there while the container holds it and
+        released when it no longer does; then the notebooks running on those GPUs are moved
+        off, or asked to park where no GPU they can reach has room."""
+        wanted = {(key, uuid): claim for key, claim in claims.items() for uuid in claim.gpus}
+        held = {(lease.name, lease.logical[0]): lease for lease in self.ledger.leases.values()
                 if lease.planned_by == KUBELET}
-        for key, lease in held.items():
-            claim = claims.get(key)
-            if claim is None or set(claim.gpus) != set(lease.logical):
+        for (key, uuid), lease in held.items():
+            if (key, uuid) not in wanted:
                 log.info("lease %s: pod container %s no longer holds %s, released", lease.id, key,
-                         self._labels(lease.logical))
+                         self.gpu_label(uuid))
                 self._wake()
                 self._release(lease)
-        for key, claim in claims.items():
-            if key not in held or set(claim.gpus) != set(held[key].logical):
-                self._wake()
-                self._pin(claim)
+        new = [(uuid, claim) for (key, uuid), claim in wanted.items() if (key, uuid) not in held]
+        unseen = {(claim.key, uuid) for uuid, claim in new if self.gpu(uuid) is None}
+        for key, uuid in sorted(unseen - self._unseen_pods):  # said once, not at every look
+            log.warning("pod container %s holds %s, which is no GPU this agent sees (%s)", key,
+                        uuid, ", ".join(g.uuid for g in self.gpus))
+        self._unseen_pods = unseen
+        pinned = [(uuid, claim) for uuid, claim in new if (claim.key, uuid) not in unseen]
+        if pinned:
+            self._wake()
+            now = time.time()
+            with self.ledger.transaction():
+                for uuid, claim in pinned:
+                    size = self.gpu(uuid).memory_usable  # type: ignore[union-attr]
+                    self.ledger.insert(Lease(
+                        id="l-" + secrets.token_hex(6), kind=policy.JOB, owner_uid=0,
+                        client=KUBELET, name=claim.key, request=size, limit=size,
+                        request_spec="1", limit_spec="1", logical=(uuid,), physical=(uuid,),
+                        state="active", created=now, updated=now, planned_by=KUBELET,
+                        reason=f"pod container {claim.key} holds {self.gpu_label(uuid)} whole "
+                               "(from the kubelet)",
+                        pod=(claim.namespace, claim.pod, claim.container)))
+                    log.info("pod container %s holds %s whole: a job lease pinned there",
+                             claim.key, self.gpu_label(uuid))
+        self._evacuate()
 
-    def _pin(self, claim: WholeGpus) -> None:
-        gpus = [self.gpu(uuid) for uuid in claim.gpus]
-        if any(gpu is None for gpu in gpus):
-            if claim.key not in self._unseen_pods:  # said once, not at every look
-                log.warning("pod container %s holds %s, not all GPUs this agent sees (%s)",
-                            claim.key, ", ".join(claim.gpus), ", ".join(g.uuid for g in self.gpus))
-            self._unseen_pods.add(claim.key)
+    def _pods_gpus(self) -> dict[str, Lease]:
+        """GPU -> the lease of the pod container the cluster gave it whole."""
+        return {uuid: lease for lease in self.ledger.leases.values()
+                if lease.planned_by == KUBELET for uuid in lease.physical}
+
+    def _evacuate(self) -> None:
+        """Move notebooks off the GPUs pods hold, re-place what waits for one of them, and ask
+        a notebook with nowhere to go to park (once): its guarantee is void there, and reclaim
+        takes what it holds as the pod needs it."""
+        pods = self._pods_gpus()
+        leases = self.ledger.leases
+        if not pods:
+            self._parks_asked.clear()
             return
-        self._unseen_pods.discard(claim.key)
-        size = min(gpu.memory_usable for gpu in gpus if gpu is not None)
-        labels = self._labels(claim.gpus)
-        evacuation = policy.plan_evacuation(self.devices(), self.planning_view(),
-                                            dict.fromkeys(claim.gpus, size), self.config.rules)
-        now = time.time()
-        reason = f"pod container {claim.key} holds {labels} whole (from the kubelet)"
-        if evacuation.stranded:
-            reason += (f"; {len(evacuation.stranded)} notebook(s) there have nowhere else to go "
-                       "and are asked to park: " + ", ".join(evacuation.stranded))
-        lease = Lease(
-            id="l-" + secrets.token_hex(6), kind=policy.JOB, owner_uid=0, client=KUBELET,
-            name=claim.key, request=size, limit=size, request_spec="1", limit_spec="1",
-            logical=claim.gpus, physical=claim.gpus, state="active", created=now, updated=now,
-            reason=reason, devices=len(claim.gpus), planned_by=KUBELET,
-            pod=(claim.namespace, claim.pod, claim.container),
-        )
+        for lease in list(leases.values()):
+            if (lease.state == "pending" and not lease.planned_by
+                    and set(lease.physical) & set(pods)):
+                self._place_again(lease, pods)
+        running = [lease for lease in leases.values() if lease.planned_by != KUBELET
+                   and lease.state in ("active", "shrinking") and set(lease.physical) & set(pods)]
+        self._parks_asked &= {lease.id for lease in running}
+        if not running:
+            return
+        # Only what runs may move: a lease on its way, waiting or stopped stays put here.
+        others = [p if leases[p.id].state in ("active", "shrinking")
+                  else replace(p, logical=p.physical, fixed=True)
+                  for p in self.planning_view() if leases[p.id].planned_by != KUBELET]
+        plan = policy.plan_evacuation(self.devices(), others,
+                                      {uuid: pod.request for uuid, pod in pods.items()},
+                                      self.config.rules)
+        to_park = [leases[i] for i in plan.stranded if i not in self._parks_asked
+                   and leases[i].state in ("active", "shrinking")]
+        if not plan.moves and not to_park:
+            return
+        self._wake()
         with self.ledger.transaction():
-            self.ledger.insert(lease)
-            for lease_id, logical in evacuation.relocated.items():
+            for lease_id, logical in plan.relocated.items():
                 self.ledger.update(lease_id, logical=logical)
-            self._start_moves(evacuation.moves, f"make room for pod container {claim.key}, "
-                                                f"which the cluster gave {labels}")
-            # No GPU it can reach has room: parked, its kernel keeps its variables in host
-            # memory and its next cell waits for a GPU (a kernel without the hook, or in a
-            # cell, stays, and is reclaimed from as the pod needs its memory).
-            for stranded in evacuation.stranded:
-                stuck = self.ledger.leases[stranded]
-                if stuck.state in ("active", "shrinking"):
-                    self._directive(
-                        stuck, "park", f"pod container {claim.key} was given {labels}, where it "
-                        "ran, and no other GPU it can reach has room for it",
-                        gpu=stuck.physical[0], request=stuck.request, limit=stuck.limit)
-        log.info("lease %s: %s; %d notebook(s) move off", lease.id, reason, len(evacuation.moves))
+            for move in plan.moves:
+                pod = pods[next(u for u in move.from_gpus if u in pods)]
+                self._start_moves([move], f"make room for pod container {pod.name}, which the "
+                                          f"cluster gave {self.gpu_label(pod.physical[0])}")
+            for stuck in to_park:
+                self._parks_asked.add(stuck.id)
+                pod = pods[next(u for u in stuck.physical if u in pods)]
+                self._directive(
+                    stuck, "park", f"pod container {pod.name} was given "
+                    f"{self.gpu_label(pod.physical[0])}, where it runs, and no other GPU it can "
+                    "reach has room for it", gpu=stuck.physical[0], request=stuck.request,
+                    limit=stuck.limit)
+        log.info("pods' GPUs: %d move(s) off, %d notebook(s) asked to park", len(plan.moves),
+                 len(to_park))
+
+    def _place_again(self, lease: Lease, pods: Mapping[str, Lease]) -> None:
+        """A lease waiting on a GPU a pod was then given: placed anew, or waiting, saying why."""
+        try:
+            logical, physical, moves = self._place(lease.kind, lease.request, lease.limit,
+                                                   lease.devices, self.planning_view(lease.id),
+                                                   **self._kept_plan(lease))
+        except Conflict as exc:
+            pod = pods[next(u for u in lease.physical if u in pods)]
+            reason = f"waiting: pod container {pod.name} was given its GPU; {exc.message}"
+            if lease.reason != reason:
+                self.ledger.update(lease.id, reason=reason)
+            return
+        self._wake()
+        with self.ledger.transaction():
+            self.ledger.update(lease.id, logical=logical, physical=physical,
+                               reason=self._waiting_reason(moves) if moves else "placed")
+            self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
 
     # --- views -----------------------------------------------------------------------
     def _context(self, gpu: GpuInfo) -> int:
@@ -655,6 +706,9 @@ class Agent:
                     # Not the caller's mistake: the lease waits, as for room.
                     raise Conflict(name, f"the cluster's plan puts it on {self.gpu_label(uuid)}, "
                                          f"which is not usable now: {gpu.error}")
+        if ask.reach and len(ask.reach) < ask.devices:
+            raise Refused("reachable_gpus", f"names {len(ask.reach)} GPU(s), fewer than the "
+                                            f"{ask.devices} asked for")
         if ask.logical is not None:
             if len(ask.logical) != ask.devices:
                 raise Refused("logical_gpus", f"expected {ask.devices} GPU(s), one per device, "
@@ -681,6 +735,8 @@ class Agent:
                     f"{format_bytes(req)} more in this node's plan (leases the cluster does not "
                     "know of hold it: gpufrac-agent status shows them)")
             return self._run_where(kind, req, lim, logical, others, reach)
+        # Planned only where its processes can run: it moves back there when room is needed.
+        devices = [d for d in devices if not reach or d.uuid in reach]
         logical = policy.plan_logical(devices, others, req, count, rules)
         if logical is None:
             if policy.plan_logical(devices, others, req, count) is not None:
@@ -1053,6 +1109,8 @@ class Agent:
         return f"{want // 2**30}Gi" if want % 2**30 == 0 else f"{want // 2**20}Mi"
 
     def _kill(self, lease: Lease, reason: str, cause: str) -> None:
+        if lease.planned_by == KUBELET:
+            return  # a pod's processes are the kubelet's, never the agent's to stop
         now = time.time()
         stops = self._reclaim_stops(lease, now) + (cause == "reclaim")
         if cause == "reclaim":
@@ -1066,11 +1124,19 @@ class Agent:
         if lease.state == "migrating":
             self.stats.move_ended(lease.id, cause)  # migrate_timeout: the move ends here
         where = lease.target if lease.state == "migrating" and lease.target else lease.physical
+        # Stopped on a GPU the cluster gave a pod: coming back there would be stopped again, so
+        # it comes back parked, and its next cell waits for a GPU with room.
+        state = ("parked" if lease.kind == policy.NOTEBOOK and set(where) & set(self._pods_gpus())
+                 else "killed")
+        parked = {"logical": lease.logical if lease.planned_by else (), "physical": (),
+                  "parked_at": now} if state == "parked" else {"physical": where}
         with self.ledger.transaction():
             self.ledger.add_kill(lease.id, now, cause)
             self.ledger.set_pids(lease.id, ())
-            lease = self.ledger.update(lease.id, state="killed", physical=where, target=(),
-                                       deadline=None, reason=reason)
+            lease = self.ledger.update(lease.id, state=state, target=(), deadline=None,
+                                       reason=reason, **parked)
+            if state == "parked":
+                self.stats.parked(lease.id)
             self._directive(lease, "killed", reason, cause=cause, pids=killed,
                             request=lease.request, limit=lease.limit, usage=lease.usage,
                             gpu=where[0], stops_in_window=stops,
@@ -1093,6 +1159,7 @@ class Agent:
         then leases above their limit; a shrink asked of any other lease is called off."""
         leases = self.ledger.leases
         owed: set[str] = set()
+        pods = self._pods_gpus()
         restoring = frozenset(
             lease.id for lease in leases.values()
             if lease.restore_until is not None and lease.restore_until > now
@@ -1103,8 +1170,9 @@ class Agent:
             gpu = self.gpu(uuid)
             if gpu is None or not gpu.healthy:
                 continue
+            pod = pods.get(gpu.uuid)
             on_gpu = [
-                lease.placement() for lease in leases.values()
+                self._guaranteed_here(lease, pod) for lease in leases.values()
                 if gpu.uuid in lease.physical and lease.state in ("active", "shrinking")
             ]
             device = policy.Device(gpu.uuid, gpu.index, gpu.memory_usable)
@@ -1113,17 +1181,31 @@ class Agent:
             # deficit: the owner's guarantee comes first.
             for r in policy.plan_reclaim(device, on_gpu, gpu.memory_used, headroom, restoring):
                 owed.add(r.lease_id)
-                self._climb(leases[r.lease_id], now, r)
+                self._climb(leases[r.lease_id], now, r, pod)
         for lease in list(leases.values()):
             # A pod's whole GPUs are its own: nothing of them is a loan, nor its to give back.
             if (lease.id not in owed and lease.state in ("active", "shrinking")
                     and lease.planned_by != KUBELET):
                 self._climb(lease, now, None)
 
-    def _climb(self, lease: Lease, now: float, owed: policy.Reclaim | None) -> None:
-        """Takes the ladder's next step for ``lease`` (``owed``: what reclaim wants of it here)."""
+    @staticmethod
+    def _guaranteed_here(lease: Lease, pod: Lease | None) -> policy.Placement:
+        """``lease`` as reclaim sees it on a GPU: on one the cluster gave a pod whole (``pod``),
+        nothing another lease holds there is guaranteed, and the pod never borrows."""
+        placement = lease.placement()
+        if pod is None:
+            return placement
+        if lease.id == pod.id:
+            return replace(placement, usage=min(placement.usage, placement.request))
+        return replace(placement, request=0)
+
+    def _climb(self, lease: Lease, now: float, owed: policy.Reclaim | None,
+               pod: Lease | None = None) -> None:
+        """Takes the ladder's next step for ``lease`` (``owed``: what reclaim wants of it here,
+        on a GPU given to ``pod`` whole, if any)."""
         enforce = self.config.enforce_limits
-        standing = policy.Standing(lease.usage, lease.request, lease.limit,
+        request = self._guaranteed_here(lease, pod).request if owed is not None else lease.request
+        standing = policy.Standing(lease.usage, request, lease.limit,
                                    lease.state == "shrinking", lease.deadline)
         step = policy.reclaim_step(
             standing, now, owed=owed is not None, grace=self.config.reclaim_grace,
@@ -1133,6 +1215,17 @@ class Agent:
             why = ("gave its loan back" if lease.usage <= lease.request
                    else "the owner no longer needs the memory")
             self.ledger.update(lease.id, state="active", deadline=None, reason=why)
+        elif step.cause == policy.RECLAIM and owed is not None and pod is not None:
+            where = (f"{self.gpu_label(owed.gpu)}, which the cluster gave pod container "
+                     f"{pod.name} whole: none of it is guaranteed there, and the pod needs "
+                     f"{format_bytes(owed.deficit)} more")
+            if step.action == policy.SHRINK:
+                self._ask_to_shrink(lease, f"using {format_bytes(lease.usage)} on {where}", step,
+                                    gpu=owed.gpu)
+            elif step.action == policy.KILL:
+                self._kill(lease, f"stopped and parked: it still held "
+                                  f"{format_bytes(lease.usage)} {grace} after being asked to give "
+                                  f"it back, on {where}", "reclaim")
         elif step.cause == policy.RECLAIM and owed is not None:
             wanted = (f"{format_bytes(owed.deficit)} owed to other notebooks on "
                       f"{self.gpu_label(owed.gpu)}")

@@ -109,9 +109,9 @@ def resolve_share(
 ) -> ShareSpec:
     """Pick request and limit for a new kernel's lease.
 
-    Sources, first that says wins: the kernelspec's ``metadata.gpufrac``, the user's last
-    ``%gpu request``, the share KAI gave the pod (its annotations), ``c.GpuFrac``; the
-    environment's ``RUNAI_GPU_MEMORY_LIMIT`` is a limit.
+    Sources, first that says wins: the kernelspec's ``metadata.gpufrac``, the share KAI gave
+    the pod (its annotations: the cluster's plan counts it there), the user's last ``%gpu
+    request``, ``c.GpuFrac``; the environment's ``RUNAI_GPU_MEMORY_LIMIT`` is a limit.
     Every value is checked here so that a typo names its source (raises QuantityError).
     """
     gpufrac = (kernelspec_metadata or {}).get("gpufrac") or {}
@@ -124,9 +124,9 @@ def resolve_share(
     # (source, request, limit), first wins; each parsed here so that a typo names its field.
     sources: list[tuple[str, Quantity | None, Quantity | None]] = [
         (contract.SOURCE_KERNELSPEC, spec_request, spec_limit),
+        *([(pod.source, pod.request, pod.limit)] if pod is not None else []),
         (contract.SOURCE_REMEMBERED, _optional(last.get("request"), "%gpu request"),
          _optional(last.get("limit"), "%gpu request --limit")),
-        *([(pod.source, pod.request, pod.limit)] if pod is not None else []),
         (contract.SOURCE_CONFIG,
          parse_quantity(default_request or DEFAULT_REQUEST, "c.GpuFrac.default_request"),
          _optional(default_limit or None, "c.GpuFrac.default_limit")),

@@ -143,7 +143,11 @@ def _unquote(quoted: str, number: int) -> str:
             i += 2
         elif width and re.fullmatch(f"[0-9a-fA-F]{{{width}}}", quoted[i + 2: i + 2 + width]):
             code = int(quoted[i + 2: i + 2 + width], 16)
-            out += bytes([code]) if kind == "x" else chr(code).encode()
+            try:
+                out += bytes([code]) if kind == "x" else chr(code).encode()
+            except (ValueError, OverflowError, UnicodeEncodeError):
+                raise QuantityError(contract.PODINFO, f"annotations line {number}: no character "
+                                    f"{quoted[i:i + 2 + width]!r}") from None
             i += 2 + width
         else:
             raise QuantityError(contract.PODINFO, f"annotations line {number}: bad escape "
@@ -159,7 +163,8 @@ def cluster_gpus(environ: Mapping[str, str], pod: PodInfo | None = None) -> tupl
     value = environ.get(VISIBLE_DEVICES, "")
     if pod is not None:
         value = pod.annotations.get(CONTAINER_DEVICES.format(container=pod.container), value)
-    uuids = tuple(u.rpartition("=")[2].strip() for u in value.strip().split(",") if u.strip())
+    uuids = tuple(dict.fromkeys(u.rpartition("=")[2].strip()
+                                for u in value.strip().split(",") if u.strip()))
     if not uuids or not all(u.startswith("GPU-") for u in uuids):
         return None
     return uuids

@@ -49,7 +49,7 @@ def whole_gpu_claims(listed: Iterable[ContainerDevices], resources: Iterable[str
         gpus: list[str] = []
         for device in entry.device_ids:
             uuid = device if device in uuids else (
-                index_to_uuid.get(int(device)) if device.isdigit() else None)
+                index_to_uuid.get(int(device)) if device.isascii() and device.isdigit() else None)
             if uuid is None:
                 unknown.append(device)
             elif uuid not in gpus:

@@ -94,7 +94,11 @@ class PodResourcesClient:
             raise KubeletError("the kubelet's API needs grpcio: pip install "
                                "'jupyter-gpufrac[kubernetes]'") from exc
         if self._channel is None:
-            self._channel = aio.insecure_channel(f"unix://{self.socket_path}")
+            # Reconnect soon after the kubelet is back: gRPC's default backoff grows to 2 min.
+            self._channel = aio.insecure_channel(
+                f"unix://{self.socket_path}",
+                options=[("grpc.initial_reconnect_backoff_ms", 500),
+                         ("grpc.max_reconnect_backoff_ms", 5000)])
             self._list = self._channel.unary_unary(
                 LIST_METHOD, request_serializer=lambda m: m.SerializeToString(),
                 response_deserializer=bytes)

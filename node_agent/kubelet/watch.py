@@ -31,6 +31,7 @@ class KubeletWatch:
         self.reservations = tuple(reservations)
         self.interval = interval
         self.failing: str | None = None
+        self._crashed: str | None = None  # the last unexpected error, logged once
         self._unknown: frozenset[str] = frozenset()
         self._task: asyncio.Task[None] | None = None
 
@@ -69,10 +70,19 @@ class KubeletWatch:
             self._task = None
         await self.kubelet.close()
 
+    async def look(self) -> None:
+        """:meth:`poll_once`, with an unexpected error logged (once while it repeats)."""
+        try:
+            await self.poll_once()
+        except Exception as exc:
+            if repr(exc) != self._crashed:
+                log.exception("following the kubelet failed; trying again every %.1fs",
+                              self.interval)
+            self._crashed = repr(exc)
+        else:
+            self._crashed = None
+
     async def _run(self) -> None:
         while True:
-            try:
-                await self.poll_once()
-            except Exception:
-                log.exception("following the kubelet failed; trying again in %.1fs", self.interval)
+            await self.look()
             await asyncio.sleep(self.interval)

@@ -655,6 +655,18 @@ def test_a_pod_s_gpus_are_emptied_of_every_notebook_that_has_somewhere_to_go(
         if p.kind == NOTEBOOK and set(p.physical) & set(pinned) and p.id not in moves:
             assert p.id in plan.stranded
     assert set(plan.stranded).isdisjoint(moves)
+    # Every move lands within capacity and the rules, beside everything that runs there.
+    after_moves = [replace(p, physical=moves[p.id].to_gpus) if p.id in moves else p
+                   for p in leases]
+    load, count = policy.physical_load(after_moves), policy.physical_count(after_moves)
+    before, before_count = policy.physical_load(leases), policy.physical_count(leases)
+    capacity = {d.uuid: d.total for d in devices}
+    for u in {u for m in plan.moves for u in m.to_gpus}:
+        assert load[u] <= max(capacity[u], before.get(u, 0)), (u, load[u], capacity[u])
+        if rules.max_per_gpu is not None:
+            assert count[u] <= max(rules.max_per_gpu, before_count.get(u, 0)), u
+    # Only notebooks are asked to make way; a job is never stranded nor moved.
+    assert all(by_id[i].kind == NOTEBOOK for i in plan.stranded)
     # Re-planning never over-promises: the logical plan off the pod's GPUs stays in capacity.
     after = [replace(p, logical=plan.relocated.get(p.id, p.logical)) for p in leases]
     before_load = policy.logical_load(leases)
@@ -677,3 +689,18 @@ def test_a_notebook_whose_logical_gpu_a_pod_takes_is_planned_anew_and_moves() ->
     # It cannot see GPU 1: nowhere to go.
     blind = [replace(leases[0], reach=("GPU-0",))]
     assert policy.plan_evacuation(devices, blind, {"GPU-0": 16 * GB}).stranded == ("nb",)
+
+
+def test_an_evacuation_never_fills_a_gpu_past_what_stays_there() -> None:
+    """S, planned on the pod's GPU A, runs on B and has nowhere else to be planned; N, planned
+    on B, runs on A. Moving N home would put 110 on B beside S: N stays, stranded."""
+    devices = [Device(u, i, 100) for i, u in enumerate("ABC")]
+    leases = [Placement("job", JOB, 100, ("C",), ("C",), 100),
+              Placement("S", NOTEBOOK, 60, ("A",), ("B",), 60, limit=100),
+              Placement("N", NOTEBOOK, 50, ("B",), ("A",), 50, limit=100)]
+    plan = policy.plan_evacuation(devices, leases, {"A": 100})
+    assert plan.moves == [] and plan.stranded == ("N",) and plan.relocated == {}
+    # Under a bound of one lease per GPU, N cannot join S on B either, whatever the room.
+    roomy = [Device(u, i, 1000) for i, u in enumerate("ABC")]
+    bound = policy.plan_evacuation(roomy, leases, {"A": 1000}, policy.Rules(max_per_gpu=1))
+    assert all("B" not in m.to_gpus for m in bound.moves)

@@ -50,6 +50,9 @@ def test_a_broken_annotations_file_names_the_line() -> None:
         parse_annotations('a="1"\nno quotes here\n')
     with pytest.raises(QuantityError, match="bad escape"):
         parse_annotations('a="\\q"\n')
+    for impossible in ("\\UFFFFFFFF", "\\ud800"):
+        with pytest.raises(QuantityError, match="no character"):
+            parse_annotations(f'a="{impossible}"\n')
 
 
 def pod(notes: dict[str, str], container: str = "notebook") -> PodInfo:
@@ -88,7 +91,7 @@ def test_a_bad_annotation_is_named(notes: dict[str, str], field: str) -> None:
     assert field in refused.value.field
 
 
-def test_the_pods_share_ranks_below_what_the_user_asked_and_above_the_default() -> None:
+def test_the_pods_share_ranks_below_the_kernelspec_and_above_what_the_user_asked() -> None:
     share = pod({"gpu-fraction": "0.5"}).share()
     from_pod = resolve_share(None, None, {}, "0.25", "1", share)
     assert from_pod.request.fraction == 0.5 and from_pod.request_source == share.source  # type: ignore[union-attr]
@@ -96,8 +99,12 @@ def test_the_pods_share_ranks_below_what_the_user_asked_and_above_the_default() 
     assert from_pod.limit == parse_quantity("1", "x") and from_pod.limit_source == contract.SOURCE_CONFIG
     runai = resolve_share(None, None, {"RUNAI_GPU_MEMORY_LIMIT": "0.8"}, "0.25", "1", share)
     assert runai.limit == parse_quantity("0.8", "x")
+    # The cluster's plan counts the pod's share on its GPU: a remembered %gpu request from
+    # elsewhere does not take more; a kernelspec, the admin's, does.
     asked = resolve_share(None, {"request": "2Gi"}, {}, "0.25", "1", share)
-    assert asked.request_source == contract.SOURCE_REMEMBERED
+    assert asked.request_source == share.source  # type: ignore[union-attr]
+    spec = resolve_share({"gpufrac": {"request": "0.75"}}, None, {}, "0.25", "1", share)
+    assert spec.request_source == contract.SOURCE_KERNELSPEC
 
 
 def test_the_cluster_s_gpus_and_what_the_container_reaches(tmp_path: Path) -> None:
@@ -106,6 +113,7 @@ def test_the_cluster_s_gpus_and_what_the_container_reaches(tmp_path: Path) -> No
     # Where the device plugin hands devices out by CDI name.
     cdi = f"k8s.device-plugin.nvidia.com/gpu={a},k8s.device-plugin.nvidia.com/gpu={b}"
     assert cluster_gpus({"NVIDIA_VISIBLE_DEVICES": cdi}) == (a, b)
+    assert cluster_gpus({"NVIDIA_VISIBLE_DEVICES": f"{a},{a}"}) == (a,)
     # KAI's per-container annotation of the devices it granted comes first.
     granted = pod({"nvidia.com/container.notebook.gpus.devices": b})
     assert cluster_gpus({"NVIDIA_VISIBLE_DEVICES": a}, granted) == (b,)
