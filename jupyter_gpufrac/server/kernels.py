@@ -221,8 +221,12 @@ class KernelGpu:
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The lease gives its GPU back for the parked launch; if the agent refuses, the kernel
         restarts where it was (its GPU tensors then wait in host memory for `%gpu reload`)."""
+        # Why, for whoever reads the lease (`gpufrac-agent status`, the REST state): the
+        # agent takes at most 200 characters.
+        why = _text(reason.get("message"))
         try:
-            return await link.park(str(lease["id"])), reason
+            return await link.park(str(lease["id"]), (why if len(why) <= 200
+                                                      else why[:199] + "…") or None), reason
         except AgentError as err:
             if isinstance(err, AgentUnavailable):
                 raise

@@ -81,3 +81,34 @@ def test_a_pod_takes_the_gpu_a_notebook_was_spread_to_and_the_notebook_keeps_its
     wait_for(lambda: not [lease for lease in agent.client().leases()
                           if lease["planned_by"] == "kubelet"], 10, "the pod's lease released")
     nb.close()
+
+
+def test_a_pinned_notebook_whose_gpu_a_pod_takes_is_parked_and_its_next_cell_waits_for_it(
+        cluster: tuple[AgentProcess, FakeKubelet, Server, list[str]], tmp_path: Path) -> None:
+    """A container that sees only KAI's GPU: nowhere else to go when a pod is given that GPU.
+    The idle kernel is parked with its variables; its next cell waits until the pod ends."""
+    agent, kubelet, _, gpus = cluster
+    podinfo = pod_files(tmp_path / "podinfo", {"gpu-fraction": "0.25"})
+    env = {"GPUFRAC_PODINFO": str(podinfo), "NVIDIA_VISIBLE_DEVICES": gpus[0]}
+    with running_server(tmp_path / "server", agent.socket,
+                        "c.GpuFrac.lease_poll_interval = 0.5\n", env=env) as server:
+        nb = server.open_notebook("pinned.ipynb")
+        before = where(nb.ok(STATE))
+        lease = server.kernel_status(nb.kernel_id)["lease"]
+        assert lease["reachable_gpus"] == lease["logical_gpus"] == [gpus[0]] == [before[1]]
+
+        kubelet.hold("team-e", "render", [gpus[0]])
+        wait_for(lambda: "parked" in server.events(nb.kernel_id), 60, "the kernel parked",
+                 interval=0.2)
+        status = server.kernel_status(nb.kernel_id)
+        # Told why, by the event and by the lease the agent holds.
+        [event] = [e for e in status["events"] if e["event"] == "parked"]
+        assert "team-e/render/main" in event["message"], event
+        assert status["state"] == "parked" and "team-e/render/main" in status["lease"]["reason"]
+        cell = nb.send(CHECK)
+        nb.printed(cell, "waiting for a GPU")
+        kubelet.end("render")
+        reply = nb.wait(cell, timeout=90)
+        assert reply.status == "ok", reply.error
+        assert "gpufrac: back on GPU" in reply.stdout and where(reply.stdout)[1] == gpus[0]
+        nb.close()
