@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import pathlib
@@ -42,6 +43,8 @@ class GpuFracProvisioner(LocalProvisioner):
                              hooked=hooked, on_restored=self._let_restarter_look)
         self._watching_restarts = False
         self._settings_cache: KernelSettings | None = None
+        # jupyter_client's restarter of this kernel, which hands itself over as it starts.
+        self.restarter: Any = None
 
     # -- who we work for ---------------------------------------------------------------
 
@@ -68,13 +71,22 @@ class GpuFracProvisioner(LocalProvisioner):
 
     async def _let_restarter_look(self) -> None:
         # The restarter looks every few seconds; a kill before its next look would still
-        # count as a failed start. Let it look now (it sees the kernel alive, or does what
-        # it would have done anyway). jupyter_client offers no public handle on it.
-        poll = getattr(getattr(self.parent, "_restarter", None), "poll", None)
+        # count as a failed start, and restart on new ports (cutting the open notebook's
+        # connection). Let it look now: it sees the kernel alive, or does what it would have
+        # done anyway.
+        poll = getattr(self.restarter, "poll", None)
         if poll is not None:
             done = poll()
             if inspect.isawaitable(done):
                 await done
+
+    def _restarter_reports_here(self) -> None:
+        """Make the kernel manager's restarter (whichever class is configured) hand itself to
+        this provisioner as it starts: jupyter_client offers no public handle on it."""
+        manager: Any = self.parent
+        configured = getattr(manager, "restarter_class", None)
+        if isinstance(configured, type) and not getattr(configured, "reports_to_gpufrac", False):
+            manager.restarter_class = _reporting(configured)
 
     def get_stable_start_time(self, recommended: float = 10.0) -> float:
         """When jupyter_client's restarter counts the kernel as started for good (see
@@ -94,6 +106,7 @@ class GpuFracProvisioner(LocalProvisioner):
         kernel_id = str(self.kernel_id)
         gpu = self.gpu
         hide_gpus = await gpu.prepare_launch(kwargs.get("env") or {})
+        self._restarter_reports_here()
         spec = self.kernel_spec
         argv = list(getattr(spec, "argv", []) or [])
         load_ext = is_ipykernel(argv, str(getattr(spec, "language", "") or ""))
@@ -200,3 +213,19 @@ class GpuFracProvisioner(LocalProvisioner):
         if not restart:
             await self.gpu.close()
         await super().cleanup(restart=restart)
+
+
+@functools.cache
+def _reporting(restarter_class: Any) -> type:
+    """``restarter_class``, whose instances hand themselves to their kernel's provisioner as
+    they start (one subclass per class, made once)."""
+
+    def start(self: Any) -> None:
+        restarter_class.start(self)
+        provisioner = getattr(self.kernel_manager, "provisioner", None)
+        if isinstance(provisioner, GpuFracProvisioner):
+            provisioner.restarter = self
+
+    return type(f"GpuFrac{restarter_class.__name__}", (restarter_class,),
+                {"start": start, "reports_to_gpufrac": True,
+                 "__doc__": restarter_class.__doc__, "__module__": __name__})

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jupyter_client.ioloop import AsyncIOLoopKernelManager, AsyncIOLoopKernelRestarter
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
@@ -204,3 +205,30 @@ async def test_a_kernel_shut_down_never_takes_a_lease_again(
     assert provisioner.gpu.lease is None and provisioner.gpu.closed
     assert await provisioner.gpu.acquire_lease() is None
     assert no_leases.client().leases() == []
+
+
+class CustomRestarter(AsyncIOLoopKernelRestarter):
+    """A site's own restarter class, which the provisioner must keep."""
+
+
+@pytest.mark.parametrize("configured", [None, CustomRestarter])
+async def test_the_kernels_restarter_hands_itself_to_the_provisioner(
+        isolated: Path, no_leases: AgentProcess, configured: type | None) -> None:
+    ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25"}})
+    km = AsyncIOLoopKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm,
+                                  **({"restarter_class": configured} if configured else {}))
+    await km.start_kernel()
+    try:
+        provisioner = km.provisioner
+        assert isinstance(provisioner, GpuFracProvisioner)
+        # The manager starts its restarter with the kernel; it made itself known.
+        restarter = provisioner.restarter
+        assert restarter is not None and restarter.kernel_manager is km
+        assert isinstance(restarter, configured or AsyncIOLoopKernelRestarter)
+        # A restore lets it look at once: it sees the kernel alive, and restarts nothing.
+        await provisioner.gpu.restored()
+        await km.restart_kernel(now=True)
+        assert provisioner.restarter is restarter and await km.is_alive()
+    finally:
+        km.stop_restarter()
+        await km.shutdown_kernel(now=True)
