@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.agent import AgentProcess
-from harness.jupyter import Reply, Server
+from harness.jupyter import Reply
 
-from .test_sequences import Sequence, disturbable_node
+from .test_sequences import Node, Sequence, disturbable_node
 
 pytestmark = pytest.mark.e2e
 
@@ -51,18 +50,17 @@ def observed(reply: Reply) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
-    with disturbable_node(tmp_path_factory.mktemp("notebooks")) as pair:
-        yield pair
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    with disturbable_node(tmp_path_factory.mktemp("notebooks")) as found:
+        yield found
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
 def test_notebook_survives_a_move_and_an_oom_kill(
-    node: tuple[AgentProcess, Server], name: str
+    node: Node, name: str
 ) -> None:
-    agent, server = node
     cells = code_cells(NOTEBOOKS / name)
-    seq = Sequence(agent, server, random.Random(0))
+    seq = Sequence(node, random.Random(0))
     move_at, kill_at = len(cells) // 3, 2 * len(cells) // 3
     compared = errors = 0
     passed = False

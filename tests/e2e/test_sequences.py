@@ -23,13 +23,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import websocket
 
 from harness.agent import AgentProcess, wait_for
 from harness.jupyter import Notebook, Server, running_server
+from harness.kubelet import FakeKubelet
 
 from .sequence_cells import (
     BURST,
@@ -45,9 +46,9 @@ from .sequence_cells import (
 pytestmark = pytest.mark.e2e
 
 EVENTS = ("mutate", "idle_move", "busy_move", "finishing_move", "oom_kill", "kernel_sigkill",
-          "resize", "resize_move", "agent_restart", "user_restart", "park")
+          "resize", "resize_move", "agent_restart", "user_restart", "park", "pod_takes_gpu")
 # How often each event is drawn after every kind has had its turn.
-WEIGHTS = (8, 2, 1, 1, 1, 2, 1, 1, 1, 1, 1)
+WEIGHTS = (8, 2, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1)
 SETTLED = ("guaranteed", "bursting", "restored", "restore-incomplete")
 KERNELSPECS = {
     # The subject: a lease of 0.3 of a 2 GiB GPU, so 900 MiB held is a burst.
@@ -62,15 +63,22 @@ CONFIG = (
 )
 
 
+class Node(NamedTuple):
+    """The agent, the server, and the kubelet the agent follows (as on Kubernetes)."""
+
+    agent: AgentProcess
+    server: Server
+    kubelet: FakeKubelet
+
+
 class Sequence:
     """One subject, one reference, the agent and what it takes to disturb the subject."""
 
-    def __init__(self, agent: AgentProcess, server: Server, rng: random.Random) -> None:
-        self.agent = agent
-        self.server = server
+    def __init__(self, node: Node, rng: random.Random) -> None:
+        self.agent, self.server, self.kubelet = node
         self.rng = rng
-        self.subject = server.open_notebook("subject.ipynb", kernel="subject")
-        self.reference = server.open_notebook("reference.ipynb", kernel="reference")
+        self.subject = self.server.open_notebook("subject.ipynb", kernel="subject")
+        self.reference = self.server.open_notebook("reference.ipynb", kernel="reference")
         self.restores = 0
         self.counts: collections.Counter[str] = collections.Counter()
         self.failures: list[tuple[int, str, str]] = []
@@ -278,6 +286,22 @@ class Sequence:
         assert event["ok"] is True and self.status()["gpu"]["uuid"] != source, event
         assert "request is now" in self.subject.ok("%gpu request 0.3 --limit 1")
 
+    def do_pod_takes_gpu(self) -> None:
+        """The kubelet lists a pod given the subject's GPU whole: the subject moves off with
+        its variables; then the pod ends and its lease goes."""
+        since = time.time()
+        source = self.lease()["physical_gpu"]
+        self.kubelet.hold("team", "train", [source])
+        try:
+            event = self.wait_restored("a pod given the subject's GPU", since, "migrated")
+            assert event["ok"] is True and self.status()["gpu"]["uuid"] != source, event
+            assert "team/train/main" in self.events_since(since, "migrating")[0]["message"]
+        finally:
+            self.kubelet.end("train")
+        wait_for(lambda: not any(lease["planned_by"] == "kubelet"
+                                 for lease in self.agent.client().leases()), 10,
+                 "the pod's lease to go", interval=0.1)
+
     def do_agent_restart(self) -> None:
         self.agent.kill()
         wait_for(lambda: self.status()["state"] == "agent-unreachable", 5,
@@ -338,29 +362,32 @@ def plan(rng: random.Random, steps: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def disturbable_node(tmp: Path) -> Iterator[tuple[AgentProcess, Server]]:
+def disturbable_node(tmp: Path) -> Iterator[Node]:
     """An agent that reclaims fast (a job without processes is owed, so it triggers a reclaim)
-    and keeps such jobs, and a server with the subject and reference kernelspecs."""
-    args = ["--poll-interval", "0.2", "--reclaim-grace", "1", "--headroom", "0.9",
-            "--orphan-grace", "3600"]
-    with AgentProcess(tmp / "agent", "2x2GiB", args) as agent, \
-            running_server(tmp / "server", agent.socket, CONFIG, KERNELSPECS) as server:
-        yield agent, server
+    and keeps such jobs, following a kubelet; and a server with the subject and reference
+    kernelspecs."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    with FakeKubelet(tmp / "kubelet.sock") as kubelet:
+        args = ["--poll-interval", "0.2", "--reclaim-grace", "1", "--headroom", "0.9",
+                "--orphan-grace", "3600", "--kubelet-socket", kubelet.socket_path,
+                "--kubelet-interval", "0.2"]
+        with AgentProcess(tmp / "agent", "2x2GiB", args) as agent, \
+                running_server(tmp / "server", agent.socket, CONFIG, KERNELSPECS) as server:
+            yield Node(agent, server, kubelet)
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
-    with disturbable_node(tmp_path_factory.mktemp("sequences")) as pair:
-        yield pair
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    with disturbable_node(tmp_path_factory.mktemp("sequences")) as found:
+        yield found
 
 
-def run_sequence(node: tuple[AgentProcess, Server], seed: int, steps: int,
+def run_sequence(node: Node, seed: int, steps: int,
                  report: Callable[[Sequence], None] | None = None,
                  keep_going: bool = False) -> Sequence:
     """Run a planned sequence. The first failure raises, unless ``keep_going`` (the soak): then
     it is recorded in ``seq.failures``, both kernels restart from nothing and the run goes on."""
-    agent, server = node
-    seq = Sequence(agent, server, random.Random(seed))
+    seq = Sequence(node, random.Random(seed))
     seq.seed_both()
     events = plan(seq.rng, steps)
     passed = False
@@ -387,7 +414,7 @@ def run_sequence(node: tuple[AgentProcess, Server], seed: int, steps: int,
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_sequences_keep_the_notebook_whole(
-    node: tuple[AgentProcess, Server], seed: int
+    node: Node, seed: int
 ) -> None:
     seq = run_sequence(node, seed, steps=2 * len(EVENTS))
     assert set(seq.counts) == set(EVENTS), seq.counts
@@ -408,7 +435,7 @@ def soak_figures(seq: Sequence, seed: int, seconds: float) -> str:
 
 
 @pytest.mark.skipif(not os.environ.get("GPUFRAC_SOAK_STEPS"), reason="make soak runs it")
-def test_soak(node: tuple[AgentProcess, Server]) -> None:
+def test_soak(node: Node) -> None:
     steps = int(os.environ["GPUFRAC_SOAK_STEPS"])
     seed = int(os.environ.get("GPUFRAC_SOAK_SEED", "1000"))
     figures = os.environ.get("GPUFRAC_SOAK_FIGURES")
