@@ -24,7 +24,6 @@ _MESSAGES: dict[str, tuple[tuple[str, int, int, int, str], ...]] = {
 }
 PACKAGE = "v1"
 LIST_METHOD = f"/{PACKAGE}.PodResourcesLister/List"
-DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 class KubeletError(Exception):
