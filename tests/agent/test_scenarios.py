@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -173,22 +174,32 @@ def test_run_waits_out_an_agent_restart_and_leaves_no_lease(
     notebook_holding(agent, holders, "0.25", "1", 10)
     spread, spread_proc = notebook_holding(agent, holders, "0.25", "1", 10)
     out = tmp_path / "job.txt"
-    job = _run_job(agent, out)
-    if when == "waiting":
+    said: list[str] = []
+
+    def follow(job: subprocess.Popen[str]) -> threading.Thread:
+        reader = threading.Thread(target=lambda: said.extend(job.stderr or ()), daemon=True)
+        reader.start()
+        return reader
+
+    if when == "asking":
+        agent.kill()  # SIGKILL: `run` finds it gone when it asks for its lease
+        job = _run_job(agent, out)
+        reader = follow(job)
+        wait_for(lambda: "waiting for it" in "".join(said).lower(), 30,
+                 "run to wait for the agent")
+        agent.start()  # same socket, same ledger
+    else:
+        job = _run_job(agent, out)
+        reader = follow(job)
         wait_for(lambda: any(x["kind"] == "job" and x["pids"] for x in c.leases()),
                  what="the job lease")
-    agent.kill()  # SIGKILL while `run` asks for its lease, or waits for it
-    agent.start()  # same socket, same ledger
-    assert job.wait(timeout=60) == 0, job.stderr.read() if job.stderr else ""
+        agent.kill()  # SIGKILL while `run` waits for its lease
+        agent.start()
+    assert job.wait(timeout=60) == 0, "".join(said)
+    reader.join(10)
     assert out.read_text() == spread["physical_gpu"]
-    assert job.stderr is not None and "waiting for it" in job.stderr.read().lower()
-    left = [x for x in agent.client().leases() if x["kind"] == "job"]
-    if when == "waiting":
-        assert left == []
-    else:
-        # Killed mid-request, the agent may have kept a lease whose answer was lost: it holds
-        # no process, so the agent releases it after --orphan-grace.
-        assert all(not x["pids"] for x in left), left
+    assert "waiting for it" in "".join(said).lower()
+    assert [x for x in agent.client().leases() if x["kind"] == "job"] == []
     assert not spread_proc.alive()
 
 
