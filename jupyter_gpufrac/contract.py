@@ -62,6 +62,12 @@ ASKS = (ASK_CHECKPOINT, ASK_RESTORE_REPORT, ASK_PARK)
 # In the server's data folder: the user's last `%gpu request` in one environment (by the
 # server's sys.prefix), the share of their next kernels there: last-request-<key>.json.
 LAST_REQUEST_FILE = "last-request-{environment}.json"
+# In a kernel's checkpoint folder: the datagram socket its directive thread waits on. The
+# server sends one datagram there when the agent addresses the kernel's lease (jupyter_gpufrac.wake).
+WAKE_SOCKET = "wake.sock"
+# The directive kinds a kernel acts on itself (shrink) or tells its user of; the server wakes
+# the kernel for these.
+KERNEL_DIRECTIVES = ("shrink", "migrate", "killed")
 
 # Where a share came from, as people read it.
 SOURCE_KERNELSPEC = "kernelspec"

@@ -1,4 +1,4 @@
-"""A daemon thread that long-polls the agent for this lease's directives and reports usage."""
+"""A daemon thread that reads this lease's directives when woken, and reports usage."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from jupyter_gpufrac.kernel import ladder
+from jupyter_gpufrac.wake import WakeReceiver, wake
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,12 @@ class AgentLike(Protocol):
 
 
 class DirectiveWatcher:
-    """Polls ``directives(lease=…)``; survives an absent or restarting agent with backoff.
+    """Reads ``directives(lease=…)``; survives an absent or restarting agent with backoff.
+
+    With ``wake`` (the kernel's wake socket) the thread asks the agent when the server wakes
+    it, and every ``poll_timeout`` seconds to report usage; the agent answers at once, so the
+    server's long-poll is the only one waiting on this lease. Without it (the socket could not
+    be bound) the thread long-polls the lease itself.
 
     ``handle`` runs on this thread, so it must be safe while a cell runs (shrink is: it only
     touches the allocator). Nothing raised here can reach the kernel.
@@ -40,8 +46,10 @@ class DirectiveWatcher:
         usage: Callable[[], int | None] = lambda: None,
         poll_timeout: float = 25.0,
         started: float | None = None,
+        wake: WakeReceiver | None = None,
     ) -> None:
         self.client = client
+        self.wake = wake
         self.lease_id = lease_id
         self.handle = handle
         self.usage = usage
@@ -65,6 +73,11 @@ class DirectiveWatcher:
     def stop(self, join_timeout: float = 0.0) -> None:
         """Ask the thread to end; it is a daemon, so a long poll in flight cannot block exit."""
         self._stop.set()
+        if self.wake is not None:
+            if self._thread.is_alive():
+                wake(self.wake.path)  # ends a wait in progress; the thread closes the socket
+            else:
+                self.wake.close()
         if join_timeout and self._thread.is_alive():
             self._thread.join(join_timeout)
 
@@ -74,6 +87,13 @@ class DirectiveWatcher:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self.wake is not None:
+                self.wake.close()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self.poll_once()
@@ -90,9 +110,11 @@ class DirectiveWatcher:
                 self.polled.set()
             if self.failures:
                 self._stop.wait(ladder.backoff_delay(self.failures))
+            elif self.wake is not None:
+                self.wake.wait(self.poll_timeout)
 
     def poll_once(self) -> None:
-        """One round: report usage if it changed, then wait for directives and handle them."""
+        """One round: report usage if it changed, then read directives and handle them."""
         self.polls += 1
         used = self.usage()
         if used is not None and used != self._reported:
@@ -103,7 +125,8 @@ class DirectiveWatcher:
             _, self.after = self.client.directives(lease=self.lease_id, after=-1, timeout=0)
             self._primed = True
         directives, last = self.client.directives(
-            lease=self.lease_id, after=self.after, timeout=self.poll_timeout
+            lease=self.lease_id, after=self.after,
+            timeout=0.0 if self.wake is not None else self.poll_timeout,
         )
         for directive in ladder.fresh_directives(directives, self.lease_id, self.started):
             try:

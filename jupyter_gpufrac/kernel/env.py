@@ -42,6 +42,9 @@ class KernelEnv:
     # Whether checkpoints here can be found again by a restarted kernel (a provisioner said where,
     # or the kernel id names the directory); a pid-named fallback cannot.
     checkpoint_dir_stable: bool = False
+    # The launcher named the folder (GPUFRAC_CHECKPOINT_DIR): it wakes the directive thread on
+    # the socket there (jupyter_gpufrac.wake).
+    checkpoint_dir_given: bool = False
     restore: bool = False
     # Started parked: the lease holds no GPU until the next cell asks for one.
     parked: bool = False
@@ -166,6 +169,7 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         simulated=env.get(contract.SIMULATED, "") == "1",
         checkpoint_dir=checkpoint_dir,
         checkpoint_dir_stable=bool(raw_dir or kernel_id),
+        checkpoint_dir_given=bool(raw_dir),
         restore=restore,
         parked=env.get(contract.PARKED, "") == "1",
         restart_reason=parse_restart_reason(raw_reason) if raw_reason else None,

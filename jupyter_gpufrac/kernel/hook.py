@@ -33,6 +33,7 @@ from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, Che
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from jupyter_gpufrac.kernel.import_hook import after_import
 from jupyter_gpufrac.kernel.observations import ObservationSender
+from jupyter_gpufrac.wake import WakeReceiver, wake_path
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +134,21 @@ class GpuFracHook:
                 self.watcher = DirectiveWatcher(
                     client, self.env.lease_id, self.handle_directive,
                     usage=torch_adapter.reserved_bytes, poll_timeout=self.poll_timeout,
-                    started=self.started,
+                    started=self.started, wake=self._wake_receiver(),
                 )
                 self.watcher.start()
+
+    def _wake_receiver(self) -> WakeReceiver | None:
+        """The socket the server wakes this kernel's directive thread on, or None (then the
+        thread long-polls the agent itself)."""
+        if not self.env.checkpoint_dir_given:
+            return None  # no launcher knows this folder, so none would wake the thread
+        try:
+            return WakeReceiver(wake_path(self.env.checkpoint_dir))
+        except OSError as exc:
+            log.warning("gpufrac: no wake socket in %s (%s); polling the agent instead",
+                        self.env.checkpoint_dir, exc)
+            return None
 
     def stop(self) -> None:
         """Undo :meth:`start` (``%unload_ext``)."""
@@ -207,9 +220,14 @@ class GpuFracHook:
                 if hidden is not None and name in hidden and hidden[name] is ns.get(name):
                     del hidden[name]
             self._restored_names = []
+        self._settle_rng()
+
+    def _settle_rng(self) -> None:
+        """Put back the generators a restore loaded, once, before the notebook's first code or
+        the first checkpoint (the server may ask for one before any cell): kernel start-up may
+        have drawn from them since the load, and the notebook continues from the state the
+        checkpoint holds, as an unmoved kernel would."""
         if self._rng_after_restore is not None:
-            # Kernel start-up may have drawn from the generators since the load: the notebook
-            # continues from the state the checkpoint holds, as an unmoved kernel would.
             state, self._rng_after_restore = self._rng_after_restore, None
             try:
                 rng.restore(state)
@@ -355,6 +373,7 @@ class GpuFracHook:
     def checkpoint(self, *, full: bool = False, trigger: str = "manual") -> CheckpointResult:
         """Checkpoint the notebook namespace now (raises CheckpointError for people);
         ``trigger`` says why, for the agent's metrics: cell, server, park or manual."""
+        self._settle_rng()
         extra = {"kernel_id": self.env.kernel_id,
                  "offloaded": [asdict(r) for r in self.offloaded]}
         result = self.checkpointer.take(

@@ -130,11 +130,13 @@ class DirectiveListener:
             return
         gpu = self.kernels.get(kernel_id)
         held = (gpu.lease or {}).get("id") if gpu is not None else None
-        if held is None or held != directive.get("lease_id"):
+        if gpu is None or held is None or held != directive.get("lease_id"):
             # Kernel ids show in `ps`: anyone may write one on a lease of their own.
             self.log.warning("directive %s for kernel %s names lease %s, not the kernel's (%s): "
                              "ignored", kind, kernel_id, directive.get("lease_id"), held)
             return
+        if kind in contract.KERNEL_DIRECTIVES and not gpu.wake():
+            self.log.debug("kernel %s did not take the wake-up for %s", kernel_id, kind)
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
         async with lock:
             try:
@@ -344,7 +346,8 @@ class DirectiveListener:
     # -- shrink and killed -------------------------------------------------------------
 
     def shrink(self, kernel_id: str, directive: dict[str, Any]) -> None:
-        """The kernel hook shrinks itself (it hears the agent too); the user hears why."""
+        """The kernel hook shrinks itself (woken by ``_handle``, it reads the directive from the
+        agent); the user hears why."""
         request, usage = int(directive.get("request") or 0), int(directive.get("usage") or 0)
         deadline = directive.get("deadline")
         by = ""

@@ -10,9 +10,10 @@ from typing import Any
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
-from jupyter_gpufrac.server.launch import lease_gpus, resolve_share
+from jupyter_gpufrac.server.launch import checkpoint_dir_of, lease_gpus, resolve_share
 from jupyter_gpufrac.server.podinfo import cluster_gpus, reachable_gpus, read_podinfo
 from jupyter_gpufrac.server.settings import KernelSettings
+from jupyter_gpufrac.wake import wake, wake_path
 from node_agent.quantities import Quantity, format_bytes
 
 
@@ -237,6 +238,12 @@ class KernelGpu:
                            "message": f"it was to be parked, but the GPU agent refused "
                                       f"({err.message}), so it keeps its GPU"}
 
+    def wake(self) -> bool:
+        """Wake the kernel's directive thread (the agent addressed its lease): it reads the
+        lease's directives at once. False when no kernel listens (dead, or starting)."""
+        return wake(wake_path(checkpoint_dir_of(self.settings().checkpoint_root,
+                                                self.kernel_id)))
+
     async def launched(self, pid: int | None) -> None:
         """The kernel process runs: register its pid with the lease, finish a move, say where."""
         settings = self.settings()
@@ -334,6 +341,10 @@ class KernelGpu:
             self.metadata, settings.last_request(), os.environ, settings.default_request,
             settings.default_limit, pod.share() if pod is not None else None,
         )
+        if pod is not None:
+            self.log.info("kernel %s: in pod %s/%s, container %s; the cluster planned GPUs %s",
+                          self.kernel_id, pod.namespace or "?", pod.name or "?", pod.container,
+                          ", ".join(planned) if planned else "none")
         totals = [int(gpu["memory_total"]) for gpu in self.gpus.values() if gpu.get("memory_total")]
         limit = share.effective_limit(min(totals) if totals else None)
         self.share_source = {"request": share.request_source,

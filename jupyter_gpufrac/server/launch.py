@@ -244,10 +244,15 @@ def build_kernel_env(
     return env
 
 
+def checkpoint_dir_of(root: str, kernel_id: str) -> str:
+    """The kernel's own checkpoint directory under ``root`` (only the name)."""
+    return os.path.join(root, kernel_id)
+
+
 def kernel_checkpoint_dir(root: str, kernel_id: str) -> str:
     """The kernel's own checkpoint directory, created 0700 (checkpoints are unpickled)."""
     os.makedirs(root, mode=0o700, exist_ok=True)
-    path = os.path.join(root, kernel_id)
+    path = checkpoint_dir_of(root, kernel_id)
     os.makedirs(path, mode=0o700, exist_ok=True)
     # makedirs honours the umask and leaves an existing directory alone: enforce 0700.
     for directory in (root, path):

@@ -96,6 +96,8 @@ def test_a_pinned_notebook_whose_gpu_a_pod_takes_is_parked_and_its_next_cell_wai
         before = where(nb.ok(STATE))
         lease = server.kernel_status(nb.kernel_id)["lease"]
         assert lease["reachable_gpus"] == lease["logical_gpus"] == [gpus[0]] == [before[1]]
+        assert (f"kernel {nb.kernel_id}: in pod team-a/jupyter-ada, container notebook; the "
+                f"cluster planned GPUs {gpus[0]}") in server.log_text()
 
         kubelet.hold("team-e", "render", [gpus[0]])
         wait_for(lambda: "parked" in server.events(nb.kernel_id), 60, "the kernel parked",

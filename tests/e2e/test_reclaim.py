@@ -37,7 +37,12 @@ def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, S
     borrower.ok("import torch\nkeep = {'numbers': [1, 2, 3]}\ng = (i for i in range(3))\n"
                 "%gpu checkpoint")
     # A long cell holding 1 GB of (simulated device) memory: far above its 256 MiB request.
-    borrower.send("big = torch.ones(1000 * 2**20 // 4)\nimport time\ntime.sleep(600)")
+    # The running cell sees its kernel hear the shrink: the server wakes the kernel's directive
+    # thread (it does not poll for 25 s), while the 2 s grace still runs.
+    cell = borrower.send("big = torch.ones(1000 * 2**20 // 4)\nimport time\n"
+                         "from jupyter_gpufrac import kernel as gpufrac\n"
+                         "while not gpufrac.summary()['shrinking']:\n    time.sleep(0.02)\n"
+                         "print('heard the shrink', flush=True)\ntime.sleep(600)")
 
     def state() -> str:
         return str(server.kernel_status(borrower.kernel_id)["state"])
@@ -49,6 +54,7 @@ def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, S
     owner_pid = owner.ok("import os, torch\nprint(os.getpid())").strip()
     # The owner grows within its guarantee, into memory the borrower holds.
     owner.ok("mine = torch.ones(400 * 2**20 // 4)")
+    borrower.printed(cell, "heard the shrink", timeout=30)
 
     def restored() -> dict[str, Any] | None:
         # The restore after the kill (a bursting notice may follow it at once).

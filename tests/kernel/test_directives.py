@@ -10,6 +10,7 @@ from typing import Any
 
 from harness.agent import AgentProcess, wait_for
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
+from jupyter_gpufrac.wake import ADDRESS_MAX, WakeReceiver, wake, wake_path
 from node_agent.client import AgentClient
 
 
@@ -84,3 +85,34 @@ def test_a_restarted_kernel_does_not_replay_the_directive_that_moved_it(agent: A
         assert recorder.seen == []
     finally:
         watcher.stop()
+
+
+def test_a_woken_watcher_reads_at_once_and_never_waits_on_the_agent(
+        agent: AgentProcess, tmp_path: Path) -> None:
+    """With a wake socket the server's long-poll is the lease's only one: a directive the
+    kernel is not woken for waits for its next round; a wake-up brings it at once."""
+    client = agent.client()
+    lease = spread_lease(client)
+    # A folder deeper than an AF_UNIX address can name, as JupyterHub's and pytest's can be.
+    folder = tmp_path / ("d" * 60) / ("e" * 60)
+    folder.mkdir(parents=True)
+    path = wake_path(folder)
+    assert len(path) > ADDRESS_MAX
+    recorder = Recorder()
+    watcher = DirectiveWatcher(AgentClient(agent.socket, timeout=2.0), lease["id"], recorder,
+                               poll_timeout=60.0, started=time.time() - 1,
+                               wake=WakeReceiver(path))
+    watcher.start()
+    try:
+        wait_for(lambda: watcher.polls >= 1 and watcher.available is True, 10, "the first round")
+        client.create_lease(client="job", kind="job", request="1")  # sends the migrate
+        assert not recorder.arrived.wait(1.0), "the watcher long-polled the agent"
+        assert wake(path)
+        assert recorder.arrived.wait(5), "a wake-up did not bring the directive"
+        assert [d["kind"] for d in recorder.seen] == ["migrate"]
+    finally:
+        watcher.stop(join_timeout=5)
+    assert not watcher.alive
+    assert not Path(path).exists(), "the socket outlived its kernel"
+    assert not wake(path)
+

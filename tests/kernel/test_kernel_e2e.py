@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import random
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
 from jupyter_gpufrac.server.launch import build_kernel_env
+from jupyter_gpufrac.wake import wake, wake_path
 
 from .kernels import running_kernel
 from .test_directives import spread_lease
@@ -133,8 +135,10 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
 
         assert k.run(CELL_STATE).status == "ok"
         # A job needs a whole GPU: the agent compacts this spread kernel back (migrate). The
-        # hook hears it while idle, says so with the next cell and checkpoints after it.
+        # hook, woken as the server would wake it, hears it while idle, says so with the next
+        # cell and checkpoints after it.
         client.create_lease(client="job", kind="job", request="1")
+        assert wake(wake_path(ckdir))
         seen = ""
         deadline = time.monotonic() + 15
         while "this kernel is being moved" not in seen:
@@ -254,6 +258,8 @@ def test_bursting_kernel_checkpoints_and_hears_shrink(tmp_path: Path) -> None:
             assert owner.stdout.readline().strip() == "allocated"
             wait_for(lambda: client.lease(lease["id"])["state"] == "shrinking", 15,
                      "the agent to reclaim the loan")
+            # As the server does when its long-poll hears the shrink: wake the kernel's thread.
+            assert wake(wake_path(ckdir)), "the kernel listens on its wake socket"
             seen = ""
             deadline = time.monotonic() + 15
             while "needs the GPU memory lent to this kernel back" not in seen:
@@ -358,3 +364,26 @@ def test_checkpoints_reach_the_agents_metrics_by_trigger(tmp_path: Path) -> None
             # 1 MiB of random bytes cannot be compressed: written once, by a cell checkpoint.
             assert samples[("gpufrac_checkpoint_size_bytes_bucket", "manual", "+Inf")] == 1
             assert samples[("gpufrac_checkpoint_written_bytes_total", "cell", None)] >= 2**20
+
+
+def test_a_checkpoint_asked_before_the_first_cell_keeps_the_restored_generators(
+        tmp_path: Path) -> None:
+    """Start-up code that draws from ``random`` after the restore (an IPython startup file runs
+    after the extension) must not reach a checkpoint the server asks for before the next cell:
+    the kernel restored after that one draws what an undisturbed kernel would."""
+    ckdir = tmp_path / "ck"
+    with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(ckdir)}) as k:
+        assert k.run("import random\nrandom.seed(7)\nfirst = random.random()").status == "ok"
+    undisturbed = random.Random(7)
+    undisturbed.random()
+    expected = undisturbed.random()
+
+    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-draw.py").write_text("import random as _r\nfor _ in range(3):\n    _r.random()\n")
+    restoring = {"GPUFRAC_CHECKPOINT_DIR": str(ckdir), "GPUFRAC_RESTORE": "1",
+                 "GPUFRAC_RESTART_REASON": json.dumps({"cause": "migrated", "message": "test"})}
+    with running_kernel({**restoring, "IPYTHONDIR": str(tmp_path / "ipython")}) as k:
+        assert k.ask(contract.ASK_CHECKPOINT)["ok"] is True  # before any cell, as before a move
+    with running_kernel(restoring) as k:
+        assert k.value("random.random()") == expected
