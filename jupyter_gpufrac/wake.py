@@ -58,6 +58,9 @@ class WakeReceiver:
         try:
             with _address(path) as address:
                 self._sock.bind(address)
+            # bind() honours the umask; nobody but the kernel's user needs to wake it (its
+            # folder is 0700 as well).
+            os.chmod(path, 0o600)
             self._inode = os.lstat(path).st_ino
         except OSError:
             self._sock.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from jupyter_gpufrac.wake import WakeReceiver, wake, wake_path
 def test_a_new_kernel_takes_the_wake_socket_over(tmp_path: Path) -> None:
     path = wake_path(tmp_path)
     old = WakeReceiver(path)
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600  # whatever the umask
     new = WakeReceiver(path)  # the restarted kernel: the old one's file is replaced
     assert wake(path) and new.wait(5)
     assert not old.wait(0.05)
