@@ -19,6 +19,7 @@ import io
 import itertools
 import pickle
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -304,14 +305,32 @@ class BlobWriter:
     _written: set[str] = field(default_factory=set)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
     _keepalive: list[Any] = field(default_factory=list)
+    _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.sync = store.BlobSync(self.folder)  # each new blob starts syncing once written
 
-    def _note_new(self, blob: str) -> None:
+    def _note_new(self, blob: str, write: Callable[[], None] | None = None) -> None:
         self.new_blobs.append(blob)
         self._written.add(blob)
-        self.sync.add(blob)
+        self.sync.add(blob, write)
+
+    def _later(self, counter: str) -> Callable[[str, Callable[[], int]], None]:
+        """For :func:`tensor_io.store_bytes`: a blob written in a syncing thread, its bytes
+        added to ``counter`` once written (read after the commit has waited for them)."""
+
+        def later(blob: str, write: Callable[[], int]) -> None:
+            def job() -> None:
+                with _writing_blobs():
+                    written = write()
+                with self._count_lock:
+                    setattr(self, counter, getattr(self, counter) + written)
+                    if counter == "bytes_written":
+                        self.blobs_written += 1
+
+            self._note_new(blob, job)
+
+        return later
 
     def start_group(self) -> None:
         """Forget what the previous group reached."""
@@ -388,7 +407,8 @@ class BlobWriter:
         stored = None if blob is None else self.found(blob)
         if stored is None:
             with _writing_blobs():
-                stored, written = tensor_io.store_bytes(self.folder, raw, have=self.found)
+                stored, written = tensor_io.store_bytes(self.folder, raw, have=self.found,
+                                                        later=self._later("bytes_written"))
             if written:
                 self._count_new(stored, written)
         blob = stored
@@ -410,7 +430,8 @@ class BlobWriter:
         """The content-addressed blob holding ``data`` (pickles of groups); written only if new."""
         with _writing_blobs():
             name, written = tensor_io.store_bytes(self.folder, data, tensor_io.PACK_PREFIX,
-                                                  have=self.found)
+                                                  have=self.found,
+                                                  later=self._later("group_bytes_written"))
         if written:
             self._note_new(name)
             self.group_bytes_written += written

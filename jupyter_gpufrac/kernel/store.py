@@ -8,7 +8,7 @@ import io
 import os
 import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -319,13 +319,16 @@ class BlobSync:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
 
-    def add(self, name: str) -> None:
-        """Start syncing blob ``name``."""
+    def add(self, name: str, write: Callable[[], None] | None = None) -> None:
+        """Start syncing blob ``name``; with ``write``, once ``write()`` has written it, in the
+        same thread (the checkpoint goes on meanwhile; :meth:`wait` raises what it raised)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="gpufrac-fsync")
-        self._pending.append(self._pool.submit(self._sync, _blob_name(name)))
+        self._pending.append(self._pool.submit(self._sync, _blob_name(name), write))
 
-    def _sync(self, name: str) -> None:
+    def _sync(self, name: str, write: Callable[[], None] | None) -> None:
+        if write is not None:
+            write()
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._folder.blobs_fd)
         try:
             os.fsync(fd)

@@ -45,13 +45,17 @@ def _pays(view: memoryview) -> bool:
 
 
 def store_bytes(folder: store.CheckpointDir, data: memoryview | bytes, prefix: str = CONTENT_PREFIX,
-                have: Callable[[str], str | None] = lambda _name: None) -> tuple[str, int]:
+                have: Callable[[str], str | None] = lambda _name: None,
+                later: Callable[[str, Callable[[], int]], None] | None = None) -> tuple[str, int]:
     """Store ``data`` as a content-addressed blob, compressed where that pays: (blob name, bytes
     written, 0 when ``have`` knows a blob of the same bytes).
 
     What is hashed is exactly what is stored, even if the buffer changes meanwhile (another
     thread of the notebook): it is copied first (a large buffer stored as it is, in chunks as
-    it is written). No fsync here, as for storages.
+    it is written). No fsync here, as for storages. With ``later``, a blob to compress is
+    handed to it as (name, a function that compresses and writes it, returning the bytes
+    written) and 0 is returned: zlib lets go of the GIL, so another core compresses while
+    the checkpoint goes on.
     """
     view = memoryview(data).cast("B")
     if view.nbytes <= _CHUNK or _pays(view):
@@ -61,7 +65,11 @@ def store_bytes(folder: store.CheckpointDir, data: memoryview | bytes, prefix: s
         if found is not None:
             return found, 0
         if _pays(memoryview(copy)):
-            return COMPRESSED + name, _publish(folder, COMPRESSED + name, zlib.compress(copy, 1))
+            blob = COMPRESSED + name
+            if later is None:
+                return blob, _publish(folder, blob, zlib.compress(copy, 1))
+            later(blob, lambda: _publish(folder, blob, zlib.compress(copy, 1)))
+            return blob, 0
         return name, _publish(folder, name, copy)
     hasher = hashlib.blake2b(digest_size=20)
     tmp, fh = folder.create_tmp(blob=True)

@@ -332,3 +332,39 @@ def test_a_fresh_kernel_without_cuda_keeps_gpu_tensors_on_the_host_and_says_so(
     seen = restore_in_fresh_process(ckdir, "cpu")
     assert seen["targets"] == [] and seen["moved_to_cpu"] == 24
     assert seen["values"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+# A checkpoint whose compressed blob (written in a syncing thread) cannot be written: run in a
+# process of its own, whose file size limit makes the write fail as a full disk would.
+FAILED_WRITE = """
+import resource, signal, sys, numpy
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
+ck = Checkpointer(sys.argv[1])
+ns = {"__name__": "__main__", "small": [1, 2, 3]}
+ck.take(ns)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+ns["ids"] = numpy.arange(4_000_000)  # 32 MB that zlib shrinks, but not below 1 MiB
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+try:
+    ck.take(ns)
+    print("taken")
+except CheckpointError as exc:
+    print("refused:", exc)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+back = {}
+Checkpointer(sys.argv[1]).load(back)
+print(sorted(k for k in back if not k.startswith("__")))
+print(ck.take(ns).names)
+"""
+
+
+def test_a_compressed_blob_that_cannot_be_written_fails_the_checkpoint_not_the_last(
+        tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", FAILED_WRITE, str(tmp_path / "ck")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    refused, restored, again = done.stdout.splitlines()
+    assert refused.startswith("refused: writing the checkpoint") and "File too large" in refused
+    assert restored == "['small']"  # the last good checkpoint, whole
+    assert again == "['ids', 'small']"  # and the next one, with room again, has everything
