@@ -130,6 +130,8 @@ class Checkpointer:
         self.last: CheckpointResult | None = None
         self._gc: threading.Thread | None = None
         self._saved: _Saved | None = None
+        # The last grouping and what it was computed from (see _group_names).
+        self._grouped: tuple[dict[str, tuple[int, ...]], list[list[str]]] | None = None
         self._cleaned = False  # leftovers of a killed writer are removed once per process
         # Groups a budgeted restore left on disk: every checkpoint keeps them until they are
         # loaded (``load_deferred``) or their names are bound anew.
@@ -289,7 +291,7 @@ class Checkpointer:
         saved = self._saved
         groups: dict[tuple[str, ...], _Group] = {}
         pickled = 0
-        for names in group_names(values, prints, blobs, ns):
+        for names in self._group_names(values, prints, blobs, ns):
             old = saved.groups.get(tuple(names)) if saved else None
             if old is not None and saved is not None and all(
                 prints[name] is not None and saved.fingerprints.by_name.get(name) == prints[name]
@@ -302,6 +304,20 @@ class Checkpointer:
             if group is not None:
                 groups[tuple(group.record["names"])] = group
         return groups, pickled
+
+    def _group_names(
+        self, values: Mapping[str, Any], prints: Mapping[str, pickling.Fingerprint | None],
+        blobs: pickling.BlobWriter, ns: dict[str, Any],
+    ) -> list[list[str]]:
+        """:func:`group_names`, remembered: it depends only on the shareable objects each
+        variable reaches, so while every variable reaches the same ones, it is the same."""
+        reached = {name: found[1] for name, found in prints.items() if found is not None}
+        if len(reached) < len(prints):
+            self._grouped = None  # a variable without a fingerprint is learned by pickling it
+            return group_names(values, prints, blobs, ns)
+        if self._grouped is None or self._grouped[0] != reached:
+            self._grouped = (reached, group_names(values, prints, blobs, ns))
+        return self._grouped[1]
 
     def _result(self, header: Mapping[str, Any], now: float, execution_count: int | None,
                 blobs: pickling.BlobWriter, pickled: int) -> CheckpointResult:
