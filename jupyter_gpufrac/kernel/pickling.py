@@ -315,18 +315,15 @@ class BlobWriter:
         self._written.add(blob)
         self.sync.add(blob, write)
 
-    def _later(self, counter: str) -> Callable[[str, Callable[[], int]], None]:
+    def _later(self, count: Callable[[int], None]) -> Callable[[str, Callable[[], int]], None]:
         """For :func:`tensor_io.store_bytes`: a blob written in a syncing thread, its bytes
-        added to ``counter`` once written (read after the commit has waited for them)."""
+        counted by ``count`` once written (read after the commit has waited for them)."""
 
         def later(blob: str, write: Callable[[], int]) -> None:
             def job() -> None:
                 with _writing_blobs():
                     written = write()
-                with self._count_lock:
-                    setattr(self, counter, getattr(self, counter) + written)
-                    if counter == "bytes_written":
-                        self.blobs_written += 1
+                count(written)
 
             self._note_new(blob, job)
 
@@ -357,8 +354,17 @@ class BlobWriter:
 
     def _count_new(self, blob: str, nbytes: int) -> None:
         self._note_new(blob)
-        self.bytes_written += nbytes
-        self.blobs_written += 1
+        self._count_blob(nbytes)
+
+    # Counted from the syncing threads too (see _later): under a lock.
+    def _count_blob(self, nbytes: int) -> None:
+        with self._count_lock:
+            self.bytes_written += nbytes
+            self.blobs_written += 1
+
+    def _count_pack(self, nbytes: int) -> None:
+        with self._count_lock:
+            self.group_bytes_written += nbytes
 
     def found(self, name: str) -> str | None:
         """The blob holding ``name`` (a content-addressed one, compressed or not) if it may be
@@ -408,7 +414,7 @@ class BlobWriter:
         if stored is None:
             with _writing_blobs():
                 stored, written = tensor_io.store_bytes(self.folder, raw, have=self.found,
-                                                        later=self._later("bytes_written"))
+                                                        later=self._later(self._count_blob))
             if written:
                 self._count_new(stored, written)
         blob = stored
@@ -431,10 +437,10 @@ class BlobWriter:
         with _writing_blobs():
             name, written = tensor_io.store_bytes(self.folder, data, tensor_io.PACK_PREFIX,
                                                   have=self.found,
-                                                  later=self._later("group_bytes_written"))
+                                                  later=self._later(self._count_pack))
         if written:
             self._note_new(name)
-            self.group_bytes_written += written
+            self._count_pack(written)
         return name
 
 
