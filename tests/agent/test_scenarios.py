@@ -211,7 +211,10 @@ def test_run_stopped_while_waiting_gives_its_lease_back(
     notebook_holding(agent, holders, "0.25", "1", 10)
     notebook_holding(agent, holders, "0.25", "1", 10)
     job = _run_job(agent, tmp_path / "never.txt")
-    wait_for(lambda: any(x["kind"] == "job" for x in c.leases()), what="the job lease")
+    # Its pid registered: `run` holds the lease's id and waits (before that, a lease whose
+    # answer it never read is an orphan, which --orphan-grace releases instead).
+    wait_for(lambda: any(x["kind"] == "job" and x["pids"] for x in c.leases()),
+             what="the job lease")
     job.terminate()
     assert job.wait(timeout=30) == 128 + signal.SIGTERM
     assert [x["kind"] for x in c.leases()] == ["notebook", "notebook"]
