@@ -66,9 +66,13 @@ def store_bytes(folder: store.CheckpointDir, data: memoryview | bytes, prefix: s
             return found, 0
         if _pays(memoryview(copy)):
             blob = COMPRESSED + name
+
+            def write() -> int:
+                return _publish(folder, blob, zlib.compress(copy, 1))
+
             if later is None:
-                return blob, _publish(folder, blob, zlib.compress(copy, 1))
-            later(blob, lambda: _publish(folder, blob, zlib.compress(copy, 1)))
+                return blob, write()
+            later(blob, write)
             return blob, 0
         return name, _publish(folder, name, copy)
     hasher = hashlib.blake2b(digest_size=20)
