@@ -156,7 +156,7 @@ class Checkpointer:
         Only variables whose fingerprint changed are pickled again; ``full`` re-pickles and
         re-writes everything (after writes no fingerprint sees, see :mod:`pickling`).
         """
-        with self._lock:
+        with self._lock, pickling.collector_paused():
             return self._take(ns, hidden, full, execution_count, extra or {})
 
     def _take(

@@ -71,6 +71,20 @@ _V2_STORAGE = "gpufrac.storage"
 _V2_USER_NS = ("gpufrac.user_ns",)
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off, as during a checkpoint: it makes many short-lived
+    objects and no cycles, and each collection it would set off walks the young objects of
+    the namespace too (0.7 ms a checkpoint on the benchmark's 1,000 variables)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class BlobWriteError(OSError):
     """Writing a blob failed (disk full, over quota, an I/O error).
 
@@ -347,6 +361,19 @@ class BlobWriter:
         return (known[0], known[1], device)
 
     def _write(self, storage: Any) -> tuple[str, int]:
+        """A new blob of ``storage``'s bytes. A host storage is written by a syncing thread while
+        the checkpoint goes on (several at once, each core copying); the commit waits for it.
+        Another device's is copied to the host and written here, one host copy at a time."""
+        if storage.device.type == "cpu":
+            blob, nbytes = store.new_blob_name(), int(storage.nbytes())
+
+            def job() -> None:
+                with _writing_blobs():
+                    tensor_io.write_storage(self.folder, storage, blob)
+
+            self._note_new(blob, job)
+            self._count_blob(nbytes)
+            return blob, nbytes
         with _writing_blobs():
             blob, nbytes, _path = tensor_io.write_storage(self.folder, storage)
         self._count_new(blob, nbytes)
@@ -392,6 +419,8 @@ class BlobWriter:
             self._by_storage[key] = known
             # Keep the storage alive so its _cdata cannot be reused within this checkpoint.
             self._keepalive.append(storage)
+            if blob is not None and known[0] == blob:
+                return known  # found as remembered: this tensor's version is the one recorded
         self.cache.remember(tensor, known[0], storage)
         return known
 

@@ -153,8 +153,10 @@ def host_view(storage: Any) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def write_storage(root: store.CheckpointDir | Path, storage: Any) -> tuple[str, int, Path]:
-    """Write an untyped storage's bytes as a new blob; returns (blob name, bytes, path).
+def write_storage(root: store.CheckpointDir | Path, storage: Any,
+                  name: str | None = None) -> tuple[str, int, Path]:
+    """Write an untyped storage's bytes as a new blob, named ``name`` (one from
+    :func:`store.new_blob_name`) or a fresh name; returns (blob name, bytes, path).
 
     No fsync here: the caller syncs all new blobs at once before it commits the checkpoint
     that names them (:meth:`store.CheckpointDir.commit`). A blob is written under its
@@ -164,7 +166,7 @@ def write_storage(root: store.CheckpointDir | Path, storage: Any) -> tuple[str, 
     if storage.device.type != "cpu":
         storage = storage.cpu()
     nbytes = int(storage.nbytes())
-    name = store.new_blob_name()
+    name = name or store.new_blob_name()
     with store.opened(root) as folder, folder.create(name, blob=True) as fh:
         if nbytes:
             _write_all(fh, host_view(storage))
