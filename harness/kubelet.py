@@ -26,17 +26,18 @@ def compiled() -> tuple[ModuleType, ModuleType]:
     """(messages, services) that protoc generates from the .proto, compiled once per process."""
     global _compiled
     if _compiled is None:
-        out = tempfile.mkdtemp(prefix="gpufrac-podresources-")
-        status = protoc.main(["protoc", f"-I{PROTO.parent}", f"--python_out={out}",
-                              f"--grpc_python_out={out}", PROTO.name])
-        if status != 0:
-            raise RuntimeError(f"protoc failed on {PROTO} ({status})")
-        sys.path.insert(0, out)
-        try:
-            _compiled = (importlib.import_module("podresources_pb2"),
-                         importlib.import_module("podresources_pb2_grpc"))
-        finally:
-            sys.path.remove(out)
+        # Imported, the modules live in memory: their folder goes (one was left per process).
+        with tempfile.TemporaryDirectory(prefix="gpufrac-podresources-") as out:
+            status = protoc.main(["protoc", f"-I{PROTO.parent}", f"--python_out={out}",
+                                  f"--grpc_python_out={out}", PROTO.name])
+            if status != 0:
+                raise RuntimeError(f"protoc failed on {PROTO} ({status})")
+            sys.path.insert(0, out)
+            try:
+                _compiled = (importlib.import_module("podresources_pb2"),
+                             importlib.import_module("podresources_pb2_grpc"))
+            finally:
+                sys.path.remove(out)
     return _compiled
 
 
