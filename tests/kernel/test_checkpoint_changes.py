@@ -422,6 +422,29 @@ def test_a_disk_that_fills_up_fails_the_checkpoint_and_keeps_the_last_good_one(
     assert back["note"] == "second" and same(back["value"], ns["value"])
 
 
+def test_after_small_changes_the_header_names_what_a_fresh_checkpoint_would(
+    tmp_path: Path,
+) -> None:
+    # Unchanged groups keep their pickles and records: one moved in its pack by a neighbour's
+    # change must be named where it now is. Packs are named by their content, so a fresh
+    # writer of the same namespace names the same packs and places.
+    ns: dict[str, Any] = {f"v{i}": {"i": i, "items": list(range(i % 7))} for i in range(600)}
+    ck = Checkpointer(tmp_path / "incremental")
+    ck.take(ns)
+    for step, name in enumerate(["v3", "v250", "v599", "v3", "v4"]):
+        ns[name]["items"] += list(range(step + 1))  # longer: its pack's later groups move
+        ns[f"new{step}"] = [step]
+        ck.take(ns)
+        fresh = Checkpointer(tmp_path / f"fresh{step}")
+        fresh.take(ns)
+        header, expected = ck.read_header(), fresh.read_header()
+        assert header is not None and expected is not None
+        assert len({g["blob"] for g in header["groups"]}) > 3, "several packs"
+        assert header["groups"] == expected["groups"] and header["blobs"] == expected["blobs"]
+        back = restored(tmp_path / "incremental")
+        assert {k: v for k, v in back.items() if not k.startswith("__")} == ns
+
+
 class Interrupts:
     """Pickling it is a Ctrl-C (or a SIGTERM turned into an exception) in mid-checkpoint."""
 
