@@ -64,7 +64,9 @@ def move_one(agent: AgentProcess, server: Server) -> tuple[str, int, list[str]]:
          "--timeout", "120", "--", "true"], capture_output=True, text=True, timeout=180)
     assert job.returncode == 0, job.stderr
     [mover] = [nb for nb in notebooks if "migrated" in server.events(nb.kernel_id)]
-    wait_for(lambda: "restored" in server.events(mover.kernel_id), 60, "the restore", interval=0.2)
+    # The next cell goes at once, as a script's would: a restore in a spare can take 80 ms,
+    # and the page's connection must have found the new process by then (see _reconnect_soon).
+    wait_for(lambda: "restored" in server.events(mover.kernel_id), 60, "the restore", interval=0.01)
     words = next(line.split() for line in mover.ok(CHECK).splitlines() if line.startswith("PID "))
     for nb in notebooks:
         nb.close()

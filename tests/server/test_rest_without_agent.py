@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket as net
 from typing import Any
 
 import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .conftest import gpufrac_config
 
@@ -46,3 +50,27 @@ async def test_embedded_agent_starts_and_stops(jp_fetch: Any, jp_serverapp: Any)
     finally:
         await app.stop_extension()
     assert process.poll() is not None and app.embedded is None
+
+
+
+def closed_port() -> int:
+    """A local TCP port nobody listens on (just released)."""
+    with net.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_kernel_sockets_reconnect_within_25_ms(jp_serverapp: Any) -> None:
+    # A move restarts a kernel on the same ports while open pages keep their connections:
+    # their sockets must find the new process before it has restored and runs a cell.
+    sub = jp_serverapp.kernel_manager.context.socket(zmq.SUB)  # as jupyter_client makes them
+    monitor = sub.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{closed_port()}")
+        waits = [parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 5))["value"]
+                 for _ in range(5)]
+    finally:
+        sub.disable_monitor()
+        monitor.close(0)
+        sub.close(0)
+    assert waits[0] == 10 and max(waits) == 25, waits  # ms before each retry
