@@ -7,7 +7,7 @@ import random
 import sys
 from typing import Any
 
-from jupyter_gpufrac.kernel import torch_adapter
+from jupyter_gpufrac.kernel import tensor_io, torch_adapter
 
 
 def capture() -> dict[str, Any]:
@@ -18,7 +18,8 @@ def capture() -> dict[str, Any]:
         state["numpy"] = numpy.random.get_state()
     torch = sys.modules.get("torch")
     if torch is not None:
-        state["torch"] = bytes(torch.get_rng_state().tolist())
+        generator = torch.get_rng_state()  # held: the view below reads its memory
+        state["torch"] = bytes(tensor_io.host_view(generator.untyped_storage()))
         cuda = torch_adapter.cuda_rng_states()
         if cuda is not None:
             state["cuda"] = cuda
@@ -39,7 +40,7 @@ def restore(state: dict[str, Any]) -> list[str]:
     if "torch" in state:
         import torch
 
-        torch.set_rng_state(torch.tensor(list(state["torch"]), dtype=torch.uint8))
+        torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
         done.append("torch")
     if "cuda" in state and torch_adapter.set_cuda_rng_states(state["cuda"]):
         done.append("cuda")
