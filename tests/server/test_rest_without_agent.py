@@ -52,7 +52,6 @@ async def test_embedded_agent_starts_and_stops(jp_fetch: Any, jp_serverapp: Any)
     assert process.poll() is not None and app.embedded is None
 
 
-
 def closed_port() -> int:
     """A local TCP port nobody listens on (just released)."""
     with net.socket() as probe:
