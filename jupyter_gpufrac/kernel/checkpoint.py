@@ -406,7 +406,7 @@ class Checkpointer:
         ``bytes``), the largest variables are left on disk until the rest fits; they are
         named in ``deferred`` and :meth:`load_deferred` brings them back.
         """
-        with self._lock, self._open() as folder:
+        with self._lock, self._open() as folder, pickling.collector_paused():
             return self._load(folder, ns, device, budget, measure)
 
     def load_deferred(
@@ -421,7 +421,7 @@ class Checkpointer:
             unknown = sorted(set(names) - {n for g in self.deferred for n in g["names"]})
             if unknown:
                 raise CheckpointError(f"not kept on disk: {', '.join(unknown)}")
-            with self._open() as folder:
+            with self._open() as folder, pickling.collector_paused():
                 values, lost, tensors, _ = self._load_groups(folder, wanted, ns, device)
             restored = sorted(name for name in values if name not in ns)
             ns.update({name: values[name] for name in restored})

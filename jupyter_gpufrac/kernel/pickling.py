@@ -73,9 +73,12 @@ _V2_USER_NS = ("gpufrac.user_ns",)
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off, as during a checkpoint: it makes many short-lived
-    objects and no cycles, and each collection it would set off walks the young objects of
-    the namespace too (0.7 ms a checkpoint on the benchmark's 1,000 variables)."""
+    """The cyclic garbage collector off, during a checkpoint or a restore. A checkpoint makes
+    many short-lived objects and no cycles, and each collection it set off walked the young
+    objects of the namespace (0.7 ms a checkpoint with 1,000 variables). A restore makes
+    objects that all live on, and collections over ever more of them made restoring a list
+    of a million small records take 2.57 s instead of 1.17 s (one collection is left, when
+    the collector is back on)."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -3,6 +3,7 @@ what did not change is not rewritten, and a restore after any of them equals the
 
 from __future__ import annotations
 
+import gc
 import resource
 import shutil
 import signal
@@ -443,6 +444,27 @@ def test_after_small_changes_the_header_names_what_a_fresh_checkpoint_would(
         assert header["groups"] == expected["groups"] and header["blobs"] == expected["blobs"]
         back = restored(tmp_path / "incremental")
         assert {k: v for k, v in back.items() if not k.startswith("__")} == ns
+
+
+def test_a_restore_sets_off_no_garbage_collection_on_the_way(ckdir: Path) -> None:
+    # Everything a restore makes lives on: collections over ever more of it only cost time
+    # (a list of a million small records restored in 2.57 s with them, 1.17 s without).
+    ns: dict[str, Any] = {"rows": [{"a": i, "b": [i]} for i in range(100_000)]}
+    Checkpointer(ckdir).take(ns)
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    back: dict[str, Any] = {}
+    gc.callbacks.append(count)
+    try:
+        Checkpointer(ckdir).load(back)
+    finally:
+        gc.callbacks.remove(count)
+    assert back["rows"] == ns["rows"]
+    assert len(collections) <= 1, collections  # at most one, once the collector is back
 
 
 class Interrupts:
