@@ -709,20 +709,23 @@ class FingerprintSession:
         except Exception:
             self._pickler = _Fingerprinter(sink, self)  # a failed dump may leave it half-way
             return None, False
-        memo = pickler.memo.copy()
-        reductions = pickler.reductions
-        if len(memo) > _MEMO_REUSED:
-            # Clearing and copying a memo costs what it grew to: a large one is not reused.
+        data = sink.getvalue()
+        # Only built-in containers and atoms (no reduction): nothing was made by the pickling.
+        plain = not pickler.reductions
+        # What a large one reaches is not read off the memo (see _container_ids).
+        memo = None if plain and len(data) > _FINGERPRINT_KEPT else pickler.memo.copy()
+        if memo is None or len(memo) > _MEMO_REUSED:
+            # Clearing a memo costs what it grew to: a large one is not reused.
             self._pickler = _Fingerprinter(sink, self)
         else:
             pickler.clear_memo()
         del pickler  # its memo held every object met: the counts below need it gone
-        data = sink.getvalue()
         if len(data) > _FINGERPRINT_KEPT:
             data = tensor_io.digest(data).encode()
-        if reductions:
+        if memo is None:
+            return (data, _container_ids(value)), True
+        if not plain:
             return (data, _lasting_ids(memo, self._kinds)), False
-        # Only built-in containers and atoms: nothing was made by the pickling.
         found = [(index, key) for key, (index, obj) in memo.items() if type(obj) in _MUTABLE]
         found.sort()
         return (data, tuple([key for _, key in found])), True
@@ -940,6 +943,31 @@ def _lasting_ids(memo: dict[int, tuple[int, Any]], kinds: dict[type, bool | None
 _MUTABLE = frozenset({list, dict, set, bytearray})
 _ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None)})
 _IMMUTABLE = _ATOMS | {tuple, frozenset}
+
+# The built-ins a pickle without reductions can hold that refer to other objects.
+_REFERRING = frozenset({list, dict, set, frozenset, tuple})
+
+
+def _container_ids(value: Any) -> tuple[int, ...]:
+    """Ids of the lists, dicts and sets that ``value``, made of built-in containers and atoms
+    only, reaches: each once, breadth first (a fixed order that moves when an object moves).
+
+    Level by level in bulk C calls, for large values: reading them off the pickler's memo
+    takes a Python step per object, and took 1.9 s a checkpoint for a list of 200,000 small
+    records. Small values are read off the memo, where these calls' fixed cost would show.
+    """
+    seen: set[int] = set()
+    found: list[int] = []
+    level: list[Any] = [value]
+    while level:
+        level = list(itertools.compress(level, map(_REFERRING.__contains__, map(type, level))))
+        by_id = dict(zip(map(id, level), level, strict=True))
+        new = list(itertools.filterfalse(seen.__contains__, by_id))
+        seen.update(new)
+        objects = list(map(by_id.__getitem__, new))
+        found += itertools.compress(new, map(_MUTABLE.__contains__, map(type, objects)))
+        level = gc.get_referents(*objects)
+    return tuple(found)
 
 
 def _shareable(obj: Any) -> bool:

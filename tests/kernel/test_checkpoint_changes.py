@@ -467,6 +467,27 @@ def test_a_restore_sets_off_no_garbage_collection_on_the_way(ckdir: Path) -> Non
     assert len(collections) <= 1, collections  # at most one, once the collector is back
 
 
+def test_a_large_list_of_records_keeps_what_it_shares_through_changes(ckdir: Path) -> None:
+    # Large values of built-in containers find what they reach another way than small ones
+    # (pickling._container_ids): equal bytes must still not hide a moved or copied object.
+    rows: list[Any] = [{"i": i % 50, "tags": [i % 3]} for i in range(20_000)]
+    ns: dict[str, Any] = {"rows": rows, "picked": rows[7], "tags": rows[9]["tags"],
+                          "tenth": rows[10]}
+    ck = Checkpointer(ckdir)
+    ck.take(ns)
+    back = restored(ckdir)
+    assert back["rows"] == rows and back["picked"] is back["rows"][7]
+    assert back["tags"] is back["rows"][9]["tags"] and back["tenth"] is back["rows"][10]
+    assert ck.take(ns).groups_written == 0, "nothing changed, nothing pickled"
+
+    rows[7] = dict(rows[7])  # an equal copy: the same bytes, no longer the shared row
+    rows[10], rows[60] = rows[60], rows[10]  # equal rows swapped: the shared one moved
+    assert ck.take(ns).groups_written == 1
+    back = restored(ckdir)
+    assert back["rows"] == rows and back["rows"][7] == back["picked"]
+    assert back["rows"][7] is not back["picked"] and back["tenth"] is back["rows"][60]
+
+
 class Interrupts:
     """Pickling it is a Ctrl-C (or a SIGTERM turned into an exception) in mid-checkpoint."""
 
