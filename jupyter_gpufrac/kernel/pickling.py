@@ -333,8 +333,9 @@ class BlobWriter:
         self.sync.add(blob, write)
 
     def _later(self, count: Callable[[int], None]) -> Callable[[str, Callable[[], int]], None]:
-        """For :func:`tensor_io.store_bytes`: a blob written in a syncing thread, its bytes
-        counted by ``count`` once written (read after the commit has waited for them)."""
+        """A blob written in a syncing thread (a storage, or what :func:`tensor_io.store_bytes`
+        compresses), its bytes counted by ``count`` once written (read after the commit has
+        waited for them)."""
 
         def later(blob: str, write: Callable[[], int]) -> None:
             def job() -> None:
@@ -368,15 +369,10 @@ class BlobWriter:
         the checkpoint goes on (several at once, each core copying); the commit waits for it.
         Another device's is copied to the host and written here, one host copy at a time."""
         if storage.device.type == "cpu":
-            blob, nbytes = store.new_blob_name(), int(storage.nbytes())
-
-            def job() -> None:
-                with _writing_blobs():
-                    tensor_io.write_storage(self.folder, storage, blob)
-
-            self._note_new(blob, job)
-            self._count_blob(nbytes)
-            return blob, nbytes
+            blob = store.new_blob_name()
+            self._later(self._count_blob)(
+                blob, lambda: tensor_io.write_storage(self.folder, storage, blob)[1])
+            return blob, int(storage.nbytes())
         with _writing_blobs():
             blob, nbytes, _path = tensor_io.write_storage(self.folder, storage)
         self._count_new(blob, nbytes)
