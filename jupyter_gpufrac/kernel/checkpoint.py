@@ -214,7 +214,7 @@ class Checkpointer:
         try:
             return self._save(folder, ns, selection, lost, blobs, execution_count, extra)
         finally:
-            blobs.sync.close()
+            blobs.close()
 
     def _save(
         self, folder: store.CheckpointDir, ns: dict[str, Any], selection: namespace.Selection,

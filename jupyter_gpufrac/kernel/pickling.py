@@ -4,8 +4,10 @@ Pickling (:class:`NamespacePickler`): cloudpickle with protocol 5; tensor storag
 out-of-band buffers (NumPy arrays, pandas columns) go to blobs of their own, cell functions keep
 the live globals. Change detection (:class:`FingerprintSession`): a variable's fingerprint is a
 pickle of it in which tensors stand as their storage blob (reused while their version counter
-says unchanged), large arrays as a hash of their bytes, and pandas arrays protected by
-copy-on-write as their identity; a variable whose fingerprint did not change is not pickled again.
+says unchanged), large arrays as a hash of their bytes, pandas arrays protected by copy-on-write
+as their identity, the notebook's classes as a hash of their own fingerprint and empty
+OrderedDicts as a mark beside their identity; a variable whose fingerprint did not change is not
+pickled again.
 """
 
 from __future__ import annotations
@@ -113,10 +115,14 @@ class _NamespaceMarker(dict):
 
 @dataclass
 class _Seen:
-    """One tensor on a storage, as it was when its storage was last written or reused."""
+    """One tensor on a storage, as it was when its storage was last written or reused, and the
+    text its fingerprint token held then, with what that text was made from (see
+    :meth:`IncrementalCache.token`)."""
 
     ref: weakref.ref[Any]
     version: int
+    layout: tuple[Any, ...] | None = None
+    token: str | None = None
 
 
 @dataclass
@@ -172,6 +178,30 @@ class IncrementalCache:
                 return None
         return entry.blob
 
+    def token(self, tensor: Any, storage: Any) -> tuple[str, str] | None:
+        """(blob, token text) that the last fingerprint of ``tensor`` recorded, if it still
+        holds: the tensor is the only one the storage's entry knows, and neither its version
+        nor its place and shape changed (a fingerprint then skips making the text anew, which
+        costs most of a tensor's part of it). ``tensor.data = other`` keeps the version; it
+        shows as another data pointer, shape, stride or dtype."""
+        entry = self._storages.get(self._key(tensor, storage))
+        if entry is None or entry.digest is not None or len(entry.tensors) != 1:
+            return None
+        seen = entry.tensors.get(id(tensor))
+        if (seen is None or seen.token is None or seen.ref() is not tensor
+                or seen.layout != _layout(tensor, storage)):
+            return None
+        return entry.blob, seen.token
+
+    def remember_token(self, tensor: Any, storage: Any, token: str) -> None:
+        """Record ``token``, the text of ``tensor``'s fingerprint token, made just now."""
+        entry = self._storages.get(self._key(tensor, storage))
+        if entry is None or entry.digest is not None:
+            return  # hashed, not versioned: its token is made each time
+        seen = entry.tensors.get(id(tensor))
+        if seen is not None and seen.ref() is tensor:
+            seen.layout, seen.token = _layout(tensor, storage), token
+
     def remember(self, tensor: Any, blob: str, storage: Any = None) -> None:
         """Record that ``blob`` holds ``tensor``'s storage as it is now."""
         storage = tensor.untyped_storage() if storage is None else storage
@@ -212,6 +242,12 @@ class IncrementalCache:
     def clear(self) -> None:
         """Forget everything: the next checkpoint writes every tensor."""
         self._storages.clear()
+
+
+def _layout(tensor: Any, storage: Any) -> tuple[Any, ...]:
+    """What a tensor's token text is made of besides its storage's blob, with its version."""
+    return (tensor._version, type(tensor), tensor.data_ptr(), tensor.shape, tensor.stride(),
+            tensor.dtype, tensor.requires_grad, storage.nbytes())
 
 
 def _no_version(tensor: Any) -> bool:
@@ -326,6 +362,15 @@ class BlobWriter:
 
     def __post_init__(self) -> None:
         self.sync = store.BlobSync(self.folder)  # each new blob starts syncing once written
+
+    def close(self) -> None:
+        """Stop the syncing threads and let go of what this checkpoint held alive: a fingerprint
+        session that refers to this writer may outlive it in a reference cycle, and a storage or
+        an array the notebook then deletes must give its memory back at once."""
+        self.sync.close()
+        self._keepalive.clear()
+        self._by_storage.clear()
+        self.digests.clear()
 
     def _note_new(self, blob: str, write: Callable[[], None] | None = None) -> None:
         self.new_blobs.append(blob)
@@ -647,11 +692,19 @@ class FingerprintSession:
         self.blobs = blobs
         self.user_ns = user_ns
         self.guard = blobs.guard if PandasGuard.active() else None
-        self._handlers: dict[type, Callable[[Any], Any] | None] = {}
+        self.handlers = _Handlers(self._find_handler)
         self._tensor_types = _tensor_classes()
         self._storage_types = _storage_classes()
         self._kinds: dict[type, bool | None] = {}
+        self._by_value: dict[int, tuple[Any, bool]] = {}  # see by_value
         self._tokens: dict[int, tuple[Any, Any]] = {}  # tensor id -> (tensor, its token)
+        # Classes of the notebook, each fingerprinted apart once per checkpoint (see
+        # _class_token): id -> (class, its fingerprint), and those being fingerprinted.
+        self._classes: dict[int, tuple[type, Fingerprint]] = {}
+        self._open: set[int] = set()
+        # Ids of what the fingerprint being taken holds as marks, in the order met (classes
+        # fingerprinted apart: what they reached; empty OrderedDicts, see _marked_items).
+        self._marked: list[int] = []
         # A plain dict, looked up in C, rather than cloudpickle's ChainMap, looked up in Python
         # for every object; taken anew each checkpoint, so reducers registered since count.
         self.dispatch_table = dict(cloudpickle.Pickler.dispatch_table)
@@ -663,7 +716,9 @@ class FingerprintSession:
         other, so without this a tensor the user then `del`s would keep its memory (GPU memory
         too) until the garbage collector next runs."""
         self._tokens.clear()
-        self._handlers.clear()
+        self._by_value.clear()
+        self._classes.clear()
+        self.handlers.clear()
         self._pickler.clear_memo()
         self._pickler.globals_ref.clear()
         self.dispatch_table.clear()
@@ -677,19 +732,22 @@ class FingerprintSession:
         """
         found = Fingerprints()
         if last is not None:
-            for batch in _batches([name for name in values if name in last.plain]):
-                taken, plain = self._fingerprint(tuple(values[name] for name in batch))
+            names = list(filter(last.plain.__contains__, values))
+            known = list(last.batches)
+            # The same names cut the same way: the cut is reused rather than made again.
+            same = names == list(itertools.chain.from_iterable(known))
+            for batch in known if same else _batches(names):
+                taken, plain = self._fingerprint(tuple(map(values.__getitem__, batch)))
                 if taken is None or not plain:
                     continue
                 found.batches[batch] = taken
                 if last.batches.get(batch) == taken:
-                    found.by_name.update((name, last.by_name[name]) for name in batch)
+                    found.by_name.update(zip(batch, map(last.by_name.__getitem__, batch), strict=True))
                     found.plain.update(batch)
-        for name, value in values.items():
-            if name not in found.by_name:
-                found.by_name[name], plain = self._fingerprint(value)
-                if plain:
-                    found.plain.add(name)
+        for name in list(itertools.filterfalse(found.by_name.__contains__, values)):
+            found.by_name[name], plain = self._fingerprint(values[name])
+            if plain:
+                found.plain.add(name)
         return found
 
     def _fingerprint(self, value: Any) -> tuple[Fingerprint | None, bool]:
@@ -704,7 +762,10 @@ class FingerprintSession:
             pickle.Pickler.dump(pickler, value)
         except Exception:
             self._pickler = _Fingerprinter(sink, self)  # a failed dump may leave it half-way
+            self._marked.clear()
             return None, False
+        marked = tuple(self._marked)
+        self._marked.clear()
         data = sink.getvalue()
         # Only built-in containers and atoms (no reduction): nothing was made by the pickling.
         plain = not pickler.reductions
@@ -721,18 +782,9 @@ class FingerprintSession:
         if memo is None:
             return (data, _container_ids(value)), True
         if not plain:
-            return (data, _lasting_ids(memo, self._kinds)), False
-        found = [(index, key) for key, (index, obj) in memo.items() if type(obj) in _MUTABLE]
-        found.sort()
-        return (data, tuple([key for _, key in found])), True
-
-    def handler(self, cls: type) -> Callable[[Any], Any] | None:
-        """What fingerprints instances of ``cls`` (None: the pickler's usual reduction)."""
-        try:
-            return self._handlers[cls]
-        except KeyError:
-            found = self._handlers[cls] = self._find_handler(cls)
-            return found
+            return (data, _lasting_ids(memo, self._kinds, self.by_value) + marked), False
+        found = {index: key for key, (index, obj) in memo.items() if type(obj) in _MUTABLE}
+        return (data, _in_order(found)), True
 
     def _find_handler(self, cls: type) -> Callable[[Any], Any] | None:
         if issubclass(cls, type) or cls is types.FunctionType:
@@ -754,10 +806,14 @@ class FingerprintSession:
                 return self._protected
         if _state_reduced(cls, self.dispatch_table):
             args = ("object", cls)  # held by the handler: one object per class, not per instance
-            return lambda obj: _object_token(args, obj)
+            return lambda obj: self._object_token(args, obj)
         return None
 
     def _cloudpickle(self, obj: Any) -> Any:
+        if not self.by_value(obj):
+            return NotImplemented  # by reference, as cloudpickle would, without asking it again
+        if isinstance(obj, type) and id(obj) not in self._open:
+            return self._class_token(obj)
         reduced = cloudpickle.Pickler.reducer_override(self._pickler, obj)
         if isinstance(obj, type) and isinstance(reduced, tuple) and len(reduced) > 2:
             # copyreg caches __slotnames__ in a class the first time one of its instances is
@@ -768,6 +824,54 @@ class FingerprintSession:
                 reduced = (*reduced[:2], (clsdict, *rest), *reduced[3:])
         return reduced
 
+    def by_value(self, obj: Any) -> bool:
+        """:func:`_by_value`, once per class or function and checkpoint: it is asked for each
+        one every fingerprint meets."""
+        known = self._by_value.get(id(obj))
+        if known is None or known[0] is not obj:
+            known = self._by_value[id(obj)] = (obj, _by_value(obj))
+        return known[1]
+
+    def _object_token(self, args: tuple[str, type], obj: Any) -> Any:
+        """What the default reduction holds, without its per-object tuple and, for a state
+        that is the object's own dict or one made for the occasion (a module's copy of its
+        dict), without the dict: its items in order. Another dict could be shared with another
+        variable: it is pickled as it is, so its identity counts."""
+        state = obj.__getstate__()
+        if isinstance(state, dict) and (
+                sys.getrefcount(state) <= 2 or state is getattr(obj, "__dict__", None)):
+            items = _marked_items(state, getattr(obj, "__dict__", None), self._marked)
+            return (_fp, args, None, None, items)
+        return (_fp, args, state)
+
+    def _class_token(self, cls: type) -> Any:
+        """A class of the notebook as a token of its fingerprint, taken apart and once per
+        checkpoint: a model's classes, met in the model and as variables of their own, cost
+        more than the rest of what a fingerprint meets. What the class's fingerprint reached
+        counts as reached by the fingerprint that met it (its ids join the others)."""
+        known = self._classes.get(id(cls))
+        if known is None or known[0] is not cls:
+            known = self._classes[id(cls)] = (cls, self._class_print(cls))
+        data, reached = known[1]
+        self._marked += reached
+        return (_fp, ("class", data))
+
+    def _class_print(self, cls: type) -> Fingerprint:
+        sink = io.BytesIO()
+        pickler = _Fingerprinter(sink, self)
+        marked = len(self._marked)
+        self._open.add(id(cls))  # met again within itself: pickled there as any class is
+        try:
+            pickle.Pickler.dump(pickler, cls)
+        finally:
+            self._open.discard(id(cls))
+        memo = pickler.memo.copy()
+        pickler.clear_memo()
+        del pickler  # its memo held every object met: the counts below need it gone
+        reached = _lasting_ids(memo, self._kinds, self.by_value) + tuple(self._marked[marked:])
+        del self._marked[marked:]
+        return tensor_io.digest(sink.getvalue()).encode(), reached
+
     def _tensor(self, tensor: Any) -> Any:
         known = self._tokens.get(id(tensor))
         if known is not None and known[0] is tensor:
@@ -777,13 +881,23 @@ class FingerprintSession:
         return token
 
     def _tensor_token(self, tensor: Any) -> Any:
-        if not _storable(tensor):
-            return NotImplemented  # torch's own reduction, through its storages
-        blob, _nbytes = self.blobs.storage_blob(tensor)
-        # Few objects per token: every object in a fingerprint costs (see _lasting_ids).
-        meta = (f"{blob} {tensor.get_device()} {tensor.storage_offset()} {tuple(tensor.size())} "
-                f"{tensor.stride()} {tensor.dtype} {tensor.requires_grad} {type(tensor).__name__} "
-                f"{tensor.is_inference()}")
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, and other tensors of no storage
+            return NotImplemented
+        cache = self.blobs.cache
+        known = cache.token(tensor, storage)
+        if known is not None and self.blobs.found(known[0]) is not None:
+            meta = known[1]
+        else:
+            if not _storable(tensor):
+                return NotImplemented  # torch's own reduction, through its storages
+            blob, _nbytes = self.blobs.storage_blob(tensor)
+            # Few objects per token: every object in a fingerprint costs (see _lasting_ids).
+            meta = (f"{blob} {tensor.get_device()} {tensor.storage_offset()} "
+                    f"{tuple(tensor.size())} {tensor.stride()} {tensor.dtype} "
+                    f"{tensor.requires_grad} {type(tensor).__name__} {tensor.is_inference()}")
+            cache.remember_token(tensor, storage, meta)
         grad = _keeps_grad(tensor)
         return (_fp, (), meta if grad is None else (meta, grad))
 
@@ -808,6 +922,19 @@ class FingerprintSession:
         return NotImplemented
 
 
+class _Handlers(dict[type, Callable[[Any], Any] | None]):
+    """What fingerprints instances of each class (None: the pickler's usual reduction), found
+    once per class: looked up in C for every object a fingerprint meets."""
+
+    def __init__(self, find: Callable[[type], Callable[[Any], Any] | None]) -> None:
+        super().__init__()
+        self._find = find
+
+    def __missing__(self, cls: type) -> Callable[[Any], Any] | None:
+        found = self[cls] = self._find(cls)
+        return found
+
+
 _USER_NS = ("user_ns",)
 _ORDERED = ("ordered dict",)
 
@@ -826,16 +953,24 @@ def _state_reduced(cls: type, dispatch: Mapping[type, Any]) -> bool:
             and not issubclass(cls, list | dict))
 
 
-def _object_token(args: tuple[str, type], obj: Any) -> Any:
-    """What the default reduction holds, without its per-object tuple and, for a state that is
-    the object's own dict or one made for the occasion (a module's copy of its dict), without
-    the dict: its items in order. Another dict could be shared with another variable: it is
-    pickled as it is, so its identity counts."""
-    state = obj.__getstate__()
-    if isinstance(state, dict) and (
-            sys.getrefcount(state) <= 2 or state is getattr(obj, "__dict__", None)):
-        return (_fp, args, None, None, iter(state.items()))
-    return (_fp, args, state)
+_EMPTY_ORDERED = "gpufrac: an empty OrderedDict"
+
+
+def _marked_items(state: dict[str, Any], attributes: dict[str, Any] | None,
+                  marked: list[int]) -> Iterator[tuple[str, Any]]:
+    """``state``'s items, in which an empty OrderedDict (no items, no attributes) that is the
+    object's own attribute stands as a mark, its id added to ``marked``. A model holds a dozen
+    per layer (its hooks): as marks, they cost a fingerprint a third of what they did. Their
+    ids still count, so one swapped for another, or shared anew, is still a change."""
+    items = list(state.items())
+    if attributes is None:
+        return iter(items)
+    for i, (key, value) in enumerate(items):
+        if (type(value) is collections.OrderedDict and not value
+                and attributes.get(key) is value and not vars(value)):
+            items[i] = (key, _EMPTY_ORDERED)
+            marked.append(id(value))
+    return iter(items)
 
 
 def _changed(_obj: Any) -> Any:
@@ -848,7 +983,7 @@ class _Fingerprinter(_NamespacePicklerBase):
     def __init__(self, file: Any, session: FingerprintSession) -> None:
         self.dispatch_table = session.dispatch_table
         super().__init__(file, session.user_ns)
-        self._session = session
+        self._handlers = session.handlers
         self.reductions = 0  # objects that were not built-in containers or atoms
 
     def reducer_override(self, obj: Any) -> Any:
@@ -858,7 +993,7 @@ class _Fingerprinter(_NamespacePicklerBase):
             # Here rather than through a handler: a model has a dozen per module (its hooks),
             # and their own reduction asks copyreg, in Python, for slot names.
             return (_fp, _ORDERED, vars(obj) or None, None, iter(obj.items()))
-        handler = self._session.handler(cls)
+        handler = self._handlers[cls]
         if handler is None:
             return NotImplemented
         return handler(obj)
@@ -898,13 +1033,14 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _lasting_ids(memo: dict[int, tuple[int, Any]], kinds: dict[type, bool | None]) -> tuple[int, ...]:
+def _lasting_ids(memo: dict[int, tuple[int, Any]], kinds: dict[type, bool | None],
+                 by_value: Callable[[Any], bool]) -> tuple[int, ...]:
     """Ids of the shareable objects a pickling met, in pickling order, less those the pickling
     made itself (a ``__getstate__`` returning a new dict): they are new at every checkpoint.
 
     An object the pickling made is referenced only by the pickler's memo and by other such
     objects; with the pickler's memo cleared, reference counts tell them apart. ``kinds``
-    caches :func:`_shareable_kind` for the checkpoint.
+    caches :func:`_shareable_kind` for the checkpoint, ``by_value`` answers :func:`_by_value`.
     """
     probe: list[Any] = []  # made here, held by the memo alone: the count of such an object
     memo[id(probe)] = (-1, probe)
@@ -913,27 +1049,33 @@ def _lasting_ids(memo: dict[int, tuple[int, Any]], kinds: dict[type, bool | None
     extra = {key: sys.getrefcount(obj) for key, (_, obj) in memo.items()
              if type(obj) not in _ATOMS}
     baseline = extra[next(reversed(extra))]
-    made = [obj for key, (_, obj) in memo.items() if extra.get(key, 0) == baseline]
-    gone: set[int] = set()
+    made = [key for key, count in extra.items() if count == baseline]
     while made:
-        obj = made.pop()
-        gone.add(id(obj))
-        for child in gc.get_referents(obj):
-            key = id(child)
-            if key in extra and key not in gone:
-                extra[key] -= 1
-                if extra[key] == baseline:
-                    made.append(child)
-    found = []
-    for key, (index, obj) in memo.items():
-        if key in gone or key not in extra:
+        key = made.pop()
+        extra[key] = 0  # made by the pickling: not among the ids
+        for child in gc.get_referents(memo[key][1]):
+            child_key = id(child)
+            count = extra.get(child_key)
+            if count:
+                extra[child_key] = count - 1
+                if count - 1 == baseline:
+                    made.append(child_key)
+    found = {}
+    for key, count in extra.items():
+        if not count:
             continue
+        index, obj = memo[key]
         cls = type(obj)
         kind = kinds[cls] if cls in kinds else kinds.setdefault(cls, _shareable_kind(cls, obj))
-        if kind or (kind is None and _by_value(obj)):
-            found.append((index, key))
-    found.sort()
-    return tuple(key for _, key in found)
+        if kind or (kind is None and by_value(obj)):
+            found[index] = key
+    return _in_order(found)
+
+
+def _in_order(by_index: dict[int, int]) -> tuple[int, ...]:
+    """The ids of a memo's objects in pickling order (a memo's copy is in no order; numbers
+    sort faster than pairs)."""
+    return tuple(map(by_index.__getitem__, sorted(by_index)))
 
 
 _MUTABLE = frozenset({list, dict, set, bytearray})
@@ -997,8 +1139,10 @@ def _shareable_kind(cls: type, obj: Any) -> bool | None:
 def _by_value(obj: type | types.FunctionType) -> bool:
     """Whether cloudpickle pickles this class or function by value (it is not importable)."""
     module_name = getattr(obj, "__module__", None)
-    module = sys.modules.get(module_name) if isinstance(module_name, str) else None
-    if module is None or module_name == "__main__":
+    if not isinstance(module_name, str) or module_name == "__main__":
+        return True
+    module = sys.modules.get(module_name)
+    if module is None:
         return True
     target: Any = module
     try:
@@ -1006,7 +1150,10 @@ def _by_value(obj: type | types.FunctionType) -> bool:
             target = getattr(target, part)
     except AttributeError:
         return True
-    return target is not obj or module_name in cloudpickle.list_registry_pickle_by_value()
+    # Registering a package registers its modules too.
+    return target is not obj or any(
+        module_name == name or module_name.startswith(name + ".")
+        for name in cloudpickle.list_registry_pickle_by_value())
 
 
 class NamespaceUnpickler(pickle.Unpickler):

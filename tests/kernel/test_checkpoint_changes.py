@@ -3,10 +3,12 @@ what did not change is not rewritten, and a restore after any of them equals the
 
 from __future__ import annotations
 
+import collections
 import gc
 import resource
 import shutil
 import signal
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -44,10 +46,15 @@ def frame() -> pandas.DataFrame:
 
 def namespace() -> dict[str, Any]:
     ns = cell_ns("""
+import collections
+
 class Point:
+    registry = []
+
     def __init__(self, x):
         self.x = x
         self.history = [x]
+        self.hooks = collections.OrderedDict()
 
 def counter():
     count = 0
@@ -161,10 +168,14 @@ MUTATIONS: dict[str, Mutation] = {
     "bytearray in place": lambda ns: ns["raw"].__setitem__(0, ord("z")),
     "object attribute": lambda ns: setattr(ns["point"], "x", 5),
     "object list attribute": lambda ns: ns["point"].history.append(5),
+    "empty OrderedDict attribute filled": lambda ns: ns["point"].hooks.__setitem__("h", 1),
+    "empty OrderedDict attribute swapped": lambda ns: setattr(
+        ns["point"], "hooks", collections.OrderedDict()),
     "closure cell": lambda ns: ns["bump"](),
     "function default": lambda ns: ns["scaled"].__defaults__[0].__setitem__(0, 3),
     "function attribute": lambda ns: setattr(ns["scaled"], "calls", 1),
     "class attribute": lambda ns: setattr(ns["Point"], "dims", 2),
+    "class attribute list": lambda ns: ns["Point"].registry.append(1),
     "small numpy in place": lambda ns: ns["small"].__setitem__(3, -1.0),
     "large numpy in place": lambda ns: ns["large"].__setitem__(123_456, -1.0),
     "numpy through a view": lambda ns: ns["large"][::1000].__imul__(2),
@@ -185,6 +196,12 @@ MUTATIONS: dict[str, Mutation] = {
     "series iloc": set_series_item,
     "tensor in place": lambda ns: ns["weights"].mul_(3),
     "tensor requires grad": lambda ns: ns["weights"].requires_grad_(True),
+    # `.data =` keeps the version counter: seen as a new data pointer, shape or dtype.
+    "tensor data replaced": lambda ns: setattr(ns["weights"], "data", torch.full((1000,), 2.0)),
+    "tensor data reshaped": lambda ns: setattr(ns["weights"], "data",
+                                               ns["weights"].data.view(10, 100)),
+    "tensor data as another dtype": lambda ns: setattr(ns["weights"], "data",
+                                                       ns["weights"].data.view(torch.int32)),
 }
 
 
@@ -207,6 +224,7 @@ def test_an_in_place_change_is_saved(ckdir: Path, mutation: Mutation) -> None:
     assert back["bump"]() == ns["bump"]() and back["scaled"](1) == ns["scaled"](1)
     assert getattr(back["scaled"], "calls", None) == getattr(ns["scaled"], "calls", None)
     assert getattr(back["Point"], "dims", None) == getattr(ns["Point"], "dims", None)
+    assert back["Point"].registry == ns["Point"].registry
     assert back["weights"].requires_grad == ns["weights"].requires_grad
 
 
@@ -236,6 +254,69 @@ def test_sharing_that_changes_without_a_value_changing_is_saved(ckdir: Path) -> 
     ck.take(ns)
     back = restored(ckdir)
     assert back["x"]["m"] is back["y"]["l"]
+
+
+@pytest.mark.parametrize("shared_first", [True, False], ids=["unshared later", "shared later"])
+def test_what_a_class_shares_with_a_variable_is_followed(ckdir: Path, shared_first: bool) -> None:
+    # A class of the notebook is fingerprinted apart, once per checkpoint: what it reaches
+    # must still count for the variables that meet it (the class, its instances).
+    ns = cell_ns("class Registry:\n    entries = []\n")
+    ns["r"] = ns["Registry"]()
+    ns["entries"] = ns["Registry"].entries if shared_first else []
+    ck = Checkpointer(ckdir)
+    ck.take(ns)
+    # Equal values either way: only which object the class holds changes.
+    ns["Registry"].entries = [] if shared_first else ns["entries"]
+    assert ck.take(ns).groups_written >= 1
+    back = restored(ckdir)
+    assert type(back["r"]) is back["Registry"]
+    assert (back["Registry"].entries is back["entries"]) is not shared_first
+
+
+@pytest.mark.parametrize("shared_first", [True, False], ids=["unshared later", "shared later"])
+def test_an_empty_ordered_dict_two_variables_share_is_followed(
+    ckdir: Path, shared_first: bool
+) -> None:
+    # Empty OrderedDicts (a layer's hooks) stand in a fingerprint as marks with their ids.
+    ns = cell_ns("class Layer:\n    def __init__(self, hooks):\n        self.hooks = hooks\n")
+    hooks: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    ns["a"] = ns["Layer"](hooks)
+    ns["b"] = ns["Layer"](hooks if shared_first else collections.OrderedDict())
+    ck = Checkpointer(ckdir)
+    ck.take(ns)
+    ns["b"].hooks = collections.OrderedDict() if shared_first else hooks
+    assert ck.take(ns).groups_written >= 1
+    back = restored(ckdir)
+    assert (back["a"].hooks is back["b"].hooks) is not shared_first
+    assert back["a"].hooks == back["b"].hooks == {}
+
+
+def test_a_class_of_a_package_registered_to_pickle_by_value_is_followed(
+    ckdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cloudpickle pickles a registered package's modules by value: a change to one of their
+    # classes is then a change to what the checkpoint holds.
+    import cloudpickle
+
+    package = tmp_path / "gpufrac_by_value_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "layers.py").write_text("class Scale:\n    factor = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gpufrac_by_value_pkg  # type: ignore[import-not-found]
+    from gpufrac_by_value_pkg import layers  # type: ignore[import-not-found]
+
+    cloudpickle.register_pickle_by_value(gpufrac_by_value_pkg)
+    try:
+        ns: dict[str, Any] = {"scale": layers.Scale()}
+        ck = Checkpointer(ckdir)
+        ck.take(ns)
+        layers.Scale.factor = 2
+        assert ck.take(ns).groups_written == 1
+    finally:
+        cloudpickle.unregister_pickle_by_value(gpufrac_by_value_pkg)
+        for name in ("gpufrac_by_value_pkg.layers", "gpufrac_by_value_pkg"):
+            sys.modules.pop(name, None)
 
 
 def test_equal_objects_that_swap_places_are_saved(ckdir: Path) -> None:
@@ -544,10 +625,17 @@ def test_a_checkpoint_keeps_nothing_alive_that_the_notebook_deletes(ckdir: Path)
         ck.take(ns)
         ns["t"].add_(1)
         ns["v"] = torch.ones(3)
+        # Hashed, not versioned: the checkpoint holds it while it runs.
+        ns["a"] = numpy.ones(10_000)
+        # A storage written by this checkpoint, which it held while it ran; the view is what
+        # the notebook keeps of it.
+        ns["w"] = torch.arange(1000.0)
         ck.take(ns)
-        refs = [weakref.ref(ns["t"]), weakref.ref(ns["v"])]
-        del ns["t"], ns["pair"], ns["v"]
-        assert [r() is None for r in refs] == [True, True]
+        refs = [weakref.ref(ns[name]) for name in ("t", "v", "a", "w")]
+        storage = weakref.ref(ns["w"].untyped_storage())
+        del ns["t"], ns["pair"], ns["v"], ns["a"], ns["w"]
+        assert [r() is None for r in refs] == [True] * 4
+        assert storage() is None
     finally:
         if enabled:
             gc.enable()
