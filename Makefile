@@ -37,7 +37,7 @@ soak: $(BIN)/gpufrac-agent
 		-o timeout=0
 
 bench: $(BIN)/gpufrac-agent
-	# dill.dump_module, the checkpoint benchmark's contender (not a dependency of the project).
+	# dill, the checkpoint benchmark's contender (not a dependency of the project).
 	$(BIN)/pip install --quiet dill
 	$(BIN)/python bench/agent_bench.py
 	$(BIN)/python bench/checkpoint_bench.py
