@@ -662,6 +662,9 @@ class Fingerprints:
     by_name: dict[str, Fingerprint | None] = field(default_factory=dict)
     plain: set[str] = field(default_factory=set)  # built-in containers and atoms only
     batches: dict[tuple[str, ...], Fingerprint] = field(default_factory=dict)
+    # The code objects these fingerprints name by id (see FingerprintSession._code), held as
+    # long as the fingerprints are compared with: no other code object can take their ids.
+    held: list[types.CodeType] = field(default_factory=list)
 
 
 def _batches(names: list[str]) -> list[tuple[str, ...]]:
@@ -697,6 +700,7 @@ class FingerprintSession:
         self._storage_types = _storage_classes()
         self._kinds: dict[type, bool | None] = {}
         self._by_value: dict[int, tuple[Any, bool]] = {}  # see by_value
+        self._held: dict[int, types.CodeType] = {}  # see _code
         self._tokens: dict[int, tuple[Any, Any]] = {}  # tensor id -> (tensor, its token)
         # Classes of the notebook, each fingerprinted apart once per checkpoint (see
         # _class_token): id -> (class, its fingerprint), and those being fingerprinted.
@@ -717,6 +721,7 @@ class FingerprintSession:
         too) until the garbage collector next runs."""
         self._tokens.clear()
         self._by_value.clear()
+        self._held.clear()
         self._classes.clear()
         self.handlers.clear()
         self._pickler.clear_memo()
@@ -748,6 +753,7 @@ class FingerprintSession:
             found.by_name[name], plain = self._fingerprint(values[name])
             if plain:
                 found.plain.add(name)
+        found.held = list(self._held.values())
         return found
 
     def _fingerprint(self, value: Any) -> tuple[Fingerprint | None, bool]:
@@ -789,6 +795,8 @@ class FingerprintSession:
     def _find_handler(self, cls: type) -> Callable[[Any], Any] | None:
         if issubclass(cls, type) or cls is types.FunctionType:
             return self._cloudpickle  # by value when the notebook defined it
+        if cls is types.CodeType:
+            return self._code
         if cls in self._tensor_types:
             return self._tensor
         if cls in self._storage_types:
@@ -871,6 +879,13 @@ class FingerprintSession:
         reached = _lasting_ids(memo, self._kinds, self.by_value) + tuple(self._marked[marked:])
         del self._marked[marked:]
         return tensor_io.digest(sink.getvalue()).encode(), reached
+
+    def _code(self, code: types.CodeType) -> Any:
+        """A code object by its id: it cannot change, and while the fingerprints naming it hold
+        it, no other object takes that id. Its pickle (bytecode, constants, names, line table)
+        cost a fifth of fingerprinting the notebook's classes and functions."""
+        self._held[id(code)] = code
+        return (_fp, ("code", id(code)))
 
     def _tensor(self, tensor: Any) -> Any:
         known = self._tokens.get(id(tensor))

@@ -174,6 +174,8 @@ MUTATIONS: dict[str, Mutation] = {
     "closure cell": lambda ns: ns["bump"](),
     "function default": lambda ns: ns["scaled"].__defaults__[0].__setitem__(0, 3),
     "function attribute": lambda ns: setattr(ns["scaled"], "calls", 1),
+    "function code": lambda ns: setattr(ns["scaled"], "__code__",
+                                        (lambda v, factor=[2]: v * factor[0] + 1).__code__),
     "class attribute": lambda ns: setattr(ns["Point"], "dims", 2),
     "class attribute list": lambda ns: ns["Point"].registry.append(1),
     "small numpy in place": lambda ns: ns["small"].__setitem__(3, -1.0),
@@ -317,6 +319,26 @@ def test_a_class_of_a_package_registered_to_pickle_by_value_is_followed(
         cloudpickle.unregister_pickle_by_value(gpufrac_by_value_pkg)
         for name in ("gpufrac_by_value_pkg.layers", "gpufrac_by_value_pkg"):
             sys.modules.pop(name, None)
+
+
+def test_a_code_object_at_the_address_of_a_replaced_one_is_a_change(ckdir: Path) -> None:
+    # Fingerprints name code objects by id. A function's old code, once dropped, would lend
+    # its address to the next code object made (CPython reuses it at once): the fingerprints
+    # hold what they name, so that cannot happen while they are compared with.
+    ns = cell_ns("def f(v):\n    return v * 2\n")
+    ck = Checkpointer(ckdir)
+    ck.take(ns)
+    old = id(ns["f"].__code__)
+    ns["f"].__code__ = cell_ns("def g(v):\n    return v * 3\n")["g"].__code__
+    made = []
+    for k in range(4, 200):
+        code = cell_ns(f"def h(v):\n    return v * {k}\n")["h"].__code__
+        if id(code) == old:
+            ns["f"].__code__ = code
+            break
+        made.append(code)
+    assert ck.take(ns).groups_written == 1
+    assert restored(ckdir)["f"](1) == ns["f"](1)
 
 
 def test_equal_objects_that_swap_places_are_saved(ckdir: Path) -> None:
