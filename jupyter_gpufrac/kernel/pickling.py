@@ -184,23 +184,28 @@ class IncrementalCache:
         nor its place and shape changed (a fingerprint then skips making the text anew, which
         costs most of a tensor's part of it). ``tensor.data = other`` keeps the version; it
         shows as another data pointer, shape, stride or dtype."""
-        entry = self._storages.get(self._key(tensor, storage))
-        if entry is None or entry.digest is not None or len(entry.tensors) != 1:
+        found = self._versioned(tensor, storage)
+        if found is None or len(found[0].tensors) != 1:
             return None
-        seen = entry.tensors.get(id(tensor))
-        if (seen is None or seen.token is None or seen.ref() is not tensor
-                or seen.layout != _layout(tensor, storage)):
+        entry, seen = found
+        if seen.token is None or seen.layout != _layout(tensor, storage):
             return None
         return entry.blob, seen.token
 
     def remember_token(self, tensor: Any, storage: Any, token: str) -> None:
         """Record ``token``, the text of ``tensor``'s fingerprint token, made just now."""
+        found = self._versioned(tensor, storage)
+        if found is not None:
+            found[1].layout, found[1].token = _layout(tensor, storage), token
+
+    def _versioned(self, tensor: Any, storage: Any) -> tuple[_StorageEntry, _Seen] | None:
+        """The entry of ``tensor``'s storage and what it knows of ``tensor``, if it knows it and
+        follows versions (a hashed storage's token is made each time)."""
         entry = self._storages.get(self._key(tensor, storage))
         if entry is None or entry.digest is not None:
-            return  # hashed, not versioned: its token is made each time
+            return None
         seen = entry.tensors.get(id(tensor))
-        if seen is not None and seen.ref() is tensor:
-            seen.layout, seen.token = _layout(tensor, storage), token
+        return None if seen is None or seen.ref() is not tensor else (entry, seen)
 
     def remember(self, tensor: Any, blob: str, storage: Any = None) -> None:
         """Record that ``blob`` holds ``tensor``'s storage as it is now."""
