@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 
@@ -115,14 +115,10 @@ class _NamespaceMarker(dict):
 
 @dataclass
 class _Seen:
-    """One tensor on a storage, as it was when its storage was last written or reused, and the
-    text its fingerprint token held then, with what that text was made from (see
-    :meth:`IncrementalCache.token`)."""
+    """One tensor on a storage, as it was when its storage was last written or reused."""
 
     ref: weakref.ref[Any]
     version: int
-    layout: tuple[Any, ...] | None = None
-    token: str | None = None
 
 
 @dataclass
@@ -136,6 +132,16 @@ class _StorageEntry:
     nbytes: int
     tensors: dict[int, _Seen] = field(default_factory=dict)
     digest: str | None = None
+
+
+class _Token(NamedTuple):
+    """The text of a tensor's fingerprint token, and what it was made from (see
+    :meth:`IncrementalCache.token`)."""
+
+    entry: _StorageEntry
+    ref: weakref.ref[Any]
+    layout: tuple[Any, ...]
+    text: str
 
 
 class IncrementalCache:
@@ -153,6 +159,9 @@ class IncrementalCache:
 
     def __init__(self) -> None:
         self._storages: dict[tuple[int, int], _StorageEntry] = {}
+        # Tensors whose token text is kept, by id: found without computing their storage's
+        # key, as a checkpoint with nothing changed asks for every tensor of the notebook.
+        self._tokens: dict[int, _Token] = {}
 
     def __len__(self) -> int:
         return sum(len(e.tensors) for e in self._storages.values())
@@ -184,28 +193,22 @@ class IncrementalCache:
         nor its place and shape changed (a fingerprint then skips making the text anew, which
         costs most of a tensor's part of it). ``tensor.data = other`` keeps the version; it
         shows as another data pointer, shape, stride or dtype."""
-        found = self._versioned(tensor, storage)
-        if found is None or len(found[0].tensors) != 1:
+        known = self._tokens.get(id(tensor))
+        if known is None:
             return None
-        entry, seen = found
-        if seen.token is None or seen.layout != _layout(tensor, storage):
+        entry, ref, layout, text = known
+        if ref() is not tensor or len(entry.tensors) != 1 or layout != _layout(tensor, storage):
             return None
-        return entry.blob, seen.token
+        return entry.blob, text
 
     def remember_token(self, tensor: Any, storage: Any, token: str) -> None:
         """Record ``token``, the text of ``tensor``'s fingerprint token, made just now."""
-        found = self._versioned(tensor, storage)
-        if found is not None:
-            found[1].layout, found[1].token = _layout(tensor, storage), token
-
-    def _versioned(self, tensor: Any, storage: Any) -> tuple[_StorageEntry, _Seen] | None:
-        """The entry of ``tensor``'s storage and what it knows of ``tensor``, if it knows it and
-        follows versions (a hashed storage's token is made each time)."""
         entry = self._storages.get(self._key(tensor, storage))
         if entry is None or entry.digest is not None:
-            return None
+            return  # a hashed storage's token is made each time
         seen = entry.tensors.get(id(tensor))
-        return None if seen is None or seen.ref() is not tensor else (entry, seen)
+        if seen is not None and seen.ref() is tensor:
+            self._tokens[id(tensor)] = _Token(entry, seen.ref, _layout(tensor, storage), token)
 
     def remember(self, tensor: Any, blob: str, storage: Any = None) -> None:
         """Record that ``blob`` holds ``tensor``'s storage as it is now."""
@@ -220,6 +223,7 @@ class IncrementalCache:
                 if (alive := seen.ref()) is not None and id(alive) == k
             }
             digest = tensor_io.storage_digest(storage) if _no_version(tensor) else None
+            self._retire(storage_key)
             entry = self._storages[storage_key] = _StorageEntry(blob, nbytes, kept, digest)
         key = id(tensor)
         seen = entry.tensors.get(key)
@@ -237,16 +241,27 @@ class IncrementalCache:
     def _drop(self, storage_key: tuple[int, int], ref: weakref.ref[Any]) -> None:
         entry = self._storages.get(storage_key)
         if entry is not None and any(seen.ref is ref for seen in entry.tensors.values()):
-            del self._storages[storage_key]
+            self._retire(storage_key)
+
+    def _retire(self, storage_key: tuple[int, int]) -> None:
+        """Forget a storage's entry, and the token texts of its tensors with it."""
+        entry = self._storages.pop(storage_key, None)
+        if entry is None:
+            return
+        for key in entry.tensors:
+            known = self._tokens.get(key)
+            if known is not None and known.entry is entry:
+                del self._tokens[key]
 
     def forget_blobs(self, blobs: set[str]) -> None:
         """Drop entries pointing at blobs about to be deleted."""
         for key in [k for k, e in self._storages.items() if e.blob in blobs]:
-            del self._storages[key]
+            self._retire(key)
 
     def clear(self) -> None:
         """Forget everything: the next checkpoint writes every tensor."""
         self._storages.clear()
+        self._tokens.clear()
 
 
 def _layout(tensor: Any, storage: Any) -> tuple[Any, ...]:

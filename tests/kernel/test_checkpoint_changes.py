@@ -441,6 +441,27 @@ def test_a_full_checkpoint_sees_writes_around_pandas(ckdir: Path) -> None:
     assert restored(ckdir)["df"].loc[0, "a"] == -5
 
 
+def test_a_full_checkpoint_sees_writes_around_a_tensors_version(ckdir: Path) -> None:
+    ns: dict[str, Any] = {"t": torch.zeros(1000)}
+    ck = Checkpointer(ckdir)
+    ck.take(ns)
+    ck.take(ns)  # the tensor's token text is now kept, to be reused while nothing changes
+    ns["t"].data.add_(1)  # around the version counter: the documented blind spot
+    ck.take(ns, full=True)
+    assert torch.equal(restored(ckdir)["t"], torch.ones(1000))
+
+
+def test_a_deleted_tensor_leaves_nothing_in_the_cache(ckdir: Path) -> None:
+    ns: dict[str, Any] = {"t": torch.zeros(1000), "u": torch.ones(10)}
+    ck = Checkpointer(ckdir)
+    ck.take(ns)
+    ck.take(ns)
+    assert ck.cache.token(ns["t"], ns["t"].untyped_storage()) is not None
+    del ns["t"], ns["u"]
+    assert len(ck.cache) == 0
+    assert not ck.cache._tokens  # nothing kept for tensors that died: ids are reused
+
+
 def test_blobs_no_committed_state_names_are_written_again_not_trusted(ckdir: Path) -> None:
     # A checkpoint that failed before its commit leaves blobs it never synced: after a crash,
     # such a file can be there, named right, and empty. Only blobs a committed state names,
