@@ -36,11 +36,19 @@ soak: $(BIN)/gpufrac-agent
 		$(BIN)/python -m pytest -q -s tests/e2e/test_sequences.py -k soak -p no:cacheprovider \
 		-o timeout=0
 
-bench: $(BIN)/gpufrac-agent
+# Kishu, the other checkpoint contender, in a venv of its own: it pins backports and Flask.
+KISHU := $(VENV)-kishu/bin/python
+$(KISHU):
+	$(PYTHON) -m venv $(VENV)-kishu
+	$(VENV)-kishu/bin/pip install --quiet torch==2.13.0
+	$(VENV)-kishu/bin/pip install --quiet kishu==0.3.4
+
+bench: $(BIN)/gpufrac-agent $(KISHU)
 	# dill, the checkpoint benchmark's contender (not a dependency of the project).
 	$(BIN)/pip install --quiet dill
 	$(BIN)/python bench/agent_bench.py
 	$(BIN)/python bench/checkpoint_bench.py
+	$(BIN)/python bench/kishu_bench.py --python $(KISHU)
 	$(BIN)/python bench/migration_bench.py
 	$(BIN)/python bench/oom_bench.py
 	$(BIN)/python bench/load_bench.py --seconds 30 --pace 1
@@ -53,4 +61,4 @@ sim: $(BIN)/gpufrac-agent
 		--jobs $(SIM_TRACES)/alibaba-gpu-v2023-pods.csv --node 8xA100-80GB --out docs/simulation
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV)-kishu

@@ -108,24 +108,38 @@ opt.zero_grad()  # gradients freed, as after a training loop: what is kept is we
 """
 
 
+# The second cell: the data a notebook loads beside the model.
+DATA = """
+import numpy, pandas
+big = torch.randn(int(50_000_000 * SCALE))  # 200 MB at scale 1
+rows = int(1_000_000 * SCALE)
+rng = numpy.random.default_rng(0)
+df = pandas.DataFrame({
+    "id": numpy.arange(rows),
+    "x": rng.standard_normal(rows),
+    "y": rng.standard_normal(rows).astype(numpy.float32),
+    "label": pandas.Categorical.from_codes(rng.integers(0, 8, rows), list("abcdefgh")),
+    "when": pandas.date_range("2026-01-01", periods=rows, freq="s"),
+})
+if STRINGS:  # Python strings (no pyarrow here): pickled one object at a time
+    df["name"] = pandas.array([f"user {i}" for i in range(rows)], dtype="str")
+for i in range(SMALL_VARIABLES):
+    globals()[f"v{i}"] = {"i": i, "name": f"value {i}", "items": list(range(10))}
+del rows, rng, i
+"""
+
+
+def cells(scale: float, strings: bool = False) -> list[str]:
+    """The notebook's cells, in order: what a kernel runs to hold the namespace."""
+    settings = f"SCALE = {scale!r}\nSTRINGS = {strings!r}\nSMALL_VARIABLES = {SMALL_VARIABLES}"
+    return [settings, NOTEBOOK, DATA]
+
+
 def build_namespace(scale: float, strings: bool = False) -> dict[str, Any]:
-    """The notebook's globals, as a kernel's ``user_ns`` holds them."""
-    ns: dict[str, Any] = {"__name__": "__main__", "SCALE": scale}
-    exec(compile(NOTEBOOK, "<cell>", "exec"), ns)
-    ns["big"] = torch.randn(int(50_000_000 * scale))  # 200 MB at scale 1
-    rows = int(1_000_000 * scale)
-    rng = numpy.random.default_rng(0)
-    ns["df"] = pandas.DataFrame({
-        "id": numpy.arange(rows),
-        "x": rng.standard_normal(rows),
-        "y": rng.standard_normal(rows).astype(numpy.float32),
-        "label": pandas.Categorical.from_codes(rng.integers(0, 8, rows), list("abcdefgh")),
-        "when": pandas.date_range("2026-01-01", periods=rows, freq="s"),
-    })
-    if strings:  # Python strings (no pyarrow here): pickled one object at a time
-        ns["df"]["name"] = pandas.array([f"user {i}" for i in range(rows)], dtype="str")
-    for i in range(SMALL_VARIABLES):
-        ns[f"v{i}"] = {"i": i, "name": f"value {i}", "items": list(range(10))}
+    """The notebook's globals, as a kernel's ``user_ns`` holds them after :func:`cells`."""
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    for number, cell in enumerate(cells(scale, strings)):
+        exec(compile(cell, f"<cell {number}>", "exec"), ns)
     return ns
 
 

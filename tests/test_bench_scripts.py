@@ -12,8 +12,8 @@ BENCH = sorted((Path(__file__).parents[1] / "bench").glob("*.py"))
 
 
 def test_there_are_benchmarks() -> None:
-    assert {p.name for p in BENCH} >= {"agent_bench.py", "checkpoint_bench.py", "migration_bench.py",
-                                          "oom_bench.py"}
+    assert {p.name for p in BENCH} >= {"agent_bench.py", "checkpoint_bench.py", "kishu_bench.py",
+                                          "migration_bench.py", "oom_bench.py"}
 
 
 @pytest.mark.parametrize("script", BENCH, ids=lambda p: p.name)
