@@ -210,6 +210,12 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def spread_ms(values: list[float]) -> str:
+    """The 10th to 90th percentile, in ms: how much of a run the VM slowed down."""
+    deciles = statistics.quantiles(values, n=10)
+    return f"p10-p90 {deciles[0] * 1e3:.1f}-{deciles[-1] * 1e3:.1f}"
+
+
 def paired(raw: list[float], ours: list[float]) -> str:
     """Median of the runs' raw ÷ ours ratios, and their range."""
     ratios = [r / o for r, o in zip(raw, ours, strict=True)]
@@ -272,10 +278,11 @@ def bench(root: Path, ns: dict[str, Any], runs: int, scale: float, strings: bool
     print(f"medians of {runs} runs; checkpoint {size / MiB:.1f} MiB in "
           f"{sum(1 for _ in files_under(ck_dir))} files")
     print(f"  nothing changed        {median(t_same) * 1e3:8.1f} ms   "
-          f"{median(w_same) / MiB:7.3f} MiB written   (goal <= 5 ms; median of {small_runs})")
+          f"{median(w_same) / MiB:7.3f} MiB written   (goal <= 5 ms; median of {small_runs}, "
+          f"{spread_ms(t_same)})")
     print(f"  one small var changed  {median(t_one) * 1e3:8.1f} ms   "
           f"{median(w_one) / MiB:7.3f} MiB written   (goal <= 20 ms, <= 1 MiB; median of "
-          f"{small_runs})")
+          f"{small_runs}, {spread_ms(t_one)})")
     # The ratio of each run's adjacent pair, then their median: this VM's disk speed drifts
     # by 2x within minutes, and a pair taken together sees the same disk.
     print(f"  first checkpoint       {median(t_ck):8.3f} s  {gb / median(t_ck):5.2f} GB/s   raw write+fsync "
