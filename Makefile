@@ -37,13 +37,14 @@ soak: $(BIN)/gpufrac-agent
 		-o timeout=0
 
 # Kishu, the other checkpoint contender, in a venv of its own: it pins backports and Flask.
+# Its `kishu` command is the target: it exists once both installs have succeeded.
 KISHU := $(VENV)-kishu/bin/python
-$(KISHU):
+$(VENV)-kishu/bin/kishu:
 	$(PYTHON) -m venv $(VENV)-kishu
 	$(VENV)-kishu/bin/pip install --quiet torch==2.13.0
 	$(VENV)-kishu/bin/pip install --quiet kishu==0.3.4
 
-bench: $(BIN)/gpufrac-agent $(KISHU)
+bench: $(BIN)/gpufrac-agent $(VENV)-kishu/bin/kishu
 	# dill, the checkpoint benchmark's contender (not a dependency of the project).
 	$(BIN)/pip install --quiet dill
 	$(BIN)/python bench/agent_bench.py

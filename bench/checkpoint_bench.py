@@ -108,7 +108,7 @@ opt.zero_grad()  # gradients freed, as after a training loop: what is kept is we
 """
 
 
-# The second cell: the data a notebook loads beside the model.
+# The last cell: the data a notebook loads beside the model.
 DATA = """
 import numpy, pandas
 big = torch.randn(int(50_000_000 * SCALE))  # 200 MB at scale 1
