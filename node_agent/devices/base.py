@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +25,19 @@ class GpuLost(DeviceError):
 
 class NoPermission(DeviceError):
     """The agent lacks the privilege for the query."""
+
+
+class FreezeError(DeviceError):
+    """The driver did not freeze or thaw a process. ``retry``: trying again may work (a lock
+    that timed out behind a long kernel); otherwise fall back to a checkpoint and restart."""
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+# A process's state as the driver's checkpoint API reports it (cuCheckpointProcessGetState).
+RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,39 @@ class Sweep:
     processes: dict[str, dict[int, int | None]]
     # uuid -> pid -> SM utilization in percent; uuid absent: the driver does not sample.
     utilization: dict[str, dict[int, int]]
+
+
+@runtime_checkable
+class Freezer(Protocol):
+    """Freezes a live process: its GPU memory and CUDA context go to its own host memory and
+    the GPU is given back while its CPU threads run on; a thaw brings them back. Calls block
+    for seconds (the driver copies the memory): the agent runs them off its event loop."""
+
+    name: str
+
+    def unavailable(self) -> str | None:
+        """Why no process can be frozen on this node (None: they can): said in words a person
+        reads, e.g. "the driver (535.104) predates the checkpoint API of r570"."""
+        ...
+
+    def can_remap(self) -> bool:
+        """Whether a thaw can land on another GPU of the same model (driver r580 and newer)."""
+        ...
+
+    def state(self, pid: int) -> str:
+        """RUNNING, LOCKED, CHECKPOINTED or FAILED. Raises FreezeError."""
+        ...
+
+    def freeze(self, pid: int, *, lock_timeout: float) -> None:
+        """Lock ``pid`` (waiting at most ``lock_timeout`` seconds for its submitted work), then
+        checkpoint it. On failure the process is left running (unlocked) where the driver
+        allows, and FreezeError says why (``retry`` for a lock timeout)."""
+        ...
+
+    def thaw(self, pid: int, remap: Mapping[str, str] | None = None) -> None:
+        """Restore ``pid`` (onto other GPUs: ``remap`` old UUID -> new UUID, covering every GPU
+        it used) and unlock it. Raises FreezeError."""
+        ...
 
 
 @runtime_checkable
