@@ -414,6 +414,15 @@ class ParkHandler(LeaseRoute):
         self.reply(self.agent.park(self.caller, lease_id, reason).to_json())
 
 
+class FreezeHandler(LeaseRoute):
+    async def post(self, lease_id: str) -> None:
+        # Answered once the driver has frozen the lease's processes (seconds for GiB), or
+        # with a 409 that says why freezing cannot be used, for the caller's fallback.
+        reason = parse_park(self.lease_body(lease_id))
+        lease = await self.agent.freeze(self.caller, lease_id, reason)
+        self.reply(lease.to_json())
+
+
 class ParkRequestHandler(LeaseRoute):
     def post(self, lease_id: str) -> None:
         _reject_unknown(self.lease_body(lease_id), ())
@@ -479,6 +488,7 @@ def make_app(agent: Agent, admin_gid: int | None = None, token: str | None = Non
             (lease + "/migrated", MigratedHandler, args),
             (lease + "/park", ParkHandler, args),
             (lease + "/park-request", ParkRequestHandler, args),
+            (lease + "/freeze", FreezeHandler, args),
             (lease + "/unpark", UnparkHandler, args),
             (r"/v1/directives", DirectivesHandler, args),
             (r"/metrics", MetricsHandler, args),

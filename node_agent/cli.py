@@ -317,6 +317,19 @@ async def _stop_without_parent(parent: int, stop: asyncio.Event) -> None:
         await asyncio.sleep(1.0)
 
 
+def _size(size: int | str | None, flag: str) -> int | None:
+    """A size option given as bytes or a quantity such as 500Mi."""
+    if size is None or isinstance(size, int):
+        return size
+    try:
+        nbytes = parse_quantity(size, flag).nbytes
+    except QuantityError as exc:
+        raise UsageError(str(exc)) from None
+    if nbytes is None:
+        raise UsageError(f"{flag}: expected a memory size such as 500Mi, got {size!r}")
+    return nbytes
+
+
 def _lock_state_dir(state_dir: str) -> int:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(state_dir, "agent.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -407,6 +420,30 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         _AGENT.max_workloads_per_gpu, allow_none=True, min=1,
         help="How many leases one GPU may run at once (None: not enforced).",
     ).tag(config=True)
+    freeze = Bool(
+        _AGENT.freeze,
+        help="Freeze a notebook's processes (the CUDA driver keeps their GPU memory and context "
+        "in their host memory; nothing restarts) to park it, reclaim from it or make room for "
+        "a job, wherever the driver can (r570+); elsewhere kernels are checkpointed and "
+        "restarted.",
+    ).tag(config=True)
+    freeze_lock_timeout = Float(
+        _AGENT.freeze_lock_timeout, min=0.1,
+        help="Seconds a freeze waits for a kernel's submitted GPU work before it is tried "
+        "again (--freeze-attempts in all), then given up for the fallback.",
+    ).tag(config=True)
+    freeze_attempts = Int(_AGENT.freeze_attempts, min=1,
+                          help="Tries of a freeze whose lock timed out.").tag(config=True)
+    freeze_budget = Union(
+        [Int(min=0), Unicode()], default_value=_AGENT.freeze_budget, allow_none=True,
+        help="Host memory frozen GPU state may take on this node, as a size such as 64Gi or "
+        "bytes. Default: --freeze-budget-share of the node's RAM. Past it kernels fall back to "
+        "a checkpoint and restart.",
+    ).tag(config=True, expect="a memory size such as 64Gi")
+    freeze_budget_share = Float(
+        _AGENT.freeze_budget_share, min=0, max=1,
+        help="The share of the node's RAM frozen GPU state may take (without --freeze-budget).",
+    ).tag(config=True)
     max_leases_per_user = Int(_AGENT.max_leases_per_user, min=1,
                               help="Leases one user (not an admin) may hold at once.",
                               ).tag(config=True)
@@ -458,13 +495,17 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             "orphan-grace", "restore-grace", "kill-window", "headroom", "context-size",
             "max-workloads-per-gpu", "max-leases-per-user", "admin-group", "tcp", "token-file",
             "log-level", "kubelet-socket", "gpu-resource", "kubelet-interval", "container-logs",
-            "reservation-namespace")},
+            "reservation-namespace", "freeze-lock-timeout", "freeze-attempts", "freeze-budget",
+            "freeze-budget-share")},
     }
     flags = {
         **GpuFracAgent.flags,
         **boolean_flag("node-scheduler", "ServeApp.node_scheduler",
                        "Spread burstable notebooks over idle GPUs (the default).",
                        "Keep every notebook on its bin-packed GPU."),
+        **boolean_flag("freeze", "ServeApp.freeze",
+                       "Freeze notebooks' processes where the driver can (the default).",
+                       "Never freeze: park and reclaim by checkpoint and restart."),
         **boolean_flag("enforce-limits", "ServeApp.enforce_limits",
                        "Stop leases that stay above their limit.",
                        "Never stop a lease for its limit alone."),
@@ -475,25 +516,14 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
     def agent_config(self) -> AgentConfig:
         """AgentConfig from these settings: every field is a trait of the same name."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(AgentConfig)}
-        return AgentConfig(**{**values, "context_size": self._context_bytes()})
-
-    def _context_bytes(self) -> int | None:
-        size = self.context_size
-        if size is None or isinstance(size, int):
-            return size
-        try:
-            nbytes = parse_quantity(size, "--context-size").nbytes
-        except QuantityError as exc:
-            raise UsageError(str(exc)) from None
-        if nbytes is None:
-            raise UsageError(f"--context-size: expected a memory size such as 500Mi, got "
-                             f"{size!r}")
-        return nbytes
+        return AgentConfig(**{**values, "context_size": _size(self.context_size, "--context-size"),
+                              "freeze_budget": _size(self.freeze_budget, "--freeze-budget")})
 
     def execute(self) -> int:
         # Imported here: status and run should start fast and need none of this.
         from node_agent.api import listen_unix, make_app
         from node_agent.devices import BackendUnavailable, open_backend
+        from node_agent.devices.freezing import open_freezer
         from node_agent.ledger import Ledger
         from node_agent.service import Agent
 
@@ -542,7 +572,7 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             return 2
         lock = _lock_state_dir(state_dir)
         ledger = Ledger(state_dir)
-        agent = Agent(backend, ledger, config)
+        agent = Agent(backend, ledger, config, open_freezer(backend))
 
         async def main() -> None:
             await agent.start()

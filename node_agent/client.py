@@ -200,6 +200,16 @@ def _park_call(lease_id: str, reason: str | None) -> _Call[dict[str, Any]]:
                  {} if reason is None else {"reason": reason})
 
 
+# A freeze is answered once the driver has copied the kernel's GPU memory to host memory: about
+# a second per GiB on an H100.
+FREEZE_TIMEOUT = 600.0
+
+
+def _freeze_call(lease_id: str, reason: str | None) -> _Call[dict[str, Any]]:
+    return _Call("POST", f"/v1/leases/{lease_id}/freeze", _same,
+                 {} if reason is None else {"reason": reason}, timeout=FREEZE_TIMEOUT)
+
+
 def _park_request_call(lease_id: str) -> _Call[dict[str, Any]]:
     return _Call("POST", f"/v1/leases/{lease_id}/park-request", _same, {})
 
@@ -461,6 +471,11 @@ class AgentClient(_Common):
         """Ask the lease's client (its server) to park it: a ``park`` directive."""
         return self._send(_park_request_call(lease_id))
 
+    def freeze(self, lease_id: str, reason: str | None = None) -> dict[str, Any]:
+        """Park the lease by freezing its processes; answered once they are frozen. A 409
+        (AgentError) says why freezing cannot be used."""
+        return self._send(_freeze_call(lease_id, reason))
+
     def unpark(self, lease_id: str) -> dict[str, Any]:
         """A GPU for a parked lease: ``active`` on one, or ``pending`` with the reason."""
         return self._send(_unpark_call(lease_id))
@@ -585,6 +600,11 @@ class AsyncAgentClient(_Common):
     async def park_request(self, lease_id: str) -> dict[str, Any]:
         """Ask the lease's client (its server) to park it: a ``park`` directive."""
         return await self._send(_park_request_call(lease_id))
+
+    async def freeze(self, lease_id: str, reason: str | None = None) -> dict[str, Any]:
+        """Park the lease by freezing its processes; answered once they are frozen. A 409
+        (AgentError) says why freezing cannot be used."""
+        return await self._send(_freeze_call(lease_id, reason))
 
     async def unpark(self, lease_id: str) -> dict[str, Any]:
         """A GPU for a parked lease: ``active`` on one, or ``pending`` with the reason."""

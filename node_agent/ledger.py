@@ -18,7 +18,10 @@ from typing import Any
 
 from node_agent.policy import Placement
 
-STATES = ("pending", "active", "migrating", "shrinking", "killed", "parked")
+# "freezing" and "thawing": the driver is moving the lease's GPU state to its processes' host
+# memory or back (seconds); a frozen lease is "parked" (idle) or "pending" (waiting for room).
+STATES = ("pending", "active", "migrating", "shrinking", "killed", "parked", "freezing",
+          "thawing")
 # ``planned_by`` of a lease whose logical GPUs the cluster's scheduler chose (KAI's plan, told
 # by the lease's client), and of a job lease for a pod the kubelet gave whole GPUs: its life is
 # the pod's, not its processes'.
@@ -53,6 +56,10 @@ CREATE TABLE IF NOT EXISTS leases (
     reach TEXT,
     planned_by TEXT,
     pod TEXT,
+    frozen_at REAL,
+    frozen_bytes INTEGER,
+    frozen_on TEXT,
+    fallback TEXT,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -83,7 +90,8 @@ CREATE INDEX IF NOT EXISTS kills_by_lease ON kills (lease_id, at);
 _ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("registered", "REAL"),
                   ("compute_request", "REAL"), ("compute_limit", "REAL"), ("devices", "INTEGER"),
                   ("parked_at", "REAL"), ("reach", "TEXT"), ("planned_by", "TEXT"),
-                  ("pod", "TEXT"))
+                  ("pod", "TEXT"), ("frozen_at", "REAL"), ("frozen_bytes", "INTEGER"),
+                  ("frozen_on", "TEXT"), ("fallback", "TEXT"))
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,23 @@ class Lease:
     # On Kubernetes: (namespace, pod, container) its processes run in, or the pod holding the
     # GPUs of a KUBELET lease; () elsewhere.
     pod: tuple[str, ...] = ()
+    # While its processes are frozen (the driver holds their GPU state in their host memory):
+    # since when, how many bytes left the GPU, and the GPUs they were frozen on.
+    frozen_at: float | None = None
+    frozen_bytes: int = 0
+    frozen_on: tuple[str, ...] = ()
+    # Why the last freeze of it could not be used, and so a checkpoint and restart stood in
+    # ("": none did).
+    fallback: str = ""
+
+    @property
+    def frozen(self) -> bool:
+        return self.frozen_at is not None
+
+    @property
+    def protection(self) -> str:
+        """What keeps its kernel's state while it has no GPU, as people read it."""
+        return "frozen in host memory" if self.frozen else "checkpoint on disk"
 
     def placement(self) -> Placement:
         return Placement(
@@ -177,6 +202,12 @@ class Lease:
             "planned_by": self.planned_by or "agent",
             "pod": dict(zip(("namespace", "name", "container"), self.pod, strict=True))
             if self.pod else None,
+            "frozen": self.frozen,
+            "frozen_at": self.frozen_at,
+            "frozen_bytes": self.frozen_bytes,
+            "frozen_gpus": list(self.frozen_on),
+            "protection": self.protection,
+            "fallback": self.fallback,
             "created": self.created,
             "updated": self.updated,
         }
@@ -266,6 +297,8 @@ class Ledger:
                 parked_at=r["parked_at"],
                 reach=tuple(json.loads(r["reach"] or "[]")), planned_by=r["planned_by"] or "",
                 pod=tuple(json.loads(r["pod"] or "[]")),
+                frozen_at=r["frozen_at"], frozen_bytes=r["frozen_bytes"] or 0,
+                frozen_on=tuple(json.loads(r["frozen_on"] or "[]")), fallback=r["fallback"] or "",
             )
 
     def directives_after(self, seq: int, client: str | None = None,
@@ -326,8 +359,9 @@ class Ledger:
                 "INSERT INTO leases (id, kind, owner_uid, client, kernel_id, name, request, lim,"
                 " request_spec, limit_spec, logical, physical, target, state, reason, deadline,"
                 " restore_until, orphan_deadline, registered, compute_request, compute_limit,"
-                " devices, parked_at, reach, planned_by, pod, created, updated)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " devices, parked_at, reach, planned_by, pod, frozen_at, frozen_bytes, frozen_on,"
+                " fallback, created, updated)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     lease.id, lease.kind, lease.owner_uid, lease.client, lease.kernel_id,
                     lease.name, lease.request, lease.limit, lease.request_spec, lease.limit_spec,
@@ -336,7 +370,8 @@ class Ledger:
                     lease.orphan_deadline, lease.registered, lease.compute_request,
                     lease.compute_limit, lease.devices, lease.parked_at,
                     json.dumps(lease.reach), lease.planned_by, json.dumps(lease.pod),
-                    lease.created, lease.updated,
+                    lease.frozen_at, lease.frozen_bytes, json.dumps(lease.frozen_on),
+                    lease.fallback, lease.created, lease.updated,
                 ),
             )
             self.leases[lease.id] = lease
@@ -349,6 +384,8 @@ class Ledger:
         "restore_until": "restore_until", "orphan_deadline": "orphan_deadline",
         "compute_request": "compute_request", "compute_limit": "compute_limit",
         "registered": "registered", "parked_at": "parked_at", "pod": "pod",
+        "frozen_at": "frozen_at", "frozen_bytes": "frozen_bytes", "frozen_on": "frozen_on",
+        "fallback": "fallback",
     }
 
     def update(self, lease_id: str, **changes: Any) -> Lease:

@@ -38,7 +38,9 @@ RUNNING = ("active", "shrinking", "migrating")
 # appears only at its first event hides that event from rate() and increase().
 MOVE_CAUSES = ("compaction", "request_changed")
 SHRINK_CAUSES = ("reclaim", "limit")
-KILL_CAUSES = ("reclaim", "limit", "migrate_timeout")
+KILL_CAUSES = ("reclaim", "limit", "migrate_timeout", "thaw_failed", "thaw_elsewhere")
+# Why a lease's processes were frozen.
+FREEZE_CAUSES = ("park", "reclaim", "limit", "job")
 
 
 def hostname() -> str:
@@ -197,6 +199,21 @@ def _events(stats: AgentStats, host: str) -> Iterator[Metric]:
     yield _counter("gpufrac_kills", "Leases whose processes the agent killed, by cause: reclaim, "
                    "limit or migrate_timeout (a move not reported done by its deadline).",
                    stats.kills, KILL_CAUSES, host)
+    yield _counter("gpufrac_freezes", "Leases whose processes the agent froze (their GPU state "
+                   "kept in host memory), by cause: park, reclaim, limit or job.",
+                   stats.freezes, FREEZE_CAUSES, host)
+    yield _counter("gpufrac_freeze_fallbacks", "Freezes that could not be used, so a checkpoint "
+                   "and restart (or a stop) stood in, by cause.", stats.freeze_fallbacks,
+                   FREEZE_CAUSES, host)
+    for name, help_text, hist in (
+        ("gpufrac_freeze_duration_seconds", "How long the driver took to freeze a lease's "
+         "processes.", stats.freeze_seconds),
+        ("gpufrac_thaw_duration_seconds", "How long the driver took to thaw a lease's "
+         "processes.", stats.thaw_seconds),
+    ):
+        timing = HistogramMetricFamily(name, help_text, labels=["hostname"])
+        timing.add_metric([host], hist.cumulative(), sum_value=hist.total)
+        yield timing
     for name, help_text, value in (
         ("gpufrac_parks", "Notebook leases parked: their idle kernels gave the GPU back.",
          stats.parks),

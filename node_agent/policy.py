@@ -427,6 +427,86 @@ def plan_evacuation(devices: Sequence[Device], leases: Sequence[Placement],
     return Evacuation(relocated, moves, tuple(sorted(stranded)))
 
 
+@dataclass(frozen=True)
+class FreezePlan:
+    """Room for a lease made by freezing notebooks: the GPUs it goes on, and the notebooks
+    (ids) whose processes are frozen so that it fits there."""
+
+    gpus: tuple[str, ...]
+    frozen: tuple[str, ...]
+
+
+def _freeze_subset(device: str, candidates: Sequence[Placement], need_logical: int,
+                   need_physical: int, need_count: int) -> tuple[int, list[Placement]] | None:
+    """The candidates to freeze on ``device`` that free the bytes needed in the plan and where
+    leases run (and the count), holding the least memory; (cost, chosen) or None."""
+    def frees(chosen: Iterable[Placement]) -> tuple[int, int, int]:
+        chosen = list(chosen)
+        return (sum(c.request for c in chosen if device in c.logical),
+                sum(c.request for c in chosen if device in c.physical),
+                sum(1 for c in chosen if device in c.physical))
+
+    def enough(chosen: Sequence[Placement]) -> bool:
+        logical, physical, count = frees(chosen)
+        return logical >= need_logical and physical >= need_physical and count >= need_count
+
+    ordered = sorted(candidates, key=lambda c: (c.usage, c.id))
+    if not enough(ordered):
+        return None
+    if len(ordered) <= _EXACT_LIMIT:
+        best: tuple[int, list[Placement]] | None = None
+        for mask in range(1 << len(ordered)):
+            chosen = [c for i, c in enumerate(ordered) if mask >> i & 1]
+            cost = sum(c.usage for c in chosen)
+            if (best is None or (cost, len(chosen)) < (best[0], len(best[1]))) and enough(chosen):
+                best = (cost, chosen)
+        return best
+    # Greedy beyond: the most bytes freed per byte frozen first, then drop what is not needed.
+    chosen = []
+    for c in sorted(ordered, key=lambda c: (c.usage / max(c.request, 1), c.id)):
+        chosen.append(c)
+        if enough(chosen):
+            break
+    for c in sorted(chosen, key=lambda c: (-c.usage, c.id)):
+        rest = [q for q in chosen if q.id != c.id]
+        if enough(rest):
+            chosen = rest
+    return sum(c.usage for c in chosen), chosen
+
+
+def plan_freezes(devices: Sequence[Device], leases: Sequence[Placement], request: int,
+                 count: int, freezable: Collection[str], rules: Rules = Rules()
+                 ) -> FreezePlan | None:
+    """Where a lease of ``request`` bytes on ``count`` GPUs fits once some notebooks are
+    frozen (their memory goes to host memory; they leave the plan and the GPU until they
+    thaw), freezing the least memory; None when freezing every ``freezable`` notebook (ids)
+    still leaves too few GPUs with room.
+
+    A frozen notebook frees its request where the plan has it and where it runs. GPUs are
+    chosen by the memory frozen on them, then by index.
+    """
+    logical, _ = _tally(leases, physical=False)
+    running, counts = _tally(leases, physical=True)
+    options: list[tuple[int, int, str, list[Placement]]] = []
+    for d in devices:
+        if not d.healthy:
+            continue
+        candidates = [p for p in leases if p.kind == NOTEBOOK and p.id in freezable
+                      and (d.uuid in p.logical or d.uuid in p.physical)]
+        need_count = (0 if rules.max_per_gpu is None
+                      else counts.get(d.uuid, 0) + 1 - rules.max_per_gpu)
+        found = _freeze_subset(d.uuid, candidates, logical.get(d.uuid, 0) + request - d.total,
+                               running.get(d.uuid, 0) + request - d.total, need_count)
+        if found is not None:
+            options.append((found[0], d.index, d.uuid, found[1]))
+    if len(options) < count:
+        return None
+    options.sort(key=lambda o: (o[0], o[1]))
+    chosen = options[:count]
+    frozen = sorted({p.id for *_, subset in chosen for p in subset})
+    return FreezePlan(tuple(uuid for _, _, uuid, _ in chosen), tuple(frozen))
+
+
 def _room_at_home(devices: Sequence[Device], leases: Sequence[Placement], p: Placement,
                   rules: Rules) -> bool:
     """Whether ``p`` fits on its logical GPUs where ``leases`` run now, within the rules."""

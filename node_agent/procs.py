@@ -33,6 +33,28 @@ class Stat:
     rss: int
 
 
+def _meminfo(field: bytes) -> int | None:
+    """A field of /proc/meminfo in bytes (None: not there)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(field + b":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_total() -> int:
+    """The host's RAM in bytes."""
+    return _meminfo(b"MemTotal") or os.sysconf("SC_PHYS_PAGES") * PAGE_SIZE
+
+
+def memory_available() -> int | None:
+    """What the host can still give processes without swapping (None: not known)."""
+    return _meminfo(b"MemAvailable")
+
+
 def stat(pid: int) -> Stat | None:
     """One read of /proc/<pid>/stat, or None when there is no such process.
 

@@ -7,13 +7,14 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from node_agent import policy, procs
 from node_agent.caps import mps_running
 from node_agent.devices import DeviceError, GpuBackend, GpuInfo, Sweep
+from node_agent.devices.base import CHECKPOINTED, FAILED, LOCKED, RUNNING, FreezeError, Freezer
 from node_agent.kubelet import cgroups
 from node_agent.kubelet.claims import WholeGpus
 from node_agent.ledger import CLUSTER, KUBELET, Directive, Lease, Ledger
@@ -23,16 +24,18 @@ from node_agent.quantities import (
     QuantityError,
     check_share,
     format_bytes,
+    format_duration,
     parse_quantity,
 )
 from node_agent.stats import AFTER_WAIT, AT_ONCE, MIGRATED, RELEASED, AgentStats, Observation
 
 log = logging.getLogger("gpufrac.agent")
+T = TypeVar("T")
 
 MAX_WAIT = 60.0
 # What a client is asked to do, and what it is only told (heard of when asked for by kind).
 ACTIONS = ("migrate", "shrink", "killed")
-NOTICES = ("resized", "bursting", "unparked")
+NOTICES = ("resized", "bursting", "unparked", "frozen")
 # Asked of a client only when it names them: a server that cannot park never hears of it.
 ASKED_BY_NAME = ("park",)
 KINDS = (*ACTIONS, *ASKED_BY_NAME, *NOTICES)
@@ -135,6 +138,17 @@ class AgentConfig:
     enforce_limits: bool | None = None
     # Where the kubelet links containers' logs, which name the pod container of a process.
     container_logs: str = cgroups.CONTAINER_LOGS
+    # Freeze a notebook's processes (the driver keeps their GPU state in their host memory)
+    # wherever it can, before restarting or stopping them.
+    freeze: bool = True
+    # How long a freeze waits for the kernel's submitted GPU work, and how often it is tried
+    # when that wait times out (a long kernel runs), before the fallback.
+    freeze_lock_timeout: float = 10.0
+    freeze_attempts: int = 3
+    # Host memory that frozen GPU state may take on this node (None: freeze_budget_share of
+    # its RAM). Frozen memory lives in the kernels' own processes: the host must hold it.
+    freeze_budget: int | None = None
+    freeze_budget_share: float = 0.5
 
     @property
     def rules(self) -> policy.Rules:
@@ -191,10 +205,14 @@ def _compute_share(current: tuple[float | None, float | None], request: float | 
 class Agent:
     """Leases, placement and reclaim for one node. Runs on one asyncio loop."""
 
-    def __init__(self, backend: GpuBackend, ledger: Ledger, config: AgentConfig | None = None) -> None:
+    def __init__(self, backend: GpuBackend, ledger: Ledger, config: AgentConfig | None = None,
+                 freezer: Freezer | None = None) -> None:
         self.backend = backend
         self.ledger = ledger
         self.config = config or AgentConfig()
+        self.freezer = freezer
+        # Freezes and thaws under way, by lease: each runs the driver's calls in a thread.
+        self._acting: dict[str, asyncio.Future[Any]] = {}
         self.gpus: list[GpuInfo] = []
         self._reported: dict[str, int] = {}
         # When each lease was last said to burst: a usage that hovers at the request must
@@ -204,7 +222,8 @@ class Agent:
         self._children: dict[str, list[tuple[int, int]]] = {}
         self._directive_added = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0}
+        self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0,
+                                         "freezes": 0, "thaws": 0}
         # Moves, shrinks and kills by cause, and move durations, for /metrics.
         self.stats = AgentStats()
         self.tick_seconds = 0.0
@@ -231,6 +250,7 @@ class Agent:
         for lease in self.ledger.leases.values():
             for pid, _start in lease.pids:
                 self._track(lease, pid)
+        self._resume_freezes()
         self._task = asyncio.create_task(self._poll(), name="gpufrac-poll")
 
     async def stop(self) -> None:
@@ -239,7 +259,14 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        # A freeze or thaw is left to finish: stopping the caller mid-call desyncs the driver.
+        await self.settled()
         self._procs.close()
+
+    async def settled(self) -> None:
+        """Wait for the freezes and thaws under way (and any they lead to) to end."""
+        while self._acting:
+            await asyncio.gather(*self._acting.values(), return_exceptions=True)
 
     async def _poll(self) -> None:
         while True:
@@ -649,24 +676,78 @@ class Agent:
             (None, None), ask.compute_request, ask.compute_limit)
         self._check_gpus(ask)
 
-        logical, physical, moves = self._place(ask.kind, req, lim, ask.devices, self.planning_view(),
-                                               reach=ask.reach, logical=ask.logical)
+        frozen: tuple[str, ...] = ()
+        try:
+            logical, physical, moves = self._place(ask.kind, req, lim, ask.devices,
+                                                   self.planning_view(), reach=ask.reach,
+                                                   logical=ask.logical)
+        except Conflict as exc:
+            plan = self._room_by_freezing(ask, req) if exc.field == "request" else None
+            if plan is None:
+                raise
+            logical = physical = plan.gpus
+            moves, frozen = [], plan.frozen
         now = time.time()
         lease = Lease(
             id="l-" + secrets.token_hex(6), kind=ask.kind, owner_uid=caller.uid, client=ask.client,
             kernel_id=ask.kernel_id, name=ask.name, request=req, limit=lim,
             request_spec=str(ask.request), limit_spec=str(ask.limit), logical=logical,
-            physical=physical, state="pending" if moves else "active", created=now, updated=now,
-            reason=self._waiting_reason(moves) if moves else "placed",
+            physical=physical, state="pending" if moves or frozen else "active", created=now,
+            updated=now, reason=self._waiting_reason(moves) if moves else (
+                f"waiting for {len(frozen)} notebook(s) on {self._labels(physical)} to be frozen "
+                "(their kernels keep everything in host memory and thaw when this job ends)"
+                if frozen else "placed"),
             compute_request=compute_request, compute_limit=compute_limit, devices=ask.devices,
             reach=ask.reach, planned_by=CLUSTER if ask.logical is not None else "",
         )
         with self.ledger.transaction():
             self.ledger.insert(lease)
             self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
-        log.info("lease %s (%s, uid %d): request %s on %s, physical %s, %d move(s)",
-                 lease.id, ask.kind, caller.uid, format_bytes(req), logical, physical, len(moves))
+            for notebook_id in frozen:
+                self._make_way(self.ledger.leases[notebook_id], lease)
+        log.info("lease %s (%s, uid %d): request %s on %s, physical %s, %d move(s), %d freeze(s)",
+                 lease.id, ask.kind, caller.uid, format_bytes(req), logical, physical, len(moves),
+                 len(frozen))
         return self.ledger.leases[lease.id]
+
+    def _room_by_freezing(self, ask: CreateLease, req: int) -> policy.FreezePlan | None:
+        """Where a job that finds no room (and no moves that make it) runs once the notebooks
+        in its way are frozen: on a one-GPU node, or with every GPU busy, they wait in host
+        memory rather than stop it. None for notebooks, the cluster's plans, or no such room."""
+        if ask.kind != policy.JOB or ask.logical is not None:
+            return None
+        leases = self.ledger.leases
+        # Running notebooks the agent planned (a cluster's plan would still count them).
+        candidates = {lease.id for lease in leases.values() if lease.kind == policy.NOTEBOOK
+                      and lease.state in ("active", "shrinking") and not lease.planned_by}
+        devices = [d for d in self.devices() if not ask.reach or d.uuid in ask.reach]
+        return policy.plan_freezes(devices, self.planning_view(), req, ask.devices, candidates,
+                                   self.config.rules)
+
+    def _make_way(self, notebook: Lease, job: Lease) -> None:
+        """Freeze ``notebook`` so that ``job`` can run where it runs; where freezing cannot be
+        used, its client is asked to park it (a checkpoint, and a restart without a GPU)."""
+        where = self._labels(g for g in notebook.physical if g in job.physical)
+        whose = self._describe(job) if job.owner_uid == notebook.owner_uid else "another user's job"
+        whole = job.request >= min((g.memory_usable for g in self.gpus
+                                    if g.uuid in job.physical), default=0)
+        needs = f"{whose} needs {where} whole" if whole else f"{whose} needs room on {where}"
+        blocker = self.freeze_blocker(notebook)
+
+        def park_instead(current: Lease, why: str) -> None:
+            if current.state not in ("active", "shrinking"):
+                return
+            self._directive(current, "park", f"{needs}, and freezing could not be used: {why}",
+                            gpu=current.physical[0] if current.physical else None,
+                            request=current.request, limit=current.limit)
+
+        if blocker is not None:
+            self.stats.freeze_fell_back("job")
+            park_instead(notebook, blocker)
+            return
+        self._start_freeze(notebook, f"frozen because {needs}: its process and variables wait "
+                           "in host memory (a running cell waits too), and it thaws when the "
+                           "job ends", "pending", "job", park_instead)
 
     def _smallest_usable(self) -> int:
         """What fractions resolve against: the smallest healthy GPU's usable memory."""
@@ -1035,7 +1116,9 @@ class Agent:
     def _unparked(self, lease: Lease, logical: tuple[str, ...], physical: tuple[str, ...],
                   how: str) -> Lease:
         """A lease that was parked runs on ``physical`` again: its processes are followed there
-        and its client told, with what it may hold."""
+        and its client told, with what it may hold (a frozen one once it is thawed)."""
+        if lease.frozen:
+            return self._start_thaw(lease, logical, physical, how)
         reason = f"unparked: placed on {self._labels(physical)}" + (
             "" if how == AT_ONCE else " once room appeared")
         with self.ledger.transaction():
@@ -1078,6 +1161,308 @@ class Agent:
         where = "no GPU has" if lease.devices == 1 else f"fewer than {lease.devices} GPUs have"
         return (f"waiting for a GPU: {where} {need} free for its request: "
                 + (", ".join(why(s) for s in short) or "this node lists no GPU"))
+
+    # --- freezing ----------------------------------------------------------------------
+    def freeze_blocker(self, lease: Lease) -> str | None:
+        """Why ``lease``'s processes cannot be frozen now (None: they can), in words its user
+        reads beside the fallback (a checkpoint on disk and a restart)."""
+        if not self.config.freeze:
+            return "freezing is turned off on this node (--no-freeze)"
+        if self.freezer is None:
+            return "this agent has no way to freeze processes"
+        why = self.freezer.unavailable()
+        if why:
+            return why
+        if lease.kind != policy.NOTEBOOK or lease.planned_by == KUBELET:
+            return "only notebooks are frozen"
+        if not lease.pids:
+            return "its kernel has no registered process"
+        if self._children.get(lease.id):
+            return ("a process its kernel started uses the GPU too (a DataLoader worker, a "
+                    "subprocess), which the driver cannot freeze with it")
+        if mps_running():
+            return "CUDA MPS runs on this node, and the driver cannot freeze its clients"
+        budget = self.freeze_budget()
+        frozen = self.frozen_bytes()
+        if frozen + lease.usage > budget:
+            return (f"host memory for frozen kernels is used up ({format_bytes(frozen)} of "
+                    f"{format_bytes(budget)} frozen; it holds {format_bytes(lease.usage)})")
+        available = procs.memory_available()
+        if available is not None and lease.usage > available:
+            return (f"the host has {format_bytes(available)} of memory available, less than "
+                    f"the {format_bytes(lease.usage)} it holds on the GPU")
+        return None
+
+    def freeze_budget(self) -> int:
+        """Bytes of host memory frozen GPU state may take on this node."""
+        if self.config.freeze_budget is not None:
+            return self.config.freeze_budget
+        return int(procs.memory_total() * self.config.freeze_budget_share)
+
+    def frozen_bytes(self) -> int:
+        """Host memory taken by frozen GPU state, and by the freezes under way."""
+        return sum(lease.frozen_bytes if lease.frozen else lease.usage
+                   for lease in self.ledger.leases.values()
+                   if lease.frozen or lease.state == "freezing")
+
+    async def freeze(self, caller: Caller, lease_id: str, reason: str | None = None) -> Lease:
+        """Park a notebook by freezing its processes (its client asks, e.g. for an idle
+        kernel): the lease gives its GPU back and its kernel keeps everything; its next cell
+        thaws it. Conflict says why freezing cannot be used, for the client's fallback."""
+        self._wake()
+        lease = self.lease(caller, lease_id)
+        self._notebook_only(lease)
+        if lease.state == "parked":
+            return lease
+        if lease.state not in ("active", "shrinking"):
+            raise Conflict("lease", f"lease is {lease.state}: "
+                           + _NOT_NOW.get(lease.state, "a freeze or thaw is under way"))
+        blocker = self.freeze_blocker(lease)
+        if blocker is not None:
+            self.ledger.update(lease.id, fallback=blocker)
+            self.stats.freeze_fell_back("park")
+            raise Conflict("freeze", blocker)
+        failed = await self._act(lease.id, self._freeze(
+            lease.id, reason or "parked: its idle kernel was frozen; its next cell thaws it",
+            then="parked", cause="park"))
+        if failed:
+            self.stats.freeze_fell_back("park")
+            raise Conflict("freeze", failed)
+        return self.ledger.leases[lease.id]
+
+    def _act(self, lease_id: str, work: Awaitable[T]) -> asyncio.Future[T]:
+        """Run a freeze or thaw of ``lease_id`` as a task the agent waits for when it stops."""
+        task = asyncio.ensure_future(work)
+        self._acting[lease_id] = task
+
+        def done(_: object) -> None:
+            if self._acting.get(lease_id) is task:
+                del self._acting[lease_id]
+            if not task.cancelled() and task.exception() is not None:
+                log.error("lease %s: freeze or thaw failed", lease_id,
+                          exc_info=task.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    def _start_freeze(self, lease: Lease, reason: str, then: str, cause: str,
+                      fallback: Callable[[Lease, str], None]) -> None:
+        """Freeze ``lease`` in the background; ``fallback(lease, why)`` where that fails."""
+        async def work() -> None:
+            failed = await self._freeze(lease.id, reason, then, cause)
+            current = self.ledger.leases.get(lease.id)
+            if failed and current is not None:
+                self.stats.freeze_fell_back(cause)
+                fallback(current, failed)
+        self.ledger.update(lease.id, state="freezing", reason=f"freezing: {reason}")
+        self._act(lease.id, work())
+
+    async def _freeze(self, lease_id: str, reason: str, then: str, cause: str) -> str | None:
+        """Freeze the lease's processes; then it is ``then`` (``parked``: its next cell thaws it;
+        ``pending``: it thaws once a GPU has room) with no GPU. Returns why it failed (None:
+        frozen); a failure leaves it running as it was."""
+        lease = self.ledger.leases[lease_id]
+        before = lease.state if lease.state in ("active", "shrinking") else "active"
+        if lease.state != "freezing":
+            lease = self.ledger.update(lease_id, state="freezing", reason=f"freezing: {reason}")
+        pids = [pid for pid, _ in lease.pids]
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        failed = await loop.run_in_executor(None, self._freeze_all, pids)
+        lease = self.ledger.leases.get(lease_id)  # type: ignore[assignment]
+        if lease is None:  # released meanwhile: its processes must not stay frozen
+            if failed is None:
+                await loop.run_in_executor(None, self._thaw_all, pids, None)
+            return "its lease was released during the freeze"
+        if failed is not None:
+            log.warning("lease %s: freeze failed: %s", lease_id, failed)
+            self.ledger.update(lease_id, state=before, fallback=failed,
+                               reason=lease.reason.removeprefix("freezing: "))
+            return failed
+        seconds = time.monotonic() - started
+        now = time.time()
+        held = lease.usage
+        with self.ledger.transaction():
+            lease = self.ledger.update(
+                lease_id, state=then, frozen_at=now, frozen_bytes=held, frozen_on=lease.physical,
+                physical=(), logical=lease.logical if lease.planned_by else (), target=(),
+                deadline=None, parked_at=now, reason=reason, fallback="")
+            self._directive(lease, "frozen", reason, gpu=lease.frozen_on[0], gpus=list(
+                lease.frozen_on), frozen_bytes=held, seconds=round(seconds, 3),
+                waiting=then == "pending", request=lease.request, limit=lease.limit)
+        for pid in pids:
+            self.backend.untrack(pid)
+        self._gone(lease_id, set(pids))
+        self.counters["freezes"] += 1
+        self.stats.frozen(cause, seconds)
+        self.stats.parked(lease_id)
+        log.info("lease %s frozen in %.2fs (%s): %s", lease_id, seconds, format_bytes(held),
+                 reason)
+        self._activate_pending()
+        return None
+
+    def _freeze_all(self, pids: Sequence[int]) -> str | None:
+        """Freeze each process (retrying a lock that timed out); on a failure the ones frozen
+        are thawed again, and the reason returned. Runs in a worker thread."""
+        assert self.freezer is not None
+        done: list[int] = []
+        for pid in pids:
+            for attempt in range(1, self.config.freeze_attempts + 1):
+                try:
+                    self.freezer.freeze(pid, lock_timeout=self.config.freeze_lock_timeout)
+                    done.append(pid)
+                    break
+                except FreezeError as exc:
+                    if exc.retry and attempt < self.config.freeze_attempts:
+                        continue
+                    self._thaw_all(done, None)
+                    tries = f" after {attempt} tries" if attempt > 1 else ""
+                    return f"the driver did not freeze process {pid}{tries}: {exc}"
+        return None
+
+    def _thaw_all(self, pids: Sequence[int], remap: Mapping[str, str] | None) -> str | None:
+        """Thaw each process still frozen; returns why one could not be (None: all run).
+        Runs in a worker thread."""
+        assert self.freezer is not None
+        for pid in pids:
+            try:
+                if self.freezer.state(pid) == RUNNING:
+                    continue  # thawed already (a thaw that raced this one, or never frozen)
+                self.freezer.thaw(pid, remap)
+            except FreezeError as exc:
+                return f"the driver did not thaw process {pid}: {exc}"
+        return None
+
+    def _thaw_room(self, lease: Lease, physical: tuple[str, ...]) -> str | None:
+        """Why ``lease`` cannot thaw onto ``physical`` now (None: it can): each GPU must have
+        what it froze free beside what other notebooks are owed there and what other thaws
+        bring back. A restore that runs out of memory can wedge the process for good."""
+        for uuid in physical:
+            gpu = self.gpu(uuid)
+            if gpu is None or not gpu.healthy:
+                return f"{self.gpu_label(uuid)} is not usable"
+            here = [other for other in self.ledger.leases.values()
+                    if other.id != lease.id and uuid in other.physical]
+            coming = sum(other.frozen_bytes for other in here if other.state == "thawing")
+            owed = sum(max(0, o.request - o.usage) for o in here
+                       if o.state in ("active", "shrinking"))
+            headroom = int(self.config.headroom * gpu.memory_usable)
+            free = gpu.memory_free - coming - min(owed, headroom)
+            if free < lease.frozen_bytes:
+                return f"{self.gpu_label(uuid)} has {format_bytes(max(0, free))} free"
+        return None
+
+    def _start_thaw(self, lease: Lease, logical: tuple[str, ...], physical: tuple[str, ...],
+                    how: str) -> Lease:
+        """A frozen lease was placed on ``physical``: thaw it there once the GPU has room for
+        what it froze (it waits for that without a GPU); onto another GPU where the driver can
+        remap, else its kernel restarts there from its last good checkpoint."""
+        short = self._thaw_room(lease, physical)
+        if short is not None:
+            reason = (f"frozen in host memory: waiting until a GPU has room for the "
+                      f"{format_bytes(lease.frozen_bytes)} it froze ({short})")
+            if (lease.state, lease.reason, lease.physical) == ("pending", reason, ()):
+                return lease
+            return self.ledger.update(lease.id, state="pending", physical=(), reason=reason,
+                                      logical=lease.logical if lease.planned_by else ())
+        remap: dict[str, str] | None = None
+        if set(physical) != set(lease.frozen_on):
+            blocker = self._remap_blocker(lease, physical)
+            if blocker is not None:
+                lease = self.ledger.update(lease.id, logical=logical, physical=physical,
+                                           fallback=blocker)
+                self._kill(lease, f"restarted on {self._labels(physical)} from its last good "
+                           f"checkpoint: it was frozen on {self._labels(lease.frozen_on)}, and "
+                           f"{blocker}", "thaw_elsewhere")
+                return self.ledger.leases[lease.id]
+            remap = dict(zip(lease.frozen_on, physical, strict=True))
+        lease = self.ledger.update(lease.id, state="thawing", logical=logical, physical=physical,
+                                   reason=f"thawing onto {self._labels(physical)}")
+        self._act(lease.id, self._thaw(lease.id, remap, how))
+        return lease
+
+    def _remap_blocker(self, lease: Lease, physical: tuple[str, ...]) -> str | None:
+        """Why the driver cannot thaw ``lease`` onto ``physical`` (None: it can)."""
+        assert self.freezer is not None
+        if len(physical) != len(lease.frozen_on):
+            return "it would run on another number of GPUs"
+        if not self.freezer.can_remap():
+            return "this driver thaws a process only onto the GPUs it was frozen on (r580 remaps)"
+        names = {g.uuid: g.name for g in self.gpus}
+        if any(names.get(old) != names.get(new)
+               for old, new in zip(lease.frozen_on, physical, strict=True)):
+            return "the driver thaws only onto a GPU of the same model"
+        return None
+
+    async def _thaw(self, lease_id: str, remap: Mapping[str, str] | None, how: str) -> None:
+        """Thaw the lease's processes onto its GPUs; it runs there again, or, where the driver
+        fails, restarts from its last good checkpoint."""
+        lease = self.ledger.leases[lease_id]
+        pids = [pid for pid, _ in lease.pids]
+        started = time.monotonic()
+        failed = await asyncio.get_running_loop().run_in_executor(
+            None, self._thaw_all, pids, remap)
+        lease = self.ledger.leases.get(lease_id)  # type: ignore[assignment]
+        if lease is None or lease.state != "thawing":
+            return  # released (or stopped) meanwhile
+        if failed is not None:
+            log.warning("lease %s: thaw failed: %s", lease_id, failed)
+            lease = self.ledger.update(lease_id, fallback=failed)
+            self._kill(lease, f"restarted from its last good checkpoint: {failed}",
+                       "thaw_failed")
+            return
+        seconds = time.monotonic() - started
+        now = time.time()
+        frozen_for = now - (lease.frozen_at or now)
+        reason = (f"thawed on {self._labels(lease.physical)} after "
+                  f"{format_duration(frozen_for)} frozen in host memory")
+        with self.ledger.transaction():
+            lease = self.ledger.update(
+                lease_id, state="active", parked_at=None, frozen_at=None, frozen_bytes=0,
+                frozen_on=(), reason=reason, restore_until=now + self.config.restore_grace)
+            self._directive(lease, "unparked", reason, gpu=lease.physical[0],
+                            gpus=list(lease.physical), request=lease.request, limit=lease.limit,
+                            thawed=True, frozen_s=round(frozen_for, 3),
+                            seconds=round(seconds, 3))
+        for pid in pids:
+            self._track(lease, pid)
+        self._recount(lease_id)
+        self.counters["thaws"] += 1
+        self.stats.thawed(seconds)
+        self.stats.unparked(how, lease_id)
+        log.info("lease %s %s (thaw %.2fs)", lease_id, reason, seconds)
+
+    def _resume_freezes(self) -> None:
+        """At start: finish what a previous agent left under way, by what the driver says of
+        each process. A freeze cut short is undone; a thaw is done again; a frozen lease whose
+        process the driver no longer holds (it failed) restarts from its checkpoint."""
+        if self.freezer is None:
+            return
+        for lease in list(self.ledger.leases.values()):
+            if lease.state not in ("freezing", "thawing") and not lease.frozen:
+                continue
+            try:
+                states = {self.freezer.state(pid) for pid, _ in lease.pids}
+            except FreezeError as exc:
+                states = {FAILED}
+                log.warning("lease %s: driver state unknown: %s", lease.id, exc)
+            if FAILED in states:
+                self._kill(lease, "restarted from its last good checkpoint: the driver lost "
+                           "its frozen state while the agent was down", "thaw_failed")
+            elif lease.state == "freezing":
+                log.info("lease %s: a freeze was cut short by an agent restart; undoing it",
+                         lease.id)
+                pids = [pid for pid, _ in lease.pids]
+                self.ledger.update(lease.id, state="active", reason="running: a freeze was cut "
+                                   "short by an agent restart")
+                if states & {LOCKED, CHECKPOINTED}:
+                    self._act(lease.id, asyncio.get_running_loop().run_in_executor(
+                        None, self._thaw_all, pids, None))
+            elif lease.state == "thawing":
+                moved = set(lease.physical) != set(lease.frozen_on)
+                self._act(lease.id, self._thaw(lease.id, dict(zip(
+                    lease.frozen_on, lease.physical, strict=True)) if moved else None, AT_ONCE))
+            # A frozen lease stays as the ledger says: parked, or pending until room returns.
 
     # --- reclaim and deadlines ---------------------------------------------------------
     def _reclaim_stops(self, lease: Lease, now: float) -> int:
@@ -1123,13 +1508,17 @@ class Agent:
         self.stats.killed(cause)
         if lease.state == "migrating":
             self.stats.move_ended(lease.id, cause)  # migrate_timeout: the move ends here
-        where = lease.target if lease.state == "migrating" and lease.target else lease.physical
+        where = (lease.target if lease.state == "migrating" and lease.target
+                 else lease.physical or lease.frozen_on)
         # Stopped on a GPU the cluster gave a pod: coming back there would be stopped again, so
         # it comes back parked, and its next cell waits for a GPU with room.
         state = ("parked" if lease.kind == policy.NOTEBOOK and set(where) & set(self._pods_gpus())
                  else "killed")
-        parked = {"logical": lease.logical if lease.planned_by else (), "physical": (),
-                  "parked_at": now} if state == "parked" else {"physical": where}
+        parked: dict[str, Any] = (
+            {"logical": lease.logical if lease.planned_by else (), "physical": (),
+             "parked_at": now} if state == "parked" else {"physical": where, "parked_at": None})
+        # A frozen process dies with its GPU state: the restart restores the durable checkpoint.
+        parked.update(frozen_at=None, frozen_bytes=0, frozen_on=())
         with self.ledger.transaction():
             self.ledger.add_kill(lease.id, now, cause)
             self.ledger.set_pids(lease.id, ())
@@ -1223,9 +1612,9 @@ class Agent:
                 self._ask_to_shrink(lease, f"using {format_bytes(lease.usage)} on {where}", step,
                                     gpu=owed.gpu)
             elif step.action == policy.KILL:
-                self._kill(lease, f"stopped and parked: it still held "
-                                  f"{format_bytes(lease.usage)} {grace} after being asked to give "
-                                  f"it back, on {where}", "reclaim")
+                self._take_back(lease, f"it still held {format_bytes(lease.usage)} {grace} after "
+                                f"being asked to give it back, on {where}", "reclaim",
+                                stopped="stopped and parked")
         elif step.cause == policy.RECLAIM and owed is not None:
             wanted = (f"{format_bytes(owed.deficit)} owed to other notebooks on "
                       f"{self.gpu_label(owed.gpu)}")
@@ -1237,10 +1626,12 @@ class Agent:
                 self._ask_to_shrink(lease, reason, step, gpu=owed.gpu, stops_in_window=stops,
                                     kill_window=self.config.kill_window)
             elif step.action == policy.KILL:
-                self._kill(lease, f"stopped to return {format_bytes(owed.loan)} of loaned memory: "
-                           f"it stayed {format_bytes(owed.loan)} above its request of "
-                           f"{format_bytes(lease.request)} for {grace} after being asked to "
-                           f"shrink, while {wanted}", "reclaim")
+                self._take_back(lease, f"it stayed {format_bytes(owed.loan)} above its request "
+                                f"of {format_bytes(lease.request)} for {grace} after being asked "
+                                f"to shrink, while {wanted}", "reclaim",
+                                stopped=f"stopped to return {format_bytes(owed.loan)} of loaned "
+                                        "memory", frozen=f"frozen to return "
+                                        f"{format_bytes(owed.loan)} of loaned memory")
         elif step.cause == policy.LIMIT:
             over, limit = format_bytes(lease.usage - lease.limit), format_bytes(lease.limit)
             if step.action == policy.SHRINK:
@@ -1251,8 +1642,33 @@ class Agent:
                                     gpu=lease.physical[0] if lease.physical else None,
                                     cause="limit")
             elif step.action == policy.KILL:
-                self._kill(lease, f"stopped because it stayed {over} above its limit of {limit} "
-                           f"for {grace} after being asked to shrink", "limit")
+                self._take_back(lease, f"it stayed {over} above its limit of {limit} for {grace} "
+                                "after being asked to shrink", "limit",
+                                stopped="stopped because", frozen="frozen because")
+
+    def _take_back(self, lease: Lease, why: str, cause: str, *, stopped: str,
+                   frozen: str = "frozen") -> None:
+        """The last rung of the ladder: freeze the lease (its kernel keeps everything in host
+        memory and thaws when room returns; above its limit, at its next cell), else stop it
+        (it restarts from its last good checkpoint), saying which and why."""
+        joiner = " " if stopped.endswith("because") else ": "
+        blocker = self.freeze_blocker(lease)
+        if blocker is not None:
+            self.stats.freeze_fell_back(cause)
+            self._kill(lease, f"{stopped}{joiner}{why}. Freezing could not be used: {blocker}",
+                       cause)
+            return
+        then = "parked" if cause == "limit" else "pending"
+        after = ("its next cell thaws it" if then == "parked"
+                 else "it thaws by itself once its GPU has room for what it holds")
+        reason = (f"{frozen}{' ' if frozen.endswith('because') else ': '}{why}. Its process and "
+                  f"variables wait in host memory (a running cell waits too); {after}")
+
+        def fall_back(current: Lease, failed: str) -> None:
+            if current.state in ("active", "shrinking"):
+                self._kill(current, f"{stopped}{joiner}{why}. Freezing failed: {failed}", cause)
+
+        self._start_freeze(lease, reason, then, cause, fall_back)
 
     def _ask_to_shrink(self, lease: Lease, reason: str, step: policy.Step, **body: Any) -> None:
         """The first rung: a ``shrink`` directive and the deadline of --reclaim-grace."""

@@ -109,6 +109,12 @@ class AgentStats:
     checkpoint_bytes: dict[str, Histogram] = field(default_factory=lambda: {
         t: Histogram(CHECKPOINT_BYTES_BUCKETS) for t in CHECKPOINT_TRIGGERS})
     checkpoint_written: Counter[str] = field(default_factory=Counter)  # bytes, by trigger
+    # Freezes done and fallen back from, by cause (park, reclaim, limit, job), and how long
+    # the driver took to freeze and to thaw.
+    freezes: Counter[str] = field(default_factory=Counter)
+    freeze_fallbacks: Counter[str] = field(default_factory=Counter)
+    freeze_seconds: Histogram = field(default_factory=lambda: Histogram(MOVE_BUCKETS))
+    thaw_seconds: Histogram = field(default_factory=lambda: Histogram(MOVE_BUCKETS))
     offloads: Counter[str] = field(default_factory=Counter)  # by reason
     offloaded_bytes: Counter[str] = field(default_factory=Counter)  # by reason
     # Moves not ended yet: lease id -> monotonic start. A move under way when the agent
@@ -136,6 +142,16 @@ class AgentStats:
     def parked(self, lease_id: str) -> None:
         self.parks += 1
         self._unparking.pop(lease_id, None)  # a wait given up on is not timed
+
+    def frozen(self, cause: str, seconds: float) -> None:
+        self.freezes[cause] += 1
+        self.freeze_seconds.observe(seconds)
+
+    def freeze_fell_back(self, cause: str) -> None:
+        self.freeze_fallbacks[cause] += 1
+
+    def thawed(self, seconds: float) -> None:
+        self.thaw_seconds.observe(seconds)
 
     def unpark_asked(self, lease_id: str) -> None:
         self._unparking.setdefault(lease_id, time.monotonic())

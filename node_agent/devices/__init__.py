@@ -13,12 +13,14 @@ from node_agent.devices.base import (
     ProcessMemory,
     Sweep,
 )
+from node_agent.devices.cuda import DriverFreezer
 from node_agent.devices.nvml import NvmlBackend
 from node_agent.devices.simulated import SimulatedBackend
 
 __all__ = [
     "BackendUnavailable",
     "DeviceError",
+    "DriverFreezer",
     "GpuBackend",
     "GpuInfo",
     "GpuLost",

@@ -7,11 +7,22 @@ import re
 import threading
 import time
 import uuid as uuidlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from node_agent import procs
-from node_agent.devices.base import GpuInfo, GpuLost, NotSupported, ProcessMemory, Sweep
+from node_agent.devices.base import (
+    CHECKPOINTED,
+    FAILED,
+    RUNNING,
+    FreezeError,
+    GpuInfo,
+    GpuLost,
+    NotSupported,
+    ProcessMemory,
+    Sweep,
+)
 from node_agent.quantities import GiB, QuantityError, parse_quantity
 
 MiB = 2**20
@@ -133,6 +144,9 @@ class SimulatedBackend:
             self._gpus[uuid] = _Gpu(GpuInfo(uuid, index, board.name, board.total, 0, free,
                                             board.reserved, context_size=board.context))
         self._tracked: dict[int, _Tracked] = {}
+        # Processes whose GPU was taken while they live on (parked or frozen), as they were
+        # tracked: tracked again, they hold what they held, as a thawed process does.
+        self._untracked: dict[int, _Tracked] = {}
         # Every process of the node as last listed: pid -> (start time, parent). Kept while
         # something is tracked, to find what tracked processes start.
         self._table: dict[int, tuple[int, int]] = {}
@@ -189,14 +203,25 @@ class SimulatedBackend:
             st = procs.stat(pid)
             if st is None or st.state == "Z":
                 return
-            self._tracked[pid] = _Tracked(uuid, st.start_time, st.rss,
-                                          self._gpus[uuid].info.context_size)
+            before = self._untracked.pop(pid, None)
+            if before is not None and before.start == st.start_time:
+                self._tracked[pid] = replace(before, uuid=uuid, cpu=None)
+            else:
+                self._tracked[pid] = _Tracked(uuid, st.start_time, st.rss,
+                                              self._gpus[uuid].info.context_size)
             self._rescan = True
 
     def untrack(self, pid: int) -> None:
         # Its host memory (a parked kernel's variables) is no device memory from now on.
         with self._lock:
-            self._tracked.pop(pid, None)
+            gone = self._tracked.pop(pid, None)
+            if gone is not None:
+                self._untracked[pid] = gone
+
+    def model(self, uuid: str) -> str | None:
+        """The board's name of GPU ``uuid`` (None: no such GPU)."""
+        gpu = self._gpus.get(uuid)
+        return gpu.info.name if gpu is not None else None
 
     def close(self) -> None:
         with self._lock:
@@ -222,6 +247,10 @@ class SimulatedBackend:
                 del self._tracked[pid]
             else:
                 readings[pid] = st
+        for pid, kept in list(self._untracked.items()):
+            st = fresh.get(pid) or procs.stat(pid)
+            if st is None or st.state == "Z" or st.start_time != kept.start:
+                del self._untracked[pid]
         return readings
 
     def _held_locked(self, readings: dict[int, procs.Stat] | None = None) -> dict[int, int | None]:
@@ -315,6 +344,82 @@ class SimulatedBackend:
                 return tracked
             start, parent = parent_start, grandparent
         return None
+
+
+class SimulatedFreezer:
+    """Freezing on a simulated node: the process's device memory leaves its GPU (the agent
+    untracks it, and tracks it again on the thaw, holding what it held) and the process runs on.
+
+    A real frozen process also runs on; only its next CUDA call waits, and a simulated kernel
+    makes none, so a cell that was running goes on, while the next one waits for the thaw (the
+    kernel asks for its GPU back before it runs, as a parked one does). Faults are scripted
+    with :meth:`fail`.
+    """
+
+    name = "simulated"
+
+    def __init__(self, backend: SimulatedBackend) -> None:
+        self.backend = backend
+        self._lock = threading.Lock()
+        self._states: dict[int, str] = {}
+        # (call, pid or None for any) -> (message, retry, times left; -1: always)
+        self._faults: dict[tuple[str, int | None], tuple[str, bool, int]] = {}
+        self.calls: list[tuple[str, int, dict[str, str] | None]] = []
+
+    def fail(self, call: str, message: str, *, pid: int | None = None, retry: bool = False,
+             times: int = 1) -> None:
+        """Make the next ``times`` (-1: every) ``call`` ("freeze" or "thaw") of ``pid`` (None:
+        of any process) fail with ``message``."""
+        if call not in ("freeze", "thaw"):
+            raise ValueError(f"call: expected 'freeze' or 'thaw', got {call!r}")
+        with self._lock:
+            self._faults[(call, pid)] = (message, retry, times)
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def can_remap(self) -> bool:
+        return True
+
+    def state(self, pid: int) -> str:
+        with self._lock:
+            return self._states.get(pid, RUNNING)
+
+    def freeze(self, pid: int, *, lock_timeout: float) -> None:
+        self._act("freeze", pid, None)
+
+    def thaw(self, pid: int, remap: Mapping[str, str] | None = None) -> None:
+        for old, new in (remap or {}).items():
+            if self.backend.model(old) != self.backend.model(new):
+                raise FreezeError(f"cannot thaw onto {new}: another model than {old}")
+        self._act("thaw", pid, dict(remap) if remap else None)
+
+    def _act(self, call: str, pid: int, remap: dict[str, str] | None) -> None:
+        with self._lock:
+            self.calls.append((call, pid, remap))
+            st = procs.stat(pid)
+            if st is None or st.state == "Z":
+                self._states.pop(pid, None)
+                raise FreezeError(f"process {pid} has exited")
+            want = RUNNING if call == "freeze" else CHECKPOINTED
+            if self._states.get(pid, RUNNING) != want:
+                raise FreezeError(f"process {pid} is {self._states.get(pid, RUNNING)}, "
+                                  f"not {want}")
+            for key in ((call, pid), (call, None)):
+                fault = self._faults.get(key)
+                if fault is None:
+                    continue
+                message, retry, times = fault
+                if times > 0:
+                    times -= 1
+                if times == 0:
+                    del self._faults[key]
+                else:
+                    self._faults[key] = (message, retry, times)
+                if call == "thaw" and not retry:
+                    self._states[pid] = FAILED  # a failed restore wedges the process
+                raise FreezeError(message, retry=retry)
+            self._states[pid] = CHECKPOINTED if call == "freeze" else RUNNING
 
 
 def _unhealthy(info: GpuInfo, error: str) -> GpuInfo:

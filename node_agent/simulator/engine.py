@@ -11,6 +11,7 @@ from functools import partial
 from node_agent import policy
 from node_agent.policy import JOB, NOTEBOOK, Device, Placement, Rules
 from node_agent.service import AgentConfig
+from node_agent.simulator.contention import speeds
 from node_agent.simulator.metrics import Result, Sample
 from node_agent.simulator.node_spec import NodeSpec
 from node_agent.simulator.policies import (
@@ -22,9 +23,12 @@ from node_agent.simulator.policies import (
     Policy,
 )
 from node_agent.simulator.shares import Share, cell_demand, job_share, notebook_share
-from node_agent.simulator.traces import Cell, JobSpec, Session
+from node_agent.simulator.traces import GB, Cell, JobSpec, Session
 
 _AGENT = AgentConfig()
+# Measured on an H100 (NOTES.md, "The driver's own checkpoint"): 8 GiB frozen in 7.2 s, thawed in 2.1 s.
+FREEZE_SECONDS_PER_GIB = 7.2 / 8
+THAW_SECONDS_PER_GIB = 2.1 / 8
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ class Timing:
     CUDA's initialisation and the copy back to the GPU, which only a GPU can time).
     ``migrate_grace``: how long a running cell may finish before a move cuts it off
     (``c.GpuFrac.migrate_grace_period``). ``reclaim_grace``, ``restore_grace`` and ``headroom``
-    (a share of the GPU) are the agent's defaults.
+    (a share of the GPU) are the agent's defaults. ``freeze_per_gib`` and ``thaw_per_gib``: seconds
+    the driver takes per GiB of GPU memory to checkpoint a process into host memory and back.
     """
 
     move: float = 4.3
@@ -46,6 +51,15 @@ class Timing:
     reclaim_grace: float = _AGENT.reclaim_grace
     restore_grace: float = _AGENT.restore_grace
     headroom: float = _AGENT.headroom
+    freeze_per_gib: float = FREEZE_SECONDS_PER_GIB
+    thaw_per_gib: float = THAW_SECONDS_PER_GIB
+
+    def freeze(self, nbytes: int) -> float:
+        """Seconds to freeze a process holding ``nbytes`` of GPU memory (all its GPUs together)."""
+        return self.freeze_per_gib * nbytes / GB
+
+    def thaw(self, nbytes: int) -> float:
+        return self.thaw_per_gib * nbytes / GB
 
 
 # Lease states.
@@ -54,8 +68,13 @@ ACTIVE = "active"
 LEAVING = "leaving"  # compaction asked it to move; its cell may finish, then it is checkpointed
 IN_FLIGHT = "in-flight"  # checkpointed and restarting elsewhere; counted where it was until done
 RESTARTING = "restarting"  # on its GPU, restoring its state (after a re-attach or a reclaim kill)
+FREEZING = "freezing"  # the driver copies its GPU memory to host memory; a running cell waits
+FROZEN = "frozen"  # on its GPU holding nothing, owed its request: it thaws when its memory fits
+THAWING = "thawing"  # its memory is being copied back; its cell waits until done
 
-_HOLDS_MEMORY = (ACTIVE, LEAVING, IN_FLIGHT, RESTARTING)
+# A frozen lease holds no memory (usage 0) but is counted with the others: it is owed its request.
+_HOLDS_MEMORY = (ACTIVE, LEAVING, IN_FLIGHT, RESTARTING, FREEZING, FROZEN, THAWING)
+_FROZEN_STATES = (FREEZING, FROZEN, THAWING)
 
 
 @dataclass(eq=False)
@@ -80,6 +99,9 @@ class Lease:
     deadline: float | None = None
     restore_until: float = float("-inf")
     token: int = 0
+    # Bytes per GPU frozen in host memory; nonzero while the process waits to thaw.
+    frozen_bytes: int = 0
+    parking: bool = False  # freezing to park: the lease goes once the memory is off the GPU
 
     def planned(self) -> Placement:
         """As the planner sees it: a lease on its way somewhere is already there."""
@@ -147,6 +169,18 @@ class SessionRun:
     # What a parked kernel held: it comes back with it at its next cell (None: not parked).
     parked_usage: int | None = None
     token: int = 0
+    # The running cell's work left (seconds at full speed), its speed and since when it holds.
+    left: float = 0.0
+    speed: float = 0.0
+    since: float = 0.0
+    run_token: int = 0
+    paused_at: float | None = None  # a GPU cell waiting inside a CUDA call while its kernel is frozen
+    # Frozen in host memory (bytes, all GPUs) and, parked so, the node its process lives on.
+    frozen_host: int = 0
+    parked_frozen: bool = False
+    home: Node | None = None
+    thaw_wait_from: float | None = None  # a due cell waiting for its kernel to thaw
+    thaw_wait: float = 0.0  # what the current (or next) cell waited for thaws
 
 
 @dataclass(eq=False)
@@ -156,6 +190,12 @@ class JobRun:
     lease: Lease | None = None
     started: float | None = None
     queued: bool = False
+    ended: bool = False
+    left: float = 0.0
+    speed: float = 0.0
+    since: float = 0.0
+    run_token: int = 0
+    paused_at: float | None = None  # never set: jobs are not frozen
 
 
 Observer = Callable[["Engine"], None]
@@ -173,8 +213,11 @@ class Engine:
     def __init__(self, policy_: Policy, spec: NodeSpec, nodes: int, sessions: Sequence[Session],
                  jobs: Sequence[JobSpec], timing: Timing = Timing(), *, start: float | None = None,
                  end: float | None = None, observer: Observer | None = None,
-                 progress: Callable[[float], None] | None = None) -> None:
+                 progress: Callable[[float], None] | None = None, contention: bool = True,
+                 traced_compute: bool = False) -> None:
         self.policy = policy_
+        self.contention = contention
+        self.traced_compute = traced_compute
         self.rules = Rules(spread=False) if policy_.reserve else policy_.rules
         self.spec = spec
         self.timing = timing
@@ -204,6 +247,12 @@ class Engine:
         # Sessions whose next cell is due, jobs placed but not started (dicts: ordered sets).
         self._due: dict[SessionRun, None] = {}
         self._starting: dict[JobRun, None] = {}
+        # Cells and jobs running (ordered set), and whether who runs where changed since the speeds.
+        self._busy: dict[SessionRun | JobRun, None] = {}
+        self._dirty = False
+        self._thawing: dict[Lease, None] = {}  # frozen leases on their GPU, waiting for room
+        self._frozen_kernels = 0
+        self._frozen_bytes = 0
 
     # -- the event loop ------------------------------------------------------------------------
 
@@ -227,6 +276,7 @@ class Engine:
             self.now = when
             action()
             self._settle()
+            self._rebalance()
             self.result.observe(self.now, self._sample())
             if self.observer is not None:
                 self.observer(self)
@@ -258,6 +308,8 @@ class Engine:
             for j in list(self._starting):
                 if j.lease is not None and j.lease.state == ACTIVE:
                     progressed |= self._try_job(j)
+            for lease in list(self._thawing):
+                progressed |= self._try_thaw(lease)
             if not progressed and not self._freed:
                 return
 
@@ -287,6 +339,8 @@ class Engine:
         s.due = self.now
         s.token += 1
         self._due[s] = None
+        if s.parked_frozen or (s.lease is not None and s.lease.state in _FROZEN_STATES):
+            s.thaw_wait_from = self.now
         if s.lease is None:
             self._ask_lease(s)  # a parked kernel's next cell gets a GPU first
 
@@ -302,14 +356,15 @@ class Engine:
         del self._due[s]
         s.due = None
         s.cell = cell
-        s.cell_end = self.now + cell.duration
         s.token += 1
-        token = s.token
-        self._at(s.cell_end, lambda: self._cell_end(s, token), first=True)
+        # Its end is set by _rebalance, at the speed the GPU's other work leaves it.
+        s.left, s.speed, s.since = cell.duration, 0.0, self.now
+        self._busy[s] = None
+        self._dirty = True
         return True
 
     def _cell_end(self, s: SessionRun, token: int) -> None:
-        if token != s.token or s.cell is None:
+        if token != s.run_token or s.cell is None:
             return
         self._done_with_cell(s)
         lease = s.lease
@@ -330,6 +385,13 @@ class Engine:
     def _done_with_cell(self, s: SessionRun) -> None:
         s.cell = None
         s.token += 1
+        s.run_token += 1
+        s.paused_at = None
+        self._busy.pop(s, None)
+        self._dirty = True
+        if s.thaw_wait > 0:
+            self.result.thaw_waits.append(s.thaw_wait)
+            s.thaw_wait = 0.0
         s.finished_cells += 1
         if s.finished_cells < len(s.session.cells):
             nxt = s.session.cells[s.next_cell + 1]
@@ -346,6 +408,11 @@ class Engine:
         if lease is None or lease.state != ACTIVE:
             return
         self.result.parks += 1
+        if self.policy.freeze:
+            lease.parking = True  # it leaves once frozen (_frozen)
+            self._freeze(lease)
+            return
+        self.result.restarts += 1  # parked by a restart without CUDA, restored at its next cell
         s.parked_usage = lease.usage
         self._release(lease)
         s.lease = None
@@ -361,6 +428,8 @@ class Engine:
         s.done = True
         s.token += 1
         self._due.pop(s, None)
+        self._set_frozen(s, 0)  # a kernel shut down frozen frees its host memory
+        s.parked_frozen, s.home = False, None
         if s.lease is not None:
             self._release(s.lease)
             s.lease = None
@@ -383,8 +452,19 @@ class Engine:
         del self._starting[j]
         j.started = self.now
         self.result.job_waits.append(self.now - j.spec.arrival)
-        self._at(self.now + j.spec.duration, lambda: self._release(lease), first=True)
+        j.left, j.speed, j.since = j.spec.duration, 0.0, self.now
+        self._busy[j] = None
+        self._dirty = True
         return True
+
+    def _job_end(self, j: JobRun, token: int) -> None:
+        if token != j.run_token or j.ended:
+            return
+        j.ended = True
+        self._busy.pop(j, None)
+        self._dirty = True
+        if j.lease is not None:
+            self._release(j.lease)
 
     # -- placement ---------------------------------------------------------------------------------
 
@@ -399,7 +479,10 @@ class Engine:
                 share = Share(self.spec.largest, self.spec.largest, share.devices)
         else:
             share, kind = request.share, JOB
-        for node in sorted(self.nodes, key=lambda n: (-n.logical_share(), n.index)):
+        nodes = sorted(self.nodes, key=lambda n: (-n.logical_share(), n.index))
+        if isinstance(request, SessionRun) and request.home is not None:
+            nodes = [request.home]  # a frozen process thaws on the node whose host memory holds it
+        for node in nodes:
             # The same shape that did not fit an unchanged node does not fit it now.
             key = (node.index, node.version, kind, share)
             if key in self._no_room:
@@ -421,7 +504,11 @@ class Engine:
             node.changed()
             request.lease = lease
             request.queued = False
-            if isinstance(request, SessionRun) and request.parked_usage is not None:
+            if isinstance(request, SessionRun) and request.parked_frozen:
+                assert request.parked_usage is not None
+                lease.frozen_bytes = request.parked_usage
+                request.parked_usage, request.parked_frozen, request.home = None, False, None
+            elif isinstance(request, SessionRun) and request.parked_usage is not None:
                 lease.reattach, lease.restore_to = True, request.parked_usage
                 request.parked_usage = None
             for move in moves:
@@ -442,6 +529,11 @@ class Engine:
             if isinstance(lease.owner, JobRun):
                 lease.state = ACTIVE  # starts once its memory is there (_try_job)
                 self._starting[lease.owner] = None
+                continue
+            if lease.frozen_bytes:
+                # Moved or re-leased while frozen: it thaws here once its memory fits.
+                lease.state, lease.usage = FROZEN, 0
+                self._thawing[lease] = None
                 continue
             lease.state = RESTARTING if lease.reattach or lease.restore_to else ACTIVE
             # The new process's CUDA context, where there is memory for it.
@@ -472,6 +564,7 @@ class Engine:
         node.changed()
         lease.token += 1
         self._waiting.discard(lease.id)
+        self._thawing.pop(lease, None)
         self._freed = True
         self._activate(node)
 
@@ -480,6 +573,9 @@ class Engine:
     def _compact(self, lease: Lease, to: tuple[str, ...]) -> None:
         s = lease.owner
         assert isinstance(s, SessionRun)
+        if self.policy.freeze:
+            self._move_frozen(lease, to)
+            return
         if self.policy.compaction == COMPACT_BY_KILL:
             # Run:ai: the GPU process is killed and the kernel starts again, empty, where it belongs.
             self.result.kills += 1
@@ -508,6 +604,7 @@ class Engine:
         s = lease.owner
         assert isinstance(s, SessionRun)
         self._cut_off(s)
+        self.result.restarts += 1  # checkpointed, killed here, restarted and restored there
         lease.state = IN_FLIGHT
         lease.token += 1
         token = lease.token
@@ -603,6 +700,8 @@ class Engine:
     def _take_back(self, borrower: Lease) -> bool:
         """One rung of the policy's reclaim for a borrower; True when its loan is back now."""
         s = borrower.owner
+        if borrower.state in _FROZEN_STATES:
+            return borrower.state == FROZEN  # freezing: its memory leaves when done
         if self.policy.reclaim == RECLAIM_BY_KILL:
             self.result.kills += 1
             if isinstance(s, SessionRun):
@@ -625,6 +724,9 @@ class Engine:
             self._at(step.at, lambda: self._deadline(borrower, token), first=True)
             return False
         if step.action == policy.KILL:
+            if self.policy.freeze:
+                self._freeze(borrower)
+                return False  # its memory is back once the freeze is done
             self._restart(borrower)
             return True
         return step.action != policy.WAIT
@@ -647,7 +749,10 @@ class Engine:
         step = policy.reclaim_step(standing, self.now, owed=owed, grace=self.timing.reclaim_grace,
                                    enforce_limit=False)
         if step.action == policy.KILL:
-            self._restart(lease)
+            if self.policy.freeze:
+                self._freeze(lease)
+            else:
+                self._restart(lease)
         elif step.action == policy.CANCEL:
             lease.shrinking, lease.deadline = False, None
 
@@ -660,6 +765,7 @@ class Engine:
         s = lease.owner
         if isinstance(s, SessionRun):
             self._cut_off(s)
+        self.result.restarts += 1
         lease.restore_to = min(lease.usage, lease.share.request)
         lease.usage = self.context
         lease.shrinking, lease.deadline = False, None
@@ -668,6 +774,158 @@ class Engine:
         token = lease.token
         self._freed = True
         self._at(self.now + self.timing.move, lambda: self._restored(lease, token), first=True)
+
+    # -- freezing: the driver's checkpoint into host memory (issue 9) ----------------------------
+
+    def _freeze(self, lease: Lease) -> None:
+        """Freeze ``lease``'s process: its running GPU cell waits inside its next CUDA call, its
+        memory leaves the GPU once the driver has copied it (time by bytes), nothing restarts."""
+        s = lease.owner
+        assert isinstance(s, SessionRun)
+        self.result.freezes += 1
+        lease.state = FREEZING
+        lease.shrinking, lease.deadline = False, None
+        self._pause(s)
+        lease.token += 1
+        token = lease.token
+        seconds = self.timing.freeze(lease.usage * lease.share.devices)
+        self._at(self.now + seconds, partial(self._frozen, lease, token), first=True)
+
+    def _frozen(self, lease: Lease, token: int) -> None:
+        if token != lease.token or lease.node.leases.get(lease.id) is not lease:
+            return
+        s = lease.owner
+        assert isinstance(s, SessionRun)
+        lease.frozen_bytes, lease.usage = max(lease.usage, 1), 0
+        lease.state = FROZEN
+        self._set_frozen(s, lease.frozen_bytes * lease.share.devices)
+        self._freed = True
+        if lease.parking:
+            # Parked frozen: the lease goes; its next cell leases again on this node and thaws.
+            s.parked_usage, s.parked_frozen, s.home = lease.frozen_bytes, True, lease.node
+            self._release(lease)
+            s.lease = None
+            if s.due is not None:
+                self._ask_lease(s)
+        elif lease.move_to is not None:
+            self._move_frozen(lease, lease.move_to)
+        else:
+            self._thawing[lease] = None  # frozen for a reclaim: it thaws when room returns
+
+    def _move_frozen(self, lease: Lease, to: tuple[str, ...]) -> None:
+        """Migrate by freezing and a thaw remapped onto ``to`` (GPUs of one model on one node)."""
+        lease.move_to = to
+        lease.node.changed()
+        if lease.state in (ACTIVE, LEAVING):
+            self._freeze(lease)
+        elif lease.state == FROZEN:
+            self.result.moves += 1
+            self._thawing.pop(lease, None)
+            lease.physical, lease.move_to = to, None
+            lease.state = PENDING
+            self._freed = True
+            self._activate(lease.node)
+        # FREEZING moves when frozen (_frozen), THAWING freezes again when thawed (_thawed);
+        # PENDING has nothing on its GPUs yet and simply goes.
+        elif lease.state == PENDING:
+            lease.physical, lease.move_to = to, None
+
+    def _try_thaw(self, lease: Lease) -> bool:
+        """Thaw ``lease`` if all it froze fits: what is within its request is owed to it (loans are
+        taken back for it); beyond that, only what is free without setting off a reclaim."""
+        if lease.state != FROZEN or lease.node.leases.get(lease.id) is not lease:
+            self._thawing.pop(lease, None)
+            return False
+        need = lease.frozen_bytes
+        if self.policy.reclaim != NO_RECLAIM:
+            for uuid in lease.physical:
+                if not self._reclaim_for(lease, lease.node.by_uuid[uuid], min(need, lease.share.request)):
+                    self._waiting.add(lease.id)
+                    return False
+        if lease.state != FROZEN or self._fit(lease) < need:
+            return False
+        self._waiting.discard(lease.id)
+        self._thawing.pop(lease, None)
+        s = lease.owner
+        assert isinstance(s, SessionRun)
+        self.result.thaws += 1
+        self._set_frozen(s, 0)
+        lease.usage, lease.state = need, THAWING
+        seconds = self.timing.thaw(need * lease.share.devices)
+        # Not taken back while it thaws, nor within the restore grace after.
+        lease.restore_until = self.now + seconds + self.timing.restore_grace
+        lease.token += 1
+        self._at(self.now + seconds, partial(self._thawed, lease, lease.token), first=True)
+        return True
+
+    def _thawed(self, lease: Lease, token: int) -> None:
+        if token != lease.token or lease.node.leases.get(lease.id) is not lease:
+            return
+        s = lease.owner
+        assert isinstance(s, SessionRun)
+        lease.state, lease.frozen_bytes = ACTIVE, 0
+        if s.thaw_wait_from is not None:
+            s.thaw_wait += self.now - s.thaw_wait_from
+            s.thaw_wait_from = None
+        if lease.move_to is not None:
+            self._freeze(lease)  # compaction chose it while it thawed
+            return
+        self._resume(s)
+
+    def _set_frozen(self, s: SessionRun, nbytes: int) -> None:
+        """Keep the count of frozen kernels and the host memory they hold."""
+        if bool(s.frozen_host) != bool(nbytes):
+            self._frozen_kernels += 1 if nbytes else -1
+        self._frozen_bytes += nbytes - s.frozen_host
+        s.frozen_host = nbytes
+
+    def _pause(self, s: SessionRun) -> None:
+        if s.cell is None or s.cell.gpus == 0 or s.paused_at is not None:
+            return  # a CPU cell runs on: Python keeps running while the GPU state is frozen
+        self._set_speed(s, 0.0)
+        s.paused_at = self.now
+        self._dirty = True
+
+    def _resume(self, s: SessionRun) -> None:
+        if s.paused_at is None:
+            return
+        s.thaw_wait += self.now - s.paused_at
+        s.paused_at = None
+        self._dirty = True
+
+    # -- compute contention -----------------------------------------------------------------------
+
+    def _rebalance(self) -> None:
+        """Give each running cell and job the speed its GPUs' other work leaves it, and move its
+        end accordingly."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        busy: dict[SessionRun | JobRun, tuple[tuple[str, ...], float]] = {}
+        for run in self._busy:
+            if run.paused_at is not None or run.lease is None:
+                continue
+            if isinstance(run, SessionRun):
+                assert run.cell is not None
+                if run.cell.gpus == 0:
+                    busy[run] = ((), 0.0)
+                    continue
+                compute = run.cell.compute if self.traced_compute else 1.0
+            else:
+                compute = min(1.0, run.spec.fraction)
+            busy[run] = (run.lease.physical, compute)
+        for run, speed in speeds(busy, shared=self.contention).items():
+            self._set_speed(run, speed)
+
+    def _set_speed(self, run: SessionRun | JobRun, speed: float) -> None:
+        if speed == run.speed:
+            return
+        run.left = max(0.0, run.left - (self.now - run.since) * run.speed)
+        run.since, run.speed = self.now, speed
+        run.run_token += 1
+        if speed > 0:
+            end = partial(self._cell_end, run) if isinstance(run, SessionRun) else partial(self._job_end, run)
+            self._at(self.now + run.left / speed, partial(end, run.run_token), first=True)
 
     # -- what is held and used -------------------------------------------------------------------
 
@@ -685,7 +943,7 @@ class Engine:
                 owner = lease.owner
                 if isinstance(owner, SessionRun):
                     by_notebooks.update(where)
-                    if owner.cell is not None and owner.cell.gpus > 0:
+                    if owner.cell is not None and owner.cell.gpus > 0 and owner.paused_at is None:
                         cells.append((lease, owner.cell))
                         for u in where:
                             busy[u] = busy.get(u, 0) + 1
@@ -699,7 +957,22 @@ class Engine:
                     shared += cell.gpus
             held += len(occupied)
             held_nb += len(by_notebooks)
-        return Sample(held, held_nb, jobs_running + cells_running, cells_running, shared)
+        # Wall time against work done, weighted by the GPUs each keeps busy: the slowdown.
+        wall = work = cell_wall = cell_work = 0.0
+        for run in self._busy:
+            if run.paused_at is not None:
+                continue
+            if isinstance(run, SessionRun):
+                assert run.cell is not None
+                weight = float(run.cell.gpus)
+                cell_wall += weight
+                cell_work += weight * run.speed
+            else:
+                weight = run.spec.in_use
+            wall += weight
+            work += weight * run.speed
+        return Sample(held, held_nb, jobs_running + cells_running, cells_running, shared,
+                      wall, work, cell_wall, cell_work, self._frozen_kernels, self._frozen_bytes)
 
 
 def traced_use(sessions: Iterable[Session], jobs: Iterable[JobSpec], start: float,
@@ -731,7 +1004,11 @@ def nodes_needed(sessions: Sequence[Session], jobs: Sequence[JobSpec], spec: Nod
 def simulate(policy_: Policy, spec: NodeSpec, nodes: int, sessions: Sequence[Session],
              jobs: Sequence[JobSpec] = (), timing: Timing = Timing(), *, start: float | None = None,
              end: float | None = None, observer: Observer | None = None,
-             progress: Callable[[float], None] | None = None) -> Result:
-    """Run one policy over the workload and return what it measured."""
+             progress: Callable[[float], None] | None = None, contention: bool = True,
+             traced_compute: bool = False) -> Result:
+    """Run one policy over the workload and return what it measured. ``contention``: workloads
+    sharing a GPU's compute slow each other; ``traced_compute``: a cell asks for its traced
+    utilisation of the GPU rather than all of it."""
     return Engine(policy_, spec, nodes, sessions, jobs, timing, start=start, end=end,
-                  observer=observer, progress=progress).run()
+                  observer=observer, progress=progress, contention=contention,
+                  traced_compute=traced_compute).run()

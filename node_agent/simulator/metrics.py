@@ -27,6 +27,14 @@ class Sample:
     running: float  # GPUs that running cells and jobs use, in the trace's units
     cells_running: float  # ... cells alone
     shared_cell_gpus: float  # GPUs of those cells that share a GPU with another running workload
+    # Running cells and jobs (not frozen), weighted by the GPUs they keep busy: as many, and the
+    # same times their speed (work done per second; below them when they share compute).
+    busy: float = 0.0
+    progress: float = 0.0
+    cells_busy: float = 0.0
+    cells_progress: float = 0.0
+    frozen_kernels: int = 0
+    frozen_bytes: int = 0  # host memory the frozen kernels hold
 
 
 @dataclass
@@ -48,6 +56,13 @@ class Result:
     running_s: float = 0.0
     cells_running_s: float = 0.0
     shared_cell_s: float = 0.0
+    busy_s: float = 0.0
+    progress_s: float = 0.0
+    cells_busy_s: float = 0.0
+    cells_progress_s: float = 0.0
+    frozen_s: float = 0.0  # kernel-seconds spent frozen
+    frozen_byte_s: float = 0.0
+    peak_frozen_bytes: int = 0
     job_waits: list[float] = field(default_factory=list)
     jobs_never_started: int = 0
     cell_delays: list[float] = field(default_factory=list)
@@ -56,6 +71,10 @@ class Result:
     moves: int = 0
     parks: int = 0
     kills: int = 0  # GPU processes stopped without their state kept
+    restarts: int = 0  # GPU processes killed and restored from a checkpoint (move, reclaim, park)
+    freezes: int = 0
+    thaws: int = 0
+    thaw_waits: list[float] = field(default_factory=list)  # per cell that waited for a thaw, seconds
     reclaim_restarts: int = 0  # killed by the reclaim ladder and restored
     shrinks: int = 0
     cells_cut_off: int = 0
@@ -84,12 +103,19 @@ class Result:
             self.running_s += s.running * dt
             self.cells_running_s += s.cells_running * dt
             self.shared_cell_s += s.shared_cell_gpus * dt
+            self.busy_s += s.busy * dt
+            self.progress_s += s.progress * dt
+            self.cells_busy_s += s.cells_busy * dt
+            self.cells_progress_s += s.cells_progress * dt
+            self.frozen_s += s.frozen_kernels * dt
+            self.frozen_byte_s += s.frozen_bytes * dt
         self._last = max(self._last, now)
 
     def observe(self, now: float, sample: Sample) -> None:
         if not self.series or self.series[-1][1:] != (sample.held, sample.running):
             self.series.append((now, sample.held, sample.running))
         self._now = sample
+        self.peak_frozen_bytes = max(self.peak_frozen_bytes, sample.frozen_bytes)
 
     # The figures the report shows.
     @property
@@ -104,6 +130,16 @@ class Result:
     def shared_cell_share(self) -> float:
         """Share of GPU cell time spent on a GPU where another workload also ran."""
         return self.shared_cell_s / self.cells_running_s if self.cells_running_s else math.nan
+
+    @property
+    def slowdown(self) -> float:
+        """How much longer cells and jobs ran than traced because others used their GPUs' compute
+        (GPU-weighted wall time over work done; 1.0: never slowed)."""
+        return self.busy_s / self.progress_s if self.progress_s else math.nan
+
+    @property
+    def cell_slowdown(self) -> float:
+        return self.cells_busy_s / self.cells_progress_s if self.cells_progress_s else math.nan
 
     def late_share(self, seconds: float = 60.0) -> float:
         """Share of cells that started more than ``seconds`` after their traced start."""

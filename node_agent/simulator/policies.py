@@ -31,15 +31,19 @@ class Policy:
     park_after: float | None = None
     # Every notebook burstable (limit above request), so that the node scheduler spreads all.
     all_burstable: bool = False
+    # Freeze instead of stopping the process: where a move would cut a cell off, the ladder would
+    # kill and restore, or a park would restart, the driver checkpoints the GPU memory into host
+    # memory and the kernel thaws later (issue 9).
+    freeze: bool = False
 
     @property
     def keeps_state(self) -> bool:
         """Whether a kernel whose GPU process is stopped comes back with its variables."""
-        return self.compaction == COMPACT_BY_MOVE or self.reclaim == RECLAIM_LADDER
+        return self.freeze or self.compaction == COMPACT_BY_MOVE or self.reclaim == RECLAIM_LADDER
 
 
 def site_policies(park_after: float) -> list[Policy]:
-    """Issue 12: what a site could run today, and gpufrac."""
+    """Issue 12: what a site could run today, and gpufrac; issue 9: gpufrac freezing instead."""
     gpufrac = Policy("gpufrac", rules=Rules(spread=True), compaction=COMPACT_BY_MOVE,
                      reclaim=RECLAIM_LADDER)
     return [
@@ -48,6 +52,7 @@ def site_policies(park_after: float) -> list[Policy]:
         Policy("spread+kill", rules=Rules(spread=True), compaction=COMPACT_BY_KILL, reclaim=RECLAIM_BY_KILL),
         gpufrac,
         replace(gpufrac, name="gpufrac+park", park_after=park_after),
+        replace(gpufrac, name="gpufrac+freeze", park_after=park_after, freeze=True),
     ]
 
 

@@ -25,12 +25,14 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class Cell:
-    """One cell execution: when it starts (s), how long it runs (s), GPUs it uses, GPU memory (bytes)."""
+    """One cell execution: when it starts (s), how long it runs (s), GPUs it uses, GPU memory (bytes),
+    and the share of each GPU's compute it keeps busy as traced (its mean utilisation; 1.0 if untold)."""
 
     start: float
     duration: float
     gpus: int
     vram: int
+    compute: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,22 @@ def _cell(t: object, path: Path, where: str) -> Cell:
     duration = _number(_get(t, "duration_in_ticks", path, where), path, where, "duration_in_ticks")
     gpus = _number(_get(t, "gpus", path, where), path, where, "gpus", integer=True)
     vram = _number(t.get("vram", 0.0), path, where, "vram")
-    return Cell(start * TICK_SECONDS, duration * TICK_SECONDS, int(gpus), int(vram * GB))
+    return Cell(start * TICK_SECONDS, duration * TICK_SECONDS, int(gpus), int(vram * GB),
+                _utilisation(t.get("gpu_utilizations"), path, where))
+
+
+def _utilisation(raw: object, path: Path, where: str) -> float:
+    """Mean of the per-GPU ``utilization`` percentages as a share in (0, 1]; 1.0 where absent."""
+    if not isinstance(raw, list) or not raw:
+        return 1.0
+    shares = []
+    for k, u in enumerate(raw):
+        here = f"{where}.gpu_utilizations[{k}]"
+        if not isinstance(u, dict):
+            raise TraceError(path, here, "-", f"expected an object, got {type(u).__name__}")
+        shares.append(_number(_get(u, "utilization", path, here), path, here, "utilization") / 100)
+    # A cell that ran at all used some compute: keep it above zero so it can be slowed.
+    return min(1.0, max(0.01, sum(shares) / len(shares)))
 
 
 _POD_FIELDS = ("name", "num_gpu", "gpu_milli", "scheduled_time", "deletion_time")
