@@ -54,6 +54,7 @@ from node_agent.client import (
     serve_command,
     socket_folder_problem,
 )
+from node_agent.devices.freezing import FREEZERS
 from node_agent.kubelet.claims import GPU_RESOURCE, RESERVATION_NAMESPACES
 from node_agent.quantities import QuantityError, parse_quantity
 from node_agent.service import AgentConfig
@@ -427,6 +428,12 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         "a job, wherever the driver can (r570+); elsewhere kernels are checkpointed and "
         "restarted.",
     ).tag(config=True)
+    freezer = CaselessStrEnum(
+        FREEZERS, default_value="auto",
+        help="How processes are frozen: auto (the CUDA driver's checkpoint API with NVML, the "
+        "simulation on a simulated node), driver (the driver's, also beside a simulated node: "
+        "for testing a real driver or a stand-in libcuda) or simulated.",
+    ).tag(config=True)
     freeze_lock_timeout = Float(
         _AGENT.freeze_lock_timeout, min=0.1,
         help="Seconds a freeze waits for a kernel's submitted GPU work before it is tried "
@@ -496,7 +503,7 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             "max-workloads-per-gpu", "max-leases-per-user", "admin-group", "tcp", "token-file",
             "log-level", "kubelet-socket", "gpu-resource", "kubelet-interval", "container-logs",
             "reservation-namespace", "freeze-lock-timeout", "freeze-attempts", "freeze-budget",
-            "freeze-budget-share")},
+            "freeze-budget-share", "freezer")},
     }
     flags = {
         **GpuFracAgent.flags,
@@ -572,7 +579,7 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             return 2
         lock = _lock_state_dir(state_dir)
         ledger = Ledger(state_dir)
-        agent = Agent(backend, ledger, config, open_freezer(backend))
+        agent = Agent(backend, ledger, config, open_freezer(backend, self.freezer))
 
         async def main() -> None:
             await agent.start()

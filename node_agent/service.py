@@ -1102,6 +1102,8 @@ class Agent:
                                                    **self._kept_plan(lease))
         except Conflict:
             reason = self._no_room_reason(lease)
+            if lease.frozen:
+                reason = f"frozen in host memory, {reason}"
             if (lease.state, lease.reason) == ("pending", reason):
                 return lease  # nothing new to say: no write
             return self.ledger.update(lease.id, state="pending", reason=reason)

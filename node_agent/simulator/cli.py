@@ -15,7 +15,7 @@ from node_agent.simulator.node_spec import ACCEPTED, NodeSpecError, parse_node
 from node_agent.simulator.plot import PlotUnavailable, write_plot
 from node_agent.simulator.policies import Policy, scheduler_settings, site_policies
 from node_agent.simulator.report import LEGEND, table
-from node_agent.simulator.traces import TraceError, load_pods, load_sessions, sample_jobs
+from node_agent.simulator.traces import GB, TraceError, load_pods, load_sessions, sample_jobs
 
 PROG = "python -m node_agent.simulator"
 FIGURE = "gpus-held.png"
@@ -34,11 +34,21 @@ spread+kill: compaction and reclaim kill the kernel at once, without its state. 
 state (a running cell gets the migrate grace, then is cut off); reclaim shrinks an idle borrower at
 once, waits out a running one's grace, then kills it and restores its checkpoint. +park: a kernel
 idle for park_after gives its lease back; its next cell re-attaches first (anywhere there is room)
-and pays the re-attach time. Jobs are Alibaba GPU pods that ran, drawn without replacement,
-arriving uniformly over the notebook trace (their own times span months of a far larger cluster);
-they keep their GPUs, share and duration, and never move. Not modelled: compute contention (a cell
-runs its traced duration however many share its GPU; 'shared' says how often that was the case);
-re-running a cut-off cell, or the cells before it when state is lost; time to kill a process."""
+and pays the re-attach time (a restart without CUDA: counted killed and restored). gpufrac+freeze:
+gpufrac+park, but wherever it would cut a cell off, kill and restore, or park by restart, the driver
+freezes the kernel instead: its GPU memory goes to host memory (freeze time by bytes held), the GPU is
+given back, a running GPU cell waits (a CPU cell runs on), and nothing restarts. A move is a freeze and
+a thaw remapped onto the other GPU, at once (no grace); the ladder's last rung freezes the borrower,
+which thaws when all it held fits again (its request is owed to it); a parked kernel is frozen, leaves
+its lease, and at its next cell leases again on its own node (its host memory is there) and thaws
+(thaw time by bytes). A cell due at a frozen kernel waits for the thaw; 'thaw wait' counts it.
+Compute contention: cells and jobs on a GPU whose compute others use at the same time run slower, all
+at the same fraction of what they ask (a busy cell asks for all of a GPU, a job its share of one),
+a multi-GPU workload at its most contended GPU's pace. Jobs are Alibaba GPU pods that ran, drawn without
+replacement, arriving uniformly over the notebook trace (their own times span months of a far larger cluster);
+they keep their GPUs, share and duration (at full speed), and never move. Not modelled: re-running a
+cut-off cell, or the cells before it when state is lost; time to kill a process; host memory as a
+limit on freezing (frozen GiB max says what it would need); moving a frozen kernel to another node."""
 
 SETTINGS_NOTE = """\
 Settings are changed one at a time from gpufrac (without park). 'spread all': today's policy spreads
@@ -91,6 +101,20 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--reclaim-grace", type=_positive(float, 0, "seconds >= 0"), default=timing.reclaim_grace,
                    metavar="S", help="a borrower's time to give memory back "
                    f"(default {timing.reclaim_grace:g}, the agent's --reclaim-grace)")
+    p.add_argument("--freeze-seconds-per-gib", type=_positive(float, 0, "seconds >= 0"),
+                   default=timing.freeze_per_gib, metavar="S",
+                   help=f"driver checkpoint of a process's GPU memory into host memory, per GiB held "
+                   f"(default {timing.freeze_per_gib:g}: 7.2 s for 8 GiB, measured on an H100)")
+    p.add_argument("--thaw-seconds-per-gib", type=_positive(float, 0, "seconds >= 0"),
+                   default=timing.thaw_per_gib, metavar="S",
+                   help=f"restoring it onto a GPU, per GiB frozen (default {timing.thaw_per_gib:g}: 2.1 s "
+                   "for 8 GiB, measured on an H100)")
+    p.add_argument("--no-contention", action="store_true",
+                   help="cells and jobs run their traced durations however many share a GPU's compute "
+                   "(the model before issue 9; the slowdown is then 1.00x)")
+    p.add_argument("--cell-compute", choices=("busy", "traced"), default="busy",
+                   help="a running cell's demand on its GPUs' compute: all of it (busy, the default), "
+                   "or its traced mean utilisation (traced)")
     p.add_argument("--out", type=Path, default=Path("docs/simulation"), metavar="DIR",
                    help=f"where {FIGURE} and {FIGURES} go (default docs/simulation)")
     p.add_argument("--no-settings", action="store_true", help="skip the node-scheduler settings (issue 15)")
@@ -125,7 +149,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         return 2
     nodes = int(args.nodes) if args.nodes else nodes_needed(sessions, jobs, spec)
     timing = replace(Timing(), move=args.move_seconds, reattach=args.reattach_seconds,
-                     migrate_grace=args.migrate_grace, reclaim_grace=args.reclaim_grace)
+                     migrate_grace=args.migrate_grace, reclaim_grace=args.reclaim_grace,
+                     freeze_per_gib=args.freeze_seconds_per_gib, thaw_per_gib=args.thaw_seconds_per_gib)
+    contention, traced_compute = not args.no_contention, args.cell_compute == "traced"
     policies = site_policies(args.park_after)
     gpufrac = next(p for p in policies if p.name == "gpufrac")
     settings = [] if args.no_settings else scheduler_settings(gpufrac)
@@ -141,7 +167,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
                 say(f"  {name}: {done:.0%} of the trace")
 
         results.append(simulate(policy_, spec, nodes, sessions, jobs, timing, start=start, end=end,
-                                progress=progress))
+                                progress=progress, contention=contention, traced_compute=traced_compute))
         say(f"[{n}/{len(runs)}] {policy_.name}: {time.perf_counter() - t:.1f} s")
     elapsed = time.perf_counter() - began
 
@@ -156,6 +182,11 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         + ("" if args.nodes else " (as many as reserving whole GPUs needs at its peak)")
         + f". Move {timing.move:g} s, re-attach {timing.reattach:g} s, park after {args.park_after:g} s, "
         f"migrate grace {timing.migrate_grace:g} s, reclaim grace {timing.reclaim_grace:g} s.",
+        f"Freeze {timing.freeze_per_gib:g} s/GiB ({timing.freeze(8 * GB):g} s for 8 GiB), thaw "
+        f"{timing.thaw_per_gib:g} s/GiB ({timing.thaw(8 * GB):g} s for 8 GiB). Compute contention: "
+        + ("off (traced durations)." if not contention else
+           "cells ask for their traced utilisation of a GPU, jobs their share."
+           if traced_compute else "a busy cell asks for all of a GPU, a job its share."),
     ]
     parts = ["\n".join(header), "Site policies (issue 12)\n" + table(results[:len(policies)])]
     if settings:

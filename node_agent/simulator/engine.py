@@ -842,7 +842,9 @@ class Engine:
                 if not self._reclaim_for(lease, lease.node.by_uuid[uuid], min(need, lease.share.request)):
                     self._waiting.add(lease.id)
                     return False
-        if lease.state != FROZEN or self._fit(lease) < need:
+        if lease.state != FROZEN:
+            return False
+        if self._fit(lease) < need and not self._remap(lease, need):
             return False
         self._waiting.discard(lease.id)
         self._thawing.pop(lease, None)
@@ -856,6 +858,26 @@ class Engine:
         lease.restore_until = self.now + seconds + self.timing.restore_grace
         lease.token += 1
         self._at(self.now + seconds, partial(self._thawed, lease, lease.token), first=True)
+        return True
+
+    def _remap(self, lease: Lease, need: int) -> bool:
+        """Thaw onto other GPUs of the node (same model: the driver remaps) where the planner
+        would put the lease and all it froze fits now; True if it was moved there."""
+        if not self.rules.spread:
+            return False
+        node = lease.node
+        others = [other.planned() for other in node.leases.values() if other is not lease]
+        where = policy.plan_physical(node.devices, others, NOTEBOOK, lease.share.request, lease.logical,
+                                     lease.share.limit, self.rules)
+        if where == lease.physical:
+            return False
+        here = lease.physical
+        lease.physical = where  # holds nothing while frozen: trying it there changes no one's memory
+        if self._fit(lease) < need:
+            lease.physical = here
+            return False
+        self.result.moves += 1
+        node.changed()
         return True
 
     def _thawed(self, lease: Lease, token: int) -> None:

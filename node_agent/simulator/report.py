@@ -6,26 +6,38 @@ import math
 from collections.abc import Sequence
 
 from node_agent.simulator.metrics import Result, percentile
+from node_agent.simulator.traces import GB
 
 COLUMNS = (
-    "policy", "GPU-h held", "GPU-h in use", "held/use", "nb held/use", "job wait s p50/p95", "jobs not run",
-    "state lost", "moves/h", "parks/h", "cell delay s p50/p95", "late",
-    "cut off", "restored", "short", "shared",
-    "queued",
+    "policy", "GPU-h held", "GPU-h in use", "held/use", "slowdown", "cell slowdown", "nb held/use",
+    "job wait s p50/p95", "jobs not run", "state lost", "moves/h", "parks/h", "cell delay s p50/p95", "late",
+    "cut off", "killed", "restored", "frozen", "thawed", "frozen h", "frozen GiB max", "thaw wait s (cells)",
+    "short", "shared", "queued",
 )
 
 LEGEND = """\
 GPU-h held     GPU-hours of GPUs with any lease on them (a GPU shared by ten notebooks counts once)
 GPU-h in use   GPU-hours the workload uses as traced: cells (their GPUs) at their times, jobs (GPUs x
                share) from arrival; the same for every policy
-held/use       the two above; nb held/use: the same for notebooks alone (GPUs a notebook is on)
+held/use       the two above; nb held/use: the same for notebooks alone (GPUs a notebook is on). Time
+               spent sharing a GPU counts here as free: the slowdown says what it cost
+slowdown       how much longer cells and jobs ran than traced because another cell or job used the same
+               GPU's compute at the same time (GPU-weighted running time over work done; 1.00: never
+               slowed; two busy workloads on one GPU run at 1/2 speed each, or by their compute shares);
+               cell slowdown: the same for notebook cells alone
 job wait       from a job's arrival to its start (s); jobs not run: never started within the run
 state lost     sessions whose kernel lost its variables at least once (killed without a checkpoint)
 moves/h        notebooks moved with their state, per hour; parks/h: kernels that gave their GPU back
 cell delay     from when a cell is due (its trace start, or the end of the cell before it) to its start (s)
 late           share of cells that started over a minute after their traced start (any cause, knock-on too)
 cut off        running cells interrupted (by a move after the grace, or a kill); not run again
-restored       kernels the reclaim ladder killed after the grace and restored from their checkpoint
+killed         kernel processes killed: without their state (Run:ai), or checkpointed and restored
+restored       of those, restored from their checkpoint: moves and parks by restart, reclaim ladder kills
+frozen         kernels frozen by the driver (GPU memory to host memory; nothing restarts, a running cell
+               waits); thawed: frozen kernels given their memory back (a kernel shut down frozen is not)
+frozen h       kernel-hours spent frozen; frozen GiB max: most host memory frozen kernels held at once
+thaw wait      seconds cells waited for their kernel to thaw, in all (paused while running, or due at a
+               frozen kernel: the rest of the freeze, room to come back, and the thaw time), and how many
 short          cell or job starts that got less memory than they needed (an out-of-memory error)
 shared         share of GPU-cell time spent on a GPU where another cell or job ran too
 queued         sessions that waited for a GPU at least once (at start, or to re-attach)"""
@@ -35,6 +47,10 @@ def _num(value: float, digits: int = 1) -> str:
     if math.isnan(value):
         return "-"
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.{digits}f}"
+
+
+def _times(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}x"
 
 
 def _pair(values: Sequence[float]) -> str:
@@ -47,6 +63,8 @@ def row(r: Result) -> list[str]:
         _num(r.held_s / 3600),
         _num(r.in_use_s / 3600),
         _num(r.held_ratio, 2),
+        _times(r.slowdown),
+        _times(r.cell_slowdown),
         _num(r.notebook_ratio, 2),
         _pair(r.job_waits),
         str(r.jobs_never_started),
@@ -56,7 +74,13 @@ def row(r: Result) -> list[str]:
         _pair(r.cell_delays),
         "-" if math.isnan(r.late_share()) else f"{r.late_share():.0%}",
         str(r.cells_cut_off),
-        str(r.reclaim_restarts),
+        str(r.kills + r.restarts),
+        str(r.restarts),
+        str(r.freezes),
+        str(r.thaws),
+        _num(r.frozen_s / 3600, 1),
+        _num(r.peak_frozen_bytes / GB, 1),
+        f"{_num(sum(r.thaw_waits), 1)} ({len(r.thaw_waits)})",
         str(r.short_of_memory),
         "-" if math.isnan(r.shared_cell_share) else f"{r.shared_cell_share:.0%}",
         str(r.sessions_queued),

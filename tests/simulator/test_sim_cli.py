@@ -38,7 +38,9 @@ def test_prints_both_tables_and_writes_the_figure(traces: tuple[Path, Path], tmp
         assert f"\n{p.name} " in captured.out
     assert "held/use" in captured.out and "3 sessions (2 use a GPU" in captured.out
     assert "Jobs: 5 of the 9 GPU pods" in captured.out
-    assert "[1/11] reserve" in captured.err and "simulated 11 runs" in captured.err
+    assert "Freeze 0.9 s/GiB (7.2 s for 8 GiB), thaw 0.2625 s/GiB (2.1 s for 8 GiB)" in captured.out
+    assert "slowdown" in captured.out and "thaw wait" in captured.out and "\ngpufrac+freeze " in captured.out
+    assert "[1/12] reserve" in captured.err and "simulated 12 runs" in captured.err
     assert (out / "gpus-held.png").read_bytes().startswith(b"\x89PNG")
     figures = (out / "figures.md").read_text()
     assert "Site policies (issue 12)" in figures and "Model." in figures
@@ -122,3 +124,16 @@ def test_gpufrac_agent_simulate_runs_it_and_passes_its_exit_status(
     assert "Accepted: COUNTxMODEL" in capsys.readouterr().err
     assert cli.main(["simulate", "--help"]) == 0
     assert "usage: gpufrac-agent simulate" in capsys.readouterr().out
+
+
+def test_freeze_and_thaw_times_and_contention_are_options(traces: tuple[Path, Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    nb, _ = traces
+    assert main(["--trace", str(nb), "--no-settings", "--no-plot", "--quiet", "--out", str(tmp_path),
+                 "--freeze-seconds-per-gib", "1", "--thaw-seconds-per-gib", "0.5", "--no-contention"]) == 0
+    out = capsys.readouterr().out
+    assert "Freeze 1 s/GiB (8 s for 8 GiB), thaw 0.5 s/GiB (4 s for 8 GiB)" in out
+    assert "Compute contention: off" in out and "2.00x" not in out
+    assert main(["--trace", str(nb), "--no-settings", "--no-plot", "--quiet", "--out", str(tmp_path),
+                 "--cell-compute", "traced"]) == 0
+    assert "traced utilisation" in capsys.readouterr().out
