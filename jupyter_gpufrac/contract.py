@@ -67,7 +67,7 @@ LAST_REQUEST_FILE = "last-request-{environment}.json"
 WAKE_SOCKET = "wake.sock"
 # The directive kinds a kernel acts on itself (shrink) or tells its user of; the server wakes
 # the kernel for these.
-KERNEL_DIRECTIVES = ("shrink", "migrate", "killed")
+KERNEL_DIRECTIVES = ("shrink", "migrate", "killed", "frozen", "unparked")
 
 # Where a share came from, as people read it.
 SOURCE_KERNELSPEC = "kernelspec"
@@ -103,6 +103,7 @@ EVENT_KINDS = (
     "agent_reachable",
     "parked",
     "unparked",
+    "frozen",
 )
 
 # The one lifecycle vocabulary people see: a kernel's state in REST, the widget and the panel.
@@ -124,8 +125,10 @@ KERNEL_STATES = (
 AGENT_SILENT_STATES = ("no-gpu", "agent-unreachable")
 
 # The agent's ledger states that a kernel shows as they are (the others need events to tell).
+# A lease being frozen is on its way to parked; one being thawed has a cell waiting for it.
 LEASE_STATE_SHOWN = MappingProxyType({"shrinking": "shrinking", "killed": "oom-killed",
-                                      "parked": "parked", "pending": "waiting-for-gpu"})
+                                      "parked": "parked", "pending": "waiting-for-gpu",
+                                      "freezing": "parked", "thawing": "waiting-for-gpu"})
 
 # How the panel words another lease's ledger state (a kernel's own state is a KERNEL_STATE).
 LEASE_STATE_WORDS = MappingProxyType({
@@ -135,6 +138,8 @@ LEASE_STATE_WORDS = MappingProxyType({
     "shrinking": "shrinking",
     "killed": "stopped",
     "parked": "parked (holds no GPU)",
+    "freezing": "freezing",
+    "thawing": "thawing",
 })
 
 # The state an event implies until the next status confirms it. "migrated" still reads
@@ -154,6 +159,7 @@ EVENT_STATE = MappingProxyType({
     "agent_unreachable": "agent-unreachable",
     "parked": "parked",
     "unparked": "guaranteed",
+    "frozen": "waiting-for-gpu",
 })
 RESTORE_INCOMPLETE = "restore-incomplete"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from jupyter_gpufrac.kernel import ladder
@@ -13,13 +13,16 @@ from jupyter_gpufrac.wake import WakeReceiver, wake
 
 log = logging.getLogger(__name__)
 
+# What a kernel hears of its lease: what it acts on, and that it was frozen or thawed.
+HEARD = ("migrate", "shrink", "killed", "frozen", "unparked")
+
 
 class AgentLike(Protocol):
     """The part of ``node_agent.client.AgentClient`` the watcher uses."""
 
     def directives(
         self, *, client: str | None = None, lease: str | None = None, after: int = 0,
-        timeout: float = 25.0,
+        timeout: float = 25.0, kinds: Sequence[str] | None = None,
     ) -> tuple[list[dict[str, Any]], int]: ...
 
     def report_usage(self, lease_id: str, nbytes: int) -> None: ...
@@ -126,7 +129,7 @@ class DirectiveWatcher:
             self._primed = True
         directives, last = self.client.directives(
             lease=self.lease_id, after=self.after,
-            timeout=0.0 if self.wake is not None else self.poll_timeout,
+            timeout=0.0 if self.wake is not None else self.poll_timeout, kinds=HEARD,
         )
         for directive in ladder.fresh_directives(directives, self.lease_id, self.started):
             try:

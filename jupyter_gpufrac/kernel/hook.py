@@ -100,6 +100,9 @@ class GpuFracHook:
                 lambda: make_client(environment.agent_socket), environment.lease_id)
         # Started parked: CUDA stays untouched until a cell gets a GPU back (see unpark).
         self.parked = environment.parked
+        # Frozen by the agent: the process kept everything, its GPU state is in host memory,
+        # and the next cell asks for it back before it runs (as a parked one does).
+        self.frozen = False
         # (message id, why) of the last cell that did not get a GPU back.
         self._unpark_refused: tuple[str, str] | None = None
 
@@ -208,6 +211,32 @@ class GpuFracHook:
                 torch_adapter.empty_cache()
             elif action is ladder.Action.CAP_REQUEST:
                 self.apply_cap()
+            elif action is ladder.Action.FROZEN:
+                self._on_frozen()
+            elif action is ladder.Action.THAWED:
+                self._on_thawed()
+
+    def _on_frozen(self) -> None:
+        """The agent froze this process: cells ask for the GPU back before they run. A cell
+        that runs now waits in its next CUDA call; it asks for the GPU back at once."""
+        with self._lock:
+            self.frozen = True
+            if self._unpark_before_cell not in self.ip.input_transformers_post:
+                self.ip.input_transformers_post.append(self._unpark_before_cell)
+            running = self._running is not None
+        if running and self.env.lease_id:
+            try:
+                make_client(self.env.agent_socket).unpark(self.env.lease_id)
+            except Exception as exc:  # the next cell asks again
+                log.warning("gpufrac: asking to thaw for the running cell failed: %s", exc)
+
+    def _on_thawed(self) -> None:
+        """The agent thawed this process (room came back): cells run at once again."""
+        with self._lock:
+            self.frozen = False
+            if not self.parked:
+                with contextlib.suppress(ValueError):
+                    self.ip.input_transformers_post.remove(self._unpark_before_cell)
 
     # -- cells -------------------------------------------------------------------------------
 
@@ -556,7 +585,7 @@ class GpuFracHook:
     def _unpark_before_cell(self, lines: list[str]) -> list[str]:
         """An input transformer: IPython runs it before the cell, and what it raises stops the
         cell from running (the error is the cell's output)."""
-        if not self.parked:
+        if not self.parked and not self.frozen:
             return lines
         parent = getattr(self.ip, "parent_header", None)
         parent = parent if isinstance(parent, dict) else {}
@@ -600,6 +629,11 @@ class GpuFracHook:
             raise UsageError(f"gpufrac: this kernel is parked and could not get a GPU back: "
                              f"{exc}. The cell did not run; run it again, or see `%gpu`.") from None
         uuids = [str(u) for u in lease.get("physical_gpus") or []]
+        if self.frozen and not self.parked:
+            # Thawed: CUDA, its memory and every object were kept; nothing to move back.
+            self._take_gpu(client, lease, uuids)
+            print(messages.thawed(self.gpu_label(), time.monotonic() - started), flush=True)
+            return
         if not torch_adapter.attach_cuda(",".join(uuids)):
             raise UsageError(
                 "gpufrac: CUDA was initialised in this kernel while it was parked (by code sent "
@@ -619,7 +653,7 @@ class GpuFracHook:
             self.env, parked=False, gpu_uuid=uuids[0] if uuids else None,
             gpu_index=gpu.get("index"), gpu_name=gpu.get("name"),
             gpu_total=gpu.get("memory_total"), context=int(gpu.get("context_size") or 0))
-        self.parked = False
+        self.parked = self.frozen = False
         with contextlib.suppress(ValueError):
             self.ip.input_transformers_post.remove(self._unpark_before_cell)
         self.apply_cap()

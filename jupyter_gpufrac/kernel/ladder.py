@@ -19,6 +19,9 @@ class Action(enum.Enum):
     CAP_REQUEST = "cap_request"
     OFFLOAD = "offload"
     CHECKPOINT = "checkpoint"
+    # The agent froze this kernel's process, or thawed it.
+    FROZEN = "frozen"
+    THAWED = "thawed"
 
 
 @dataclass
@@ -29,6 +32,8 @@ class LadderState:
     reason: str = ""
     deadline: float | None = None
     moving: bool = False  # a migrate directive is out: a cell interrupted now was cut off by it
+    # The agent froze this process: its GPU state is in host memory until it is thawed.
+    frozen: bool = False
     notices: list[str] = field(default_factory=list)  # shown with the next cell's output
 
 
@@ -87,6 +92,13 @@ def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Actio
         state.notices.append("gpufrac: the agent stopped this kernel's GPU work"
                              + (f" ({reason})" if reason else "") + ".")
         return []
+    if kind == "frozen":
+        # The next cell asks for the GPU back before it runs (see GpuFracHook.unpark).
+        state.frozen = True
+        return [Action.FROZEN]
+    if kind == "unparked" and directive.get("thawed") and state.frozen:
+        state.frozen = False
+        return [Action.THAWED]
     return []
 
 

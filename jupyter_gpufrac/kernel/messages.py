@@ -152,6 +152,12 @@ def waiting_for_gpu(reason: str | None) -> str:
             "interrupt the kernel to stop waiting (the cell then does not run).")
 
 
+def thawed(gpu: str, seconds: float) -> str:
+    """The line a cell of a frozen kernel starts with once it is thawed."""
+    return (f"gpufrac: back on {gpu} in {seconds:.2f} s: the process was frozen in host memory "
+            "and thawed, with every variable, open file and thread as it was.")
+
+
 def unparked(gpu: str, seconds: float, back: Sequence[str], back_bytes: int,
              still_away: Sequence[str]) -> str:
     """The one line a cell of a parked kernel starts with once the kernel has a GPU again."""

@@ -14,11 +14,11 @@ from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavai
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.kernel_channel import checkpoint, wait_until_idle
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
-from node_agent.quantities import format_bytes
+from node_agent.quantities import format_bytes, format_duration
 
 LONG_POLL_S = 25.0
 # Every kind: the server acts on migrate and killed, tells people of shrink, resized, bursting.
-HEARD = ("migrate", "shrink", "killed", "resized", "bursting", "park", "unparked")
+HEARD = ("migrate", "shrink", "killed", "resized", "bursting", "park", "unparked", "frozen")
 MAX_BACKOFF_S = 10.0
 # Time left before the agent's deadline for the restart itself after the checkpoint.
 RESTART_MARGIN_S = 10.0
@@ -155,6 +155,8 @@ class DirectiveListener:
                                                          or "Parked with %gpu park"))
                 elif kind == "unparked":
                     await self.unparked(kernel_id, directive)
+                elif kind == "frozen":
+                    await self.frozen(kernel_id, directive)
                 else:
                     self.log.warning("unknown directive %r for kernel %s", kind, kernel_id)
             except asyncio.CancelledError:
@@ -301,11 +303,12 @@ class DirectiveListener:
             await self._park(kernel_id, f"Parked after {minutes} idle", idle_s)
 
     async def _park(self, kernel_id: str, message: str, idle_s: float | None = None) -> None:
-        """Once the kernel is idle: its GPU tensors to host memory and a checkpoint, then a
+        """Once the kernel is idle: frozen by the agent, the process and everything in it kept;
+        where freezing cannot be used, its GPU tensors to host memory and a checkpoint, then a
         restart without a GPU (the agent parks the lease at the launch)."""
         gpu = self.kernels.get(kernel_id)
         if (gpu is None or not gpu.hooked or gpu.lease is None
-                or gpu.lease.get("state") == "parked"):
+                or gpu.lease.get("state") in ("parked", "freezing")):
             return
         kernel = self.kernel_manager.get_kernel(kernel_id)
         if not await wait_until_idle(kernel, time.monotonic() + PARK_IDLE_WAIT_S):
@@ -313,6 +316,16 @@ class DirectiveListener:
             # must not wait behind a park. It is parked once it is idle long enough.
             self.log.info("kernel %s: not parked: a cell is running", kernel_id)
             return
+        # The durable copy first: a frozen process that dies later restores from it.
+        saved, why = await checkpoint(kernel, timeout=PARK_CHECKPOINT_S)
+        if kernel_id not in self.kernel_manager:
+            return
+        if not saved:
+            self.log.warning("kernel %s: checkpoint before the freeze failed: %s", kernel_id, why)
+        fallback = await self._park_frozen(kernel_id, gpu, message, idle_s)
+        if fallback is None:
+            return
+        message = f"{message} (by a checkpoint and restart: {fallback.rstrip('.')})"
         saved, why = await checkpoint(kernel, timeout=PARK_CHECKPOINT_S, park=True)
         if kernel_id not in self.kernel_manager:
             return  # shut down meanwhile: its cleanup gave the lease back
@@ -327,8 +340,49 @@ class DirectiveListener:
             "back", "from_gpu": source, "to_gpu": None, "idle_s": idle_s,
         })
 
+    async def _park_frozen(self, kernel_id: str, gpu: KernelGpu, message: str,
+                           idle_s: float | None) -> str | None:
+        """Ask the agent to freeze the kernel's process; None when it did, else why it could
+        not (the caller falls back to a checkpoint and restart)."""
+        lease_id = str((gpu.lease or {}).get("id"))
+        source = (gpu.lease or {}).get("physical_gpu")
+        started = time.monotonic()
+        try:
+            lease = await self.link.freeze(lease_id, reason=message[:1].lower() + message[1:])
+        except AgentError as err:
+            self.log.info("kernel %s: not frozen (%s); parking by checkpoint and restart",
+                          kernel_id, err.message)
+            return err.message
+        gpu.lease = lease
+        self.log.info("kernel %s: parked by freezing (%s)", kernel_id, message)
+        self.events.emit(
+            kernel_id, "parked", f"{message}: frozen in host memory in "
+            f"{time.monotonic() - started:.1f} s, it gave {gpu.label(source)} back. Its next cell "
+            "thaws it; every variable, open file and thread is kept.",
+            gpu_uuid=source, gpu_index=gpu.index(source), seconds=idle_s,
+            protection=lease.get("protection"), frozen_bytes=lease.get("frozen_bytes"))
+        return None
+
+    async def frozen(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """The agent froze the kernel for someone else's sake (a reclaim, a job): say why, and
+        that it comes back by itself."""
+        gpu = self.kernels.get(kernel_id)
+        if gpu is None:
+            return
+        try:
+            await gpu.refresh()
+        except AgentError as err:
+            self.log.info("kernel %s: lease not refreshed after a freeze: %s", kernel_id, err)
+        uuid = directive.get("gpu")
+        reason = sentence(str(directive.get("reason") or "Frozen by the GPU agent"))
+        self.events.emit(
+            kernel_id, "frozen", f"{reason}.", reason=str(directive.get("reason") or ""),
+            gpu_uuid=uuid, gpu_index=gpu.index(uuid), request=directive.get("request"),
+            limit=directive.get("limit"), frozen_bytes=directive.get("frozen_bytes"),
+            protection="frozen in host memory")
+
     async def unparked(self, kernel_id: str, directive: dict[str, Any]) -> None:
-        """A cell of a parked kernel got it a GPU again: say where."""
+        """A cell of a parked kernel got it a GPU again (a frozen one was thawed): say where."""
         gpu = self.kernels.get(kernel_id)
         if gpu is None:
             return
@@ -337,10 +391,17 @@ class DirectiveListener:
         except AgentError as err:
             self.log.info("kernel %s: lease not refreshed after unpark: %s", kernel_id, err)
         uuid = directive.get("gpu")
+        where = gpu.label(str(uuid) if uuid else None)
+        if directive.get("thawed"):
+            message = (f"Back on {where}: thawed after "
+                       f"{format_duration(float(directive.get('frozen_s') or 0))} frozen in host "
+                       "memory, with everything it held; nothing was restarted.")
+        else:
+            message = f"Back on {where}: a cell asked for a GPU, and it runs there."
         self.events.emit(
-            kernel_id, "unparked", f"Back on {gpu.label(str(uuid) if uuid else None)}: a cell "
-            "asked for a GPU, and it runs there.", gpu_uuid=uuid, gpu_index=gpu.index(uuid),
+            kernel_id, "unparked", message, gpu_uuid=uuid, gpu_index=gpu.index(uuid),
             request=directive.get("request"), limit=directive.get("limit"),
+            seconds=directive.get("seconds"),
         )
 
     # -- shrink and killed -------------------------------------------------------------

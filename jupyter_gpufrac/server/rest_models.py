@@ -110,6 +110,9 @@ def kernel_model(
         "request": lease.get("request") if lease else None,
         "limit": lease.get("limit") if lease else None,
         "usage": lease.get("usage") if lease else None,
+        # What keeps its state while it has no GPU, and why freezing could not be used.
+        "protection": lease.get("protection") if lease else None,
+        "fallback": (lease.get("fallback") or None) if lease else None,
         "lease": lease,
         # Where request and limit came from (None: the lease predates this server process).
         "share_source": gpu.share_source if gpu is not None else None,

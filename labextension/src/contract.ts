@@ -14,7 +14,8 @@ export const EVENT_KINDS = [
   'agent_unreachable',
   'agent_reachable',
   'parked',
-  'unparked'
+  'unparked',
+  'frozen'
 ] as const;
 
 export const KERNEL_STATES = [
@@ -47,7 +48,8 @@ export const EVENT_STATE: Readonly<Record<string, string>> = {
   no_gpu: 'no-gpu',
   agent_unreachable: 'agent-unreachable',
   parked: 'parked',
-  unparked: 'guaranteed'
+  unparked: 'guaranteed',
+  frozen: 'waiting-for-gpu'
 };
 
 export const LEASE_STATE_WORDS: Readonly<Record<string, string>> = {
@@ -56,7 +58,9 @@ export const LEASE_STATE_WORDS: Readonly<Record<string, string>> = {
   migrating: 'moving',
   shrinking: 'shrinking',
   killed: 'stopped',
-  parked: 'parked (holds no GPU)'
+  parked: 'parked (holds no GPU)',
+  freezing: 'freezing',
+  thawing: 'thawing'
 };
 
 export const RESTORE_INCOMPLETE = 'restore-incomplete';

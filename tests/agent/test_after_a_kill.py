@@ -27,8 +27,9 @@ def test_a_borrower_killed_by_reclaim_frees_its_memory_at_once(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
 ) -> None:
     # Polls 3 s apart: the checks after the kill take a fraction of that.
+    # Kills are the fallback where freezing cannot be used (test_freeze.py freezes instead).
     agent = start_agent("--poll-interval", "3", "--reclaim-grace", "0.5", "--headroom", "0.25",
-                        spec="1x1GiB")
+                        "--no-freeze", spec="1x1GiB")
     c = agent.client()
     owner, owner_proc = notebook_holding(agent, holders, "512Mi", "1", 100)
     borrower, _ = notebook_holding(agent, holders, "128Mi", "1", 450)

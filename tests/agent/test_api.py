@@ -66,7 +66,7 @@ def test_lease_lifecycle(start_agent: Callable[..., AgentProcess], holders: Call
     states = {s.labels["gpufrac_lease_state"]: s.value for s in samples
               if s.name == "gpufrac_lease_state" and s.labels["lease"] == lease["id"]}
     assert states == {"pending": 0, "active": 1, "migrating": 0, "shrinking": 0, "killed": 0,
-                      "parked": 0}
+                      "parked": 0, "freezing": 0, "thawing": 0}
     c.release(lease["id"])
     assert c.leases() == []
     with pytest.raises(AgentError) as err:

@@ -115,7 +115,8 @@ def test_moves_are_counted_and_timed_by_outcome(
 def test_reclaim_shows_in_gpu_shares_and_counts_a_shrink_and_a_kill(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
 ) -> None:
-    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", spec="1x1GiB")
+    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", "--no-freeze",
+                        spec="1x1GiB")
     c = agent.client()
     owner, owner_proc = _notebook(c, holders, "512Mi", "512Mi", 100)
     borrower, _ = _notebook(c, holders, "128Mi", "1", 450)

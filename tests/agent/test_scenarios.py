@@ -106,7 +106,9 @@ def test_a_client_that_does_not_move_is_stopped_after_the_grace(
 def _reclaim_setup(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], *args: str
 ) -> tuple[AgentProcess, dict, Holder, dict, Holder, dict, Holder]:
-    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", *args, spec="1x1GiB")
+    # Kills are the fallback where freezing cannot be used (test_freeze.py freezes instead).
+    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", "--no-freeze", *args,
+                        spec="1x1GiB")
     owner, owner_proc = notebook_holding(agent, holders, "512Mi", "512Mi", 100)
     borrower, borrower_proc = notebook_holding(agent, holders, "128Mi", "1", 450)
     quiet, quiet_proc = notebook_holding(agent, holders, "128Mi", "1", 1)
@@ -233,7 +235,8 @@ def _come_back(c: AgentClient, holders: Callable[..., Holder], lease: dict, old:
 def test_a_restoring_kernel_is_spared_while_another_borrower_covers(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
 ) -> None:
-    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", spec="1x1GiB")
+    agent = start_agent("--reclaim-grace", "1", "--headroom", "0.25", "--no-freeze",
+                        spec="1x1GiB")
     c = agent.client()
     owner, owner_proc = notebook_holding(agent, holders, "512Mi", "512Mi", 100)
     settled, settled_proc = notebook_holding(agent, holders, "128Mi", "1", 1)
@@ -280,7 +283,7 @@ def test_the_third_stop_in_the_window_says_why_and_what_to_do(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
 ) -> None:
     agent = start_agent("--reclaim-grace", "0.5", "--headroom", "0.25", "--restore-grace", "0",
-                        spec="1x1GiB")
+                        "--no-freeze", spec="1x1GiB")
     c = agent.client()
     owner, owner_proc = notebook_holding(agent, holders, "512Mi", "512Mi", 400)
     borrower, proc = notebook_holding(agent, holders, "128Mi", "1", 1)
@@ -371,7 +374,8 @@ def test_a_lease_above_its_limit_is_asked_back_then_stopped_with_nobody_owed(
 ) -> None:
     """What no allocator cap holds (JAX without its variables, a child process, raw CUDA) is
     caught by measurement: the same ladder as a reclaim, though no other lease is owed."""
-    agent = start_agent("--reclaim-grace", "0.5", "--enforce-limits", spec="1x2GiB")
+    agent = start_agent("--reclaim-grace", "0.5", "--enforce-limits", "--no-freeze",
+                        spec="1x2GiB")
     c = agent.client()
     lease, proc = notebook_holding(agent, holders, "128Mi", "256Mi", 0)
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
