@@ -623,7 +623,19 @@ class Agent:
                      for g in self.gpus],
             # Compute shares hold only where CUDA MPS runs; elsewhere they are recorded.
             "mps": mps_running(),
+            "freezing": self.freezing(),
         }
+
+    def freezing(self) -> dict[str, Any]:
+        """Whether this node freezes notebooks (and why not), whether a thaw can land on another
+        GPU, and the host memory frozen state takes against its budget."""
+        why = ("freezing is turned off on this node (--no-freeze)" if not self.config.freeze
+               else "this agent has no way to freeze processes" if self.freezer is None
+               else self.freezer.unavailable())
+        return {"available": why is None, "why": why,
+                "freezer": self.freezer.name if self.freezer is not None else None,
+                "remap": why is None and self.freezer is not None and self.freezer.can_remap(),
+                "frozen_bytes": self.frozen_bytes(), "budget": self.freeze_budget()}
 
     def visible(self, caller: Caller) -> list[Lease]:
         return [

@@ -10,7 +10,7 @@ from node_agent.quantities import format_bytes
 # The stable keys of `status --json`: scripts depend on them.
 STATUS_GPU_KEYS = ("uuid", "index", "name", "memory_total", "memory_used")
 STATUS_LEASE_KEYS = ("id", "kind", "owner_uid", "request", "limit", "usage", "logical_gpu",
-                     "physical_gpu", "physical_gpus", "state", "pod")
+                     "physical_gpu", "physical_gpus", "state", "pod", "protection", "fallback")
 
 
 def status_document(client: AgentClient) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
         out.append("no leases")
         return "\n".join(out)
     lease_rows = [["LEASE", "OWNER", "KIND", "REQUEST", "LIMIT", "USAGE", "COMPUTE", "LOGICAL",
-                   "PHYSICAL", "STATE"]]
+                   "PHYSICAL", "STATE", "KEPT BY"]]
     for lease in leases:
         state = lease["state"]
         if state == "active" and lease["bursting"]:
@@ -55,6 +55,8 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
             # It holds no GPU: say what it will need when its kernel runs a cell.
             waiting = "parked" if state == "parked" else "waiting for a GPU"
             state = f"{waiting}, needs {format_bytes(lease['request'])}"
+            if lease.get("frozen"):
+                state += f", {format_bytes(lease['frozen_bytes'])} frozen"
         physical = ",".join(gpu(u) for u in lease["physical_gpus"]) or "-"
         if lease["target_gpus"]:
             physical += " -> " + ",".join(gpu(u) for u in lease["target_gpus"])
@@ -62,6 +64,7 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
             lease["id"], str(lease["owner_uid"]), lease["kind"], format_bytes(lease["request"]),
             format_bytes(lease["limit"]), format_bytes(lease["usage"]), compute_text(lease),
             ",".join(gpu(u) for u in lease["logical_gpus"]) or "-", physical, state,
+            protection_text(lease),
         ])
     pods = [lease.get("pod") for lease in leases]
     if any(pods):
@@ -70,11 +73,27 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
         for row, pod in zip(lease_rows[1:], pods, strict=True):
             row.append("/".join((pod["namespace"], pod["name"], pod["container"])) if pod else "-")
     out.append(_table(lease_rows))
+    freezing = node.get("freezing") or {}
+    if freezing.get("available"):
+        out.append(f"freezing: on ({format_bytes(freezing['frozen_bytes'])} of "
+                   f"{format_bytes(freezing['budget'])} host memory frozen"
+                   + ("; thaws onto other GPUs of the same model" if freezing["remap"] else "")
+                   + ")")
+    elif freezing:
+        out.append(f"freezing: off ({freezing['why']}); kernels are checkpointed and restarted")
     if any(lease.get("compute_request") is not None for lease in leases):
         out.append("compute shares: " + ("held by CUDA MPS (active-thread percentage)"
                                          if node.get("mps") else
                                          "recorded, not enforced (no CUDA MPS on this node)"))
     return "\n".join(out)
+
+
+def protection_text(lease: dict[str, Any]) -> str:
+    """What keeps a notebook's state while it has no GPU; where freezing fell back, why."""
+    if lease["kind"] != "notebook":
+        return "-"
+    text = str(lease.get("protection") or "checkpoint on disk")
+    return f"{text} (not frozen: {lease['fallback']})" if lease.get("fallback") else text
 
 
 def compute_text(lease: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import time
 from typing import Any, NoReturn
@@ -148,6 +149,7 @@ class GpuMagic:
                                       or lease.get("compute_usage") is not None):
                 lines.append("  compute: " + messages.compute_text(lease, mps_running()))
             lines.append(f"  state:   {self._state_text(usage, lease)}")
+            lines.append(f"  kept by: {self._protection_text(lease)}")
         lines.append(self._torch_line(s))
         if hook.offloaded:
             names = ", ".join(r.name for r in hook.offloaded)
@@ -186,6 +188,25 @@ class GpuMagic:
         else:
             text = "guaranteed"
         return f"{text} ({reason})" if reason and text != "guaranteed" else text
+
+    def _protection_text(self, lease: dict[str, Any] | None) -> str:
+        """What keeps this kernel's state when its GPU is taken, and why not freezing."""
+        disk = "a checkpoint on disk after every cell that changed something"
+        if lease is None:
+            return disk
+        if lease.get("fallback"):
+            return (f"{disk}; the last freeze could not be used ({lease['fallback']}), so a "
+                    "park or reclaim restarts it from that checkpoint")
+        freezing: dict[str, Any] = {}
+        with contextlib.suppress(Exception):  # a line of %gpu, never its failure
+            freezing = make_client(self.hook.env.agent_socket, timeout=2.0).node().get(
+                "freezing") or {}
+        if freezing.get("available"):
+            return (f"freezing: when its GPU is taken the process waits in host memory with "
+                    f"everything in it, nothing restarts; and {disk}")
+        if freezing.get("why"):
+            return f"{disk} (freezing is not available here: {freezing['why']})"
+        return disk
 
     def _torch_line(self, s: dict[str, Any]) -> str:
         if not s["torch_imported"]:

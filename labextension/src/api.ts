@@ -40,7 +40,19 @@ export type EventName =
   | 'agent_unreachable'
   | 'agent_reachable'
   | 'parked'
-  | 'unparked';
+  | 'unparked'
+  | 'frozen';
+
+/**
+ * What keeps a kernel's state while it has no GPU, in the server's words:
+ * its process frozen by the driver (every variable, open file and thread
+ * kept), or the last good checkpoint on disk (a restart restores from it).
+ */
+export const FROZEN_IN_HOST_MEMORY = 'frozen in host memory';
+export const CHECKPOINT_ON_DISK = 'checkpoint on disk';
+export type Protection =
+  | typeof FROZEN_IN_HOST_MEMORY
+  | typeof CHECKPOINT_ON_DISK;
 
 export interface IGpuRef {
   uuid: string;
@@ -73,6 +85,18 @@ export interface ILease {
   compute_usage?: number | null;
   state: string;
   reason?: string;
+  /** Whether the driver holds its processes' GPU state in their host memory. */
+  frozen?: boolean;
+  /** Unix seconds since when it is frozen; null while not frozen. */
+  frozen_at?: number | null;
+  /** GPU memory the freeze moved into host memory, bytes (0 while not frozen). */
+  frozen_bytes?: number;
+  /** UUIDs of the GPUs it was frozen on. */
+  frozen_gpus?: string[];
+  /** What keeps its state while it has no GPU. */
+  protection?: Protection | string;
+  /** Why freezing could not be used the last time it was tried; '' when it could. */
+  fallback?: string;
   created?: number;
   updated?: number;
 }
@@ -101,6 +125,10 @@ export interface IGpuFracEvent {
   /** For `move_pending`: unix seconds at which the running cell is cut off. */
   deadline?: number;
   seconds?: number;
+  /** For `parked` and `frozen`: what keeps the kernel's state while it has no GPU. */
+  protection?: Protection | string;
+  /** For `parked` and `frozen`: GPU memory the freeze moved into host memory, bytes. */
+  frozen_bytes?: number;
   /** The notebook's path, when the server knows it. */
   notebook?: string;
   time?: number;
@@ -147,6 +175,14 @@ export interface IKernelStatus {
   restore?: IRestore | null;
   /** Absent from older servers, null for a lease older than the server process. */
   share_source?: IShareSource | null;
+  /**
+   * What keeps its state while it has no GPU: "frozen in host memory" while
+   * frozen, else "checkpoint on disk"; null without a lease, absent from
+   * older servers.
+   */
+  protection?: Protection | string | null;
+  /** Why freezing could not be used the last time it was tried, or null. */
+  fallback?: string | null;
 }
 
 export interface INodeGpu extends IGpuRef {

@@ -2,7 +2,7 @@
  * Pure formatting: the words and numbers people read. Kept free of DOM and
  * JupyterLab imports so every view says things the same way.
  */
-import { IGpuFracEvent, IGpuRef } from './api';
+import { FROZEN_IN_HOST_MEMORY, IGpuFracEvent, IGpuRef } from './api';
 import { defaultTrans, ITrans } from './trans';
 import { restoreFactsOf, restoreSummary } from './view';
 
@@ -178,14 +178,62 @@ export function describeEvent(
         'The GPU agent answers again; GPU shares are verified again.'
       );
     case 'parked':
+      if (event.protection === FROZEN_IN_HOST_MEMORY) {
+        return trans.__(
+          'Parked: frozen in host memory while idle%1, it gave its GPU back; its next cell thaws it, with every variable kept.',
+          why
+        );
+      }
       return trans.__(
         'Parked: gave its GPU back while idle%1; the next cell gets one first.',
+        why
+      );
+    case 'frozen':
+      return trans.__(
+        'Frozen%1: its process and every variable are kept in host memory (a running cell waits too); it thaws when a GPU has room.',
         why
       );
     case 'unparked':
       return trans.__('Back on GPU %1.', event.gpu_index ?? '?');
     default:
       return event.event;
+  }
+}
+
+/** JupyterLab's notification types that the agent's interventions use. */
+export type NoticeType = 'info' | 'in-progress' | 'warning' | 'error';
+
+/** How an event is notified: its type and when it closes by itself (ms). */
+export interface INoticeKind {
+  type: NoticeType;
+  autoClose: number | false;
+}
+
+/**
+ * How the agent's interventions are notified; null where the status bar item
+ * is enough (placed, bursting, no_gpu, an idle park). A move runs in
+ * progress; a shrink warns and goes; a kill is an error that stays. A freeze
+ * for someone else's sake (a job, a reclaim) is a warning that stays until
+ * read, though the kernel keeps everything; the thaw that ends it is news,
+ * not worry. `restored` and the agent's reachability have their own
+ * notices (notify.ts).
+ */
+export function eventNoticeKind(event: IGpuFracEvent): INoticeKind | null {
+  switch (event.event) {
+    case 'move_pending':
+    case 'migrating':
+    case 'migrated':
+      return { type: 'in-progress', autoClose: false };
+    case 'shrink_requested':
+      return { type: 'warning', autoClose: 20000 };
+    case 'oom_killed':
+      return { type: 'error', autoClose: false };
+    case 'frozen':
+      return { type: 'warning', autoClose: false };
+    case 'unparked':
+      return { type: 'info', autoClose: 8000 };
+    default:
+      return null;
   }
 }
 

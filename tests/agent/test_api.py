@@ -338,8 +338,10 @@ def test_status_json_is_the_stable_document(
     assert set(doc["gpus"][0]) == {"uuid", "index", "name", "memory_total", "memory_used"}
     assert set(doc["leases"][0]) == {"id", "kind", "owner_uid", "request", "limit", "usage",
                                      "logical_gpu", "physical_gpu", "physical_gpus", "state",
-                                     "pod"}
+                                     "pod", "protection", "fallback"}
     assert doc["leases"][0]["pod"] is None  # not in a pod
+    assert (doc["leases"][0]["protection"], doc["leases"][0]["fallback"]) == (
+        "checkpoint on disk", "")
     assert isinstance(doc["leases"][0]["request"], int)
     assert doc["leases"][0]["physical_gpu"].startswith("GPU-")
     table = subprocess.run(run, capture_output=True, text=True, check=True).stdout
