@@ -609,12 +609,14 @@ class GpuFracHook:
         lease_id = self.env.lease_id
         if not lease_id:
             return
+        # Read once: the thaw's notice may reach the directive thread before this returns.
+        frozen = self.frozen and not self.parked
         client = make_client(self.env.agent_socket)
         try:
             lease = client.unpark(lease_id)
             delay, told = UNPARK_POLL_FIRST_S, False
             while lease.get("state") != "active":
-                if not told:
+                if not told and lease.get("state") != "thawing":
                     print(messages.waiting_for_gpu(lease.get("reason")), flush=True)
                     told = True
                 time.sleep(delay)
@@ -629,7 +631,7 @@ class GpuFracHook:
             raise UsageError(f"gpufrac: this kernel is parked and could not get a GPU back: "
                              f"{exc}. The cell did not run; run it again, or see `%gpu`.") from None
         uuids = [str(u) for u in lease.get("physical_gpus") or []]
-        if self.frozen and not self.parked:
+        if frozen:
             # Thawed: CUDA, its memory and every object were kept; nothing to move back.
             self._take_gpu(client, lease, uuids)
             print(messages.thawed(self.gpu_label(), time.monotonic() - started), flush=True)

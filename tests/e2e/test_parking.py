@@ -1,4 +1,5 @@
-"""An idle notebook gives its GPU back and keeps its kernel: parked, then back on a GPU."""
+"""An idle notebook gives its GPU back and keeps its kernel: parked (frozen where the agent can
+freeze, else restarted without a GPU), then back on a GPU."""
 
 from __future__ import annotations
 
@@ -63,10 +64,12 @@ def parked(server: Server, agent: AgentProcess, nb: Notebook) -> dict[str, Any]:
     return lease_of(agent, nb.kernel_id)
 
 
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "restarted"])
 def test_an_idle_kernel_gives_its_gpu_back_and_its_next_cell_gets_one_first(
-    tmp_path: Path,
+    tmp_path: Path, freeze: bool
 ) -> None:
-    with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2"]) as agent:
+    args = ["--poll-interval", "0.2", *([] if freeze else ["--no-freeze"])]
+    with AgentProcess(tmp_path / "agent", "2x2GiB", args) as agent:
         server = start_server(tmp_path / "server", agent.socket, CONFIG)
         try:
             nb = server.open_notebook("park.ipynb")
@@ -79,6 +82,11 @@ def test_an_idle_kernel_gives_its_gpu_back_and_its_next_cell_gets_one_first(
             assert lease["request"] > 0  # what it will need again
             shown = next(x for x in status_json(agent)["leases"] if x["id"] == lease["id"])
             assert shown["state"] == "parked" and shown["physical_gpus"] == []
+            kept = "frozen in host memory" if freeze else "checkpoint on disk"
+            assert lease["frozen"] is freeze and shown["protection"] == kept
+            assert server.kernel_status(nb.kernel_id)["protection"] == kept
+            if not freeze:
+                assert "freezing is turned off" in shown["fallback"]
             assert "parked" in server.events(nb.kernel_id)
             # A parked kernel never blocks a job: both GPUs whole, at once, nobody moved.
             whole = job(agent, 2, "true")
@@ -92,7 +100,10 @@ def test_an_idle_kernel_gives_its_gpu_back_and_its_next_cell_gets_one_first(
             words = next(line.split() for line in out.splitlines() if line.startswith("PID"))
             active = lease_of(agent, nb.kernel_id)
             assert active["state"] == "active" and words[3] == ",".join(active["physical_gpus"])
-            assert int(words[1]) != first_pid  # a process that had not touched CUDA
+            if freeze:  # the very process, thawed
+                assert int(words[1]) == first_pid and "frozen in host memory and thawed" in out
+            else:  # a process that had not touched CUDA
+                assert int(words[1]) != first_pid
             wait_for(lambda: "unparked" in server.events(nb.kernel_id), 30, "the unparked event",
                      interval=0.2)
             assert server.kernel_status(nb.kernel_id)["state"] in ("guaranteed", "bursting")
@@ -102,10 +113,12 @@ def test_an_idle_kernel_gives_its_gpu_back_and_its_next_cell_gets_one_first(
             stop_server(server)
 
 
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "restarted"])
 def test_a_cell_waits_for_a_gpu_visibly_can_be_cancelled_and_runs_once_there_is_room(
-    tmp_path: Path,
+    tmp_path: Path, freeze: bool
 ) -> None:
-    with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2"]) as agent:
+    args = ["--poll-interval", "0.2", *([] if freeze else ["--no-freeze"])]
+    with AgentProcess(tmp_path / "agent", "2x2GiB", args) as agent:
         server = start_server(tmp_path / "server", agent.socket,
                               CONFIG.replace("park_after = 2", "park_after = 0"))
         try:
