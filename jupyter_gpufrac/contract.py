@@ -67,7 +67,7 @@ LAST_REQUEST_FILE = "last-request-{environment}.json"
 WAKE_SOCKET = "wake.sock"
 # The directive kinds a kernel acts on itself (shrink) or tells its user of; the server wakes
 # the kernel for these.
-KERNEL_DIRECTIVES = ("shrink", "migrate", "killed", "frozen", "unparked")
+KERNEL_DIRECTIVES = ("shrink", "migrate", "killed", "frozen", "unparked", "moved")
 
 # Where a share came from, as people read it.
 SOURCE_KERNELSPEC = "kernelspec"

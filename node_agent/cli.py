@@ -434,6 +434,13 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         "simulation on a simulated node), driver (the driver's, also beside a simulated node: "
         "for testing a real driver or a stand-in libcuda) or simulated.",
     ).tag(config=True)
+    freeze_remap = Bool(
+        _AGENT.freeze_remap,
+        help="Move a notebook to another GPU by freezing it and thawing it there (driver r580+, "
+        "GPUs of the same model): nothing restarts. Off by default: a process restricted by "
+        "CUDA_VISIBLE_DEVICES, as every kernel is, has been reported to fail such a thaw; a "
+        "frozen kernel then restarts on the other GPU from its checkpoint.",
+    ).tag(config=True)
     freeze_lock_timeout = Float(
         _AGENT.freeze_lock_timeout, min=0.1,
         help="Seconds a freeze waits for a kernel's submitted GPU work before it is tried "
@@ -513,6 +520,9 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         **boolean_flag("freeze", "ServeApp.freeze",
                        "Freeze notebooks' processes where the driver can (the default).",
                        "Never freeze: park and reclaim by checkpoint and restart."),
+        **boolean_flag("freeze-remap", "ServeApp.freeze_remap",
+                       "Move notebooks by freezing and thawing them on the other GPU (r580+).",
+                       "Move notebooks by checkpoint and restart (the default)."),
         **boolean_flag("enforce-limits", "ServeApp.enforce_limits",
                        "Stop leases that stay above their limit.",
                        "Never stop a lease for its limit alone."),

@@ -40,7 +40,7 @@ MOVE_CAUSES = ("compaction", "request_changed")
 SHRINK_CAUSES = ("reclaim", "limit")
 KILL_CAUSES = ("reclaim", "limit", "migrate_timeout", "thaw_failed", "thaw_elsewhere")
 # Why a lease's processes were frozen.
-FREEZE_CAUSES = ("park", "reclaim", "limit", "job")
+FREEZE_CAUSES = ("park", "reclaim", "limit", "job", "move")
 
 
 def hostname() -> str:

@@ -35,7 +35,7 @@ T = TypeVar("T")
 MAX_WAIT = 60.0
 # What a client is asked to do, and what it is only told (heard of when asked for by kind).
 ACTIONS = ("migrate", "shrink", "killed")
-NOTICES = ("resized", "bursting", "unparked", "frozen")
+NOTICES = ("resized", "bursting", "unparked", "frozen", "moved")
 # Asked of a client only when it names them: a server that cannot park never hears of it.
 ASKED_BY_NAME = ("park",)
 KINDS = (*ACTIONS, *ASKED_BY_NAME, *NOTICES)
@@ -149,6 +149,11 @@ class AgentConfig:
     # its RAM). Frozen memory lives in the kernels' own processes: the host must hold it.
     freeze_budget: int | None = None
     freeze_budget_share: float = 0.5
+    # Move a notebook by freezing it and thawing it on the other GPU (driver r580+, the same
+    # model). Off by default: a process that CUDA_VISIBLE_DEVICES restricts, as every kernel
+    # is, has been reported to fail even a remap onto its own GPU; no hardware here showed
+    # otherwise. Off, a move restarts the kernel from its checkpoint, as before.
+    freeze_remap: bool = False
 
     @property
     def rules(self) -> policy.Rules:
@@ -882,8 +887,7 @@ class Agent:
             lease = self.ledger.update(
                 lease.id, state="migrating", target=move.to_gpus, deadline=deadline, reason=reason
             )
-            self._directive(lease, "migrate", reason, from_gpu=move.from_gpus[0],
-                            to_gpu=move.to_gpus[0], deadline=deadline, moved_bytes=move.moved_bytes)
+            self._move(lease, reason, moved_bytes=move.moved_bytes)
             self.counters["migrations"] += 1
             self.stats.move_started(lease.id, "compaction")
 
@@ -940,9 +944,19 @@ class Agent:
                                        state="migrating", deadline=deadline, reason=reason)
             self.stats.move_started(lease.id, "request_changed")
             self._directive(lease, "resized", said, **notice)
-            self._directive(lease, "migrate", reason, from_gpu=lease.physical[0],
-                            to_gpu=physical[0], deadline=deadline, cause="request_changed")
+            self._move(lease, reason, cause="request_changed")
         return lease
+
+    def _move(self, lease: Lease, reason: str, **body: Any) -> None:
+        """Carry out the move of a ``migrating`` lease to its target: freeze and thaw it there
+        where the driver can remap (nothing restarts), else ask its client to (``migrate``:
+        a checkpoint and a restart on the target)."""
+        blocker = self.freeze_blocker(lease) or self._remap_blocker(lease, lease.target)
+        if blocker is None:
+            self._act(lease.id, self._frozen_move(lease.id, reason, body))
+            return
+        self._directive(lease, "migrate", reason, from_gpu=lease.physical[0],
+                        to_gpu=lease.target[0], deadline=lease.deadline, **body)
 
     def release(self, caller: Caller, lease_id: str) -> None:
         self._wake()
@@ -1397,14 +1411,17 @@ class Agent:
 
     def _remap_blocker(self, lease: Lease, physical: tuple[str, ...]) -> str | None:
         """Why the driver cannot thaw ``lease`` onto ``physical`` (None: it can)."""
-        assert self.freezer is not None
-        if len(physical) != len(lease.frozen_on):
+        if self.freezer is None:
+            return "this agent has no way to freeze processes"
+        if not self.config.freeze_remap:
+            return "thawing onto another GPU is off on this node (--freeze-remap turns it on)"
+        if len(physical) != len(lease.frozen_on or lease.physical):
             return "it would run on another number of GPUs"
         if not self.freezer.can_remap():
             return "this driver thaws a process only onto the GPUs it was frozen on (r580 remaps)"
         names = {g.uuid: g.name for g in self.gpus}
         if any(names.get(old) != names.get(new)
-               for old, new in zip(lease.frozen_on, physical, strict=True)):
+               for old, new in zip(lease.frozen_on or lease.physical, physical, strict=True)):
             return "the driver thaws only onto a GPU of the same model"
         return None
 
@@ -1445,6 +1462,57 @@ class Agent:
         self.stats.thawed(seconds)
         self.stats.unparked(how, lease_id)
         log.info("lease %s %s (thaw %.2fs)", lease_id, reason, seconds)
+
+    async def _frozen_move(self, lease_id: str, reason: str, body: dict[str, Any]) -> None:
+        """Move a running lease to its target by freezing it and thawing it there; where that
+        fails, its client is asked to move it (a checkpoint and a restart)."""
+        lease = self.ledger.leases[lease_id]
+        pids = [pid for pid, _ in lease.pids]
+        remap = dict(zip(lease.physical, lease.target, strict=True))
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        failed = await loop.run_in_executor(None, self._freeze_all, pids)
+        if failed is None:
+            failed = await loop.run_in_executor(None, self._thaw_all, pids, remap)
+            if failed is not None:
+                # Thawed where it was, it can still be moved the old way; if not, it restarts.
+                undone = await loop.run_in_executor(None, self._thaw_all, pids, None)
+                if undone is not None:
+                    current = self.ledger.leases.get(lease_id)
+                    if current is not None and current.state == "migrating":
+                        self._kill(current, f"restarted on {self._labels(current.target)} from "
+                                   f"its last good checkpoint: {failed}; {undone}", "thaw_failed")
+                    return
+        lease = self.ledger.leases.get(lease_id)  # type: ignore[assignment]
+        if lease is None or lease.state != "migrating":
+            return  # released, or stopped by its deadline, meanwhile
+        if failed is not None:
+            log.warning("lease %s: moving by freezing failed (%s); asking its client", lease_id,
+                        failed)
+            self.stats.freeze_fell_back("move")
+            self.ledger.update(lease_id, fallback=failed)
+            self._directive(lease, "migrate", reason, from_gpu=lease.physical[0],
+                            to_gpu=lease.target[0], deadline=lease.deadline, **body)
+            return
+        seconds = time.monotonic() - started
+        source = lease.physical
+        with self.ledger.transaction():
+            lease = self.ledger.update(
+                lease_id, state="active", physical=lease.target, target=(), deadline=None,
+                fallback="", restore_until=time.time() + self.config.restore_grace)
+            self._directive(lease, "moved", f"{reason}: frozen and thawed there in "
+                            f"{seconds:.1f} s, nothing restarted", from_gpu=source[0],
+                            to_gpu=lease.physical[0], gpus=list(lease.physical),
+                            seconds=round(seconds, 3), request=lease.request, limit=lease.limit)
+        for pid in pids:
+            self.backend.untrack(pid)
+            self._track(lease, pid)
+        self._recount(lease_id)
+        self.stats.frozen("move", seconds)
+        self.stats.move_ended(lease_id, MIGRATED)
+        log.info("lease %s moved %s -> %s by freezing in %.2fs", lease_id, source,
+                 lease.physical, seconds)
+        self._activate_pending()
 
     def _resume_freezes(self) -> None:
         """At start: finish what a previous agent left under way, by what the driver says of

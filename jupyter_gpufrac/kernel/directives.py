@@ -14,7 +14,7 @@ from jupyter_gpufrac.wake import WakeReceiver, wake
 log = logging.getLogger(__name__)
 
 # What a kernel hears of its lease: what it acts on, and that it was frozen or thawed.
-HEARD = ("migrate", "shrink", "killed", "frozen", "unparked")
+HEARD = ("migrate", "shrink", "killed", "frozen", "unparked", "moved")
 
 
 class AgentLike(Protocol):

@@ -215,6 +215,11 @@ class GpuFracHook:
                 self._on_frozen()
             elif action is ladder.Action.THAWED:
                 self._on_thawed()
+            elif action is ladder.Action.MOVED:
+                target = directive.get("gpus") or [directive.get("to_gpu")]
+                with contextlib.suppress(Exception):  # the labels; the process runs there
+                    self._take_gpu(make_client(self.env.agent_socket), {},
+                                   [str(u) for u in target if u])
 
     def _on_frozen(self) -> None:
         """The agent froze this process: cells ask for the GPU back before they run. A cell

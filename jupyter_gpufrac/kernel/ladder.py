@@ -22,6 +22,8 @@ class Action(enum.Enum):
     # The agent froze this kernel's process, or thawed it.
     FROZEN = "frozen"
     THAWED = "thawed"
+    # The agent moved this process to another GPU by freezing and thawing it there.
+    MOVED = "moved"
 
 
 @dataclass
@@ -96,6 +98,9 @@ def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Actio
         # The next cell asks for the GPU back before it runs (see GpuFracHook.unpark).
         state.frozen = True
         return [Action.FROZEN]
+    if kind == "moved":
+        state.notices.append("gpufrac: " + (reason or "moved to another GPU") + ".")
+        return [Action.MOVED]
     if kind == "unparked" and directive.get("thawed") and state.frozen:
         state.frozen = False
         return [Action.THAWED]

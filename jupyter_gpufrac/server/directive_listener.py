@@ -18,7 +18,8 @@ from node_agent.quantities import format_bytes, format_duration
 
 LONG_POLL_S = 25.0
 # Every kind: the server acts on migrate and killed, tells people of shrink, resized, bursting.
-HEARD = ("migrate", "shrink", "killed", "resized", "bursting", "park", "unparked", "frozen")
+HEARD = ("migrate", "shrink", "killed", "resized", "bursting", "park", "unparked", "frozen",
+         "moved")
 MAX_BACKOFF_S = 10.0
 # Time left before the agent's deadline for the restart itself after the checkpoint.
 RESTART_MARGIN_S = 10.0
@@ -157,6 +158,8 @@ class DirectiveListener:
                     await self.unparked(kernel_id, directive)
                 elif kind == "frozen":
                     await self.frozen(kernel_id, directive)
+                elif kind == "moved":
+                    await self.moved(kernel_id, directive)
                 else:
                     self.log.warning("unknown directive %r for kernel %s", kind, kernel_id)
             except asyncio.CancelledError:
@@ -380,6 +383,22 @@ class DirectiveListener:
             gpu_uuid=uuid, gpu_index=gpu.index(uuid), request=directive.get("request"),
             limit=directive.get("limit"), frozen_bytes=directive.get("frozen_bytes"),
             protection="frozen in host memory")
+
+    async def moved(self, kernel_id: str, directive: dict[str, Any]) -> None:
+        """The agent moved the kernel by freezing it and thawing it on another GPU: say so."""
+        gpu = self.kernels.get(kernel_id)
+        if gpu is None:
+            return
+        try:
+            await gpu.refresh()
+        except AgentError as err:
+            self.log.info("kernel %s: lease not refreshed after a move: %s", kernel_id, err)
+        source, target = directive.get("from_gpu"), directive.get("to_gpu")
+        self.events.emit(
+            kernel_id, "migrated", f"{sentence(str(directive.get('reason') or 'Moved'))}.",
+            reason=str(directive.get("reason") or ""), from_gpu_index=gpu.index(source),
+            to_gpu_index=gpu.index(target), gpu_uuid=target, gpu_index=gpu.index(target),
+            seconds=directive.get("seconds"))
 
     async def unparked(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """A cell of a parked kernel got it a GPU again (a frozen one was thawed): say where."""

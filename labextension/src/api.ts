@@ -51,8 +51,7 @@ export type EventName =
 export const FROZEN_IN_HOST_MEMORY = 'frozen in host memory';
 export const CHECKPOINT_ON_DISK = 'checkpoint on disk';
 export type Protection =
-  | typeof FROZEN_IN_HOST_MEMORY
-  | typeof CHECKPOINT_ON_DISK;
+  typeof FROZEN_IN_HOST_MEMORY | typeof CHECKPOINT_ON_DISK;
 
 export interface IGpuRef {
   uuid: string;

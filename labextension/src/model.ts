@@ -22,6 +22,7 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 import {
   ApiError,
+  CHECKPOINT_ON_DISK,
   EVENT_SCHEMA_ID,
   fetchKernelStatus,
   fetchNode,
@@ -39,7 +40,7 @@ import { eventKey } from './format';
 import { defaultTrans, ITrans } from './trans';
 import {
   IAgentHealth,
-  isTransitional,
+  isChanging,
   IStateView,
   MIN_REFRESH_MS,
   stateView
@@ -401,8 +402,9 @@ export class GpuFracModel implements IDisposable {
    * fast; and re-render each second while a countdown runs.
    */
   private _followPace(): void {
-    const state = this.state;
-    const interval = isTransitional(state) ? TRANSITION_MS : this._interval;
+    const view = this.view();
+    const state = view.state;
+    const interval = isChanging(view) ? TRANSITION_MS : this._interval;
     for (const poll of [this._poll, this._nodePoll]) {
       if (poll.frequency.interval !== interval) {
         poll.frequency = { ...poll.frequency, interval };
@@ -514,6 +516,13 @@ export class GpuFracModel implements IDisposable {
             ? (event.deadline ?? this._status.deadline ?? null)
             : null,
         notebook: event.notebook ?? this._status.notebook,
+        // A freeze says what keeps the state now (the chip says "frozen" at
+        // once); after a thaw it is the checkpoint again.
+        protection:
+          event.protection ??
+          (event.event === 'unparked' && this._status.protection
+            ? CHECKPOINT_ON_DISK
+            : this._status.protection),
         events: [...(this._status.events ?? []), event]
       };
       this._followPace();

@@ -4,16 +4,19 @@
  *
  * A move or a kill is followed by a `restored` event from the restarted
  * kernel; that updates the same notification with the variables kept, so the
- * user sees one story per intervention.
+ * user sees one story per intervention. A freeze for someone else's sake is
+ * a warning that stays (the kernel keeps everything, but its cells wait); the
+ * thaw that ends it turns the same notification into news that goes by itself.
  */
 import { Notification } from '@jupyterlab/apputils';
 
 import { IGpuFracEvent } from './api';
-import { describeEvent } from './format';
+import { describeEvent, eventNoticeKind } from './format';
 import { defaultTrans, ITrans } from './trans';
 import {
   configProblemsNotice,
   eventNotice,
+  frozenNotice,
   MAX_NOTICE,
   nameList,
   notebookName,
@@ -67,31 +70,22 @@ export class InterventionNotifier {
   /** Handle one new event of any kernel. */
   handle(event: IGpuFracEvent): void {
     switch (event.event) {
-      case 'move_pending':
-        this._start(event, 'in-progress', false);
-        break;
-      case 'migrating':
-        this._start(event, 'in-progress', false);
-        break;
       case 'agent_unreachable':
       case 'agent_reachable':
         this._agent(event);
-        break;
-      case 'migrated':
-        this._start(event, 'in-progress', false);
-        break;
-      case 'shrink_requested':
-        this._start(event, 'warning', 20000);
-        break;
-      case 'oom_killed':
-        this._start(event, 'error', false);
-        break;
+        return;
       case 'restored':
         this._restored(event);
-        break;
-      default:
-        // placed, bursting, no_gpu: the status bar item is enough.
-        break;
+        return;
+      case 'unparked':
+        this._thawed(event);
+        return;
+    }
+    // move_pending, migrating, migrated, shrink_requested, oom_killed, frozen;
+    // placed, bursting, no_gpu, parked: the status bar item is enough.
+    const kind = eventNoticeKind(event);
+    if (kind !== null) {
+      this._start(event, kind.type, kind.autoClose);
     }
   }
 
@@ -169,10 +163,12 @@ export class InterventionNotifier {
     type: Notification.TypeOptions,
     autoClose: number | false
   ): void {
-    const message = eventNotice(
-      describeEvent(event, this._trans),
-      this._notebook(event)
-    );
+    const text = describeEvent(event, this._trans);
+    const notebook = this._notebook(event);
+    const message =
+      event.event === 'frozen'
+        ? frozenNotice(text, notebook, MAX_NOTICE, this._trans)
+        : eventNotice(text, notebook);
     const open = this._open.get(event.kernel_id);
     const options = { autoClose, actions: this._actions(event.kernel_id) };
     // A move continues one story (pending, migrating, migrated): update, do not stack.
@@ -193,6 +189,32 @@ export class InterventionNotifier {
       message,
       since: Date.now()
     });
+  }
+
+  /**
+   * A kernel got a GPU back. Only the thaw that ends a freeze we notified is
+   * news (however long the freeze lasted): the same notification says so and
+   * goes by itself. A parked kernel's next cell getting a GPU is the user's
+   * own doing; the status bar item is enough.
+   */
+  private _thawed(event: IGpuFracEvent): void {
+    const open = this._open.get(event.kernel_id);
+    const kind = eventNoticeKind(event);
+    if (open?.event !== 'frozen' || kind === null) {
+      return;
+    }
+    const message = eventNotice(
+      describeEvent(event, this._trans),
+      this._notebook(event)
+    );
+    Notification.update({
+      id: open.id,
+      message,
+      type: kind.type,
+      autoClose: kind.autoClose,
+      actions: this._actions(event.kernel_id)
+    });
+    this._open.delete(event.kernel_id);
   }
 
   /**

@@ -8,7 +8,6 @@ import { h, VirtualDOM, VirtualElement } from '@lumino/virtualdom';
 import { Widget } from '@lumino/widgets';
 
 import { IGpuFracEvent, ILease } from './api';
-import { LEASE_STATE_WORDS } from './contract';
 import { describeEvent, formatBytes, formatTime, gpuLabel } from './format';
 import { GpuFracModel } from './model';
 import { usageBar } from './usageBar';
@@ -17,11 +16,13 @@ import {
   cellLabel,
   computeLine,
   configProblemsHeading,
+  leaseStateWords,
   memoryLine,
   notebookName,
   restoreAdvice,
   restoreFactsOf,
-  restoreSummary
+  restoreSummary,
+  stateKept
 } from './view';
 
 /** Finds the notebook path of a kernel id, for naming leases. */
@@ -244,6 +245,23 @@ export class GpuFracPanel extends Widget {
         )
       ]);
     }
+    // What keeps its variables while it has no GPU: frozen, or the checkpoint.
+    const kept = stateKept(status, trans);
+    if (kept) {
+      rows.push([
+        trans.__('State kept'),
+        h.span(
+          {
+            className: 'jp-gpufrac-Panel-kept',
+            dataset: {
+              protection: status.protection ?? '',
+              fallback: status.fallback ? 'true' : 'false'
+            }
+          },
+          kept
+        )
+      ]);
+    }
     const lease = status.lease;
     // Where the share came from answers "why this much?"; a lease that
     // predates the server process has specs but no sources.
@@ -439,15 +457,13 @@ export class GpuFracPanel extends Widget {
     if (lease.kernel_id && lease.kernel_id === this._model.kernelId) {
       who = trans.__('%1 (this kernel)', who);
     }
-    // The contract's words (generated, English) are msgids too.
-    const state = LEASE_STATE_WORDS[lease.state];
     return trans.__(
       '%1: %2 of %3–%4, %5',
       who,
       formatBytes(lease.usage),
       formatBytes(lease.request),
       formatBytes(lease.limit),
-      state ? trans.__(state) : lease.state
+      leaseStateWords(lease, trans)
     );
   }
 

@@ -77,6 +77,7 @@ export class GpuStatusItem extends Widget {
     node.dataset.state = view.state;
     node.dataset.mode = this._mode;
     node.dataset.severity = view.severity;
+    node.dataset.hold = view.hold ?? '';
     node.dataset.gpuIndex = status?.gpu ? String(status.gpu.index) : '';
     node.title = description.title;
     node.setAttribute('aria-label', description.ariaLabel);

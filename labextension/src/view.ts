@@ -11,12 +11,15 @@ import {
   usageOfShare
 } from './format';
 import {
+  CHECKPOINT_ON_DISK,
+  FROZEN_IN_HOST_MEMORY,
   IGpuFracEvent,
   IKernelStatus,
   ILease,
   IRestore,
   IShareSource
 } from './api';
+import { LEASE_STATE_WORDS } from './contract';
 import { defaultTrans, ITrans } from './trans';
 
 /** JupyterLab cuts notification messages longer than this (mid-word). */
@@ -32,10 +35,19 @@ export interface IAgentHealth {
   reason: string | null;
 }
 
+/**
+ * The driver's part while a kernel has no GPU (DESIGN.md "freeze / thaw"):
+ * its process frozen, every variable kept in host memory; or on the way
+ * there or back.
+ */
+export type Hold = 'frozen' | 'freezing' | 'thawing';
+
 /** Everything the status item and the panel need to show the state. */
 export interface IStateView {
   /** The state shown (data-state): the server's, unless the agent is down. */
   state: string;
+  /** Parked or waiting for a GPU: whether it is frozen (or freezing, thawing). */
+  hold: Hold | null;
   /** The badge words: "guaranteed", "moving in 23 s — cell still running". */
   label: string;
   /** One sentence explaining the state. */
@@ -92,6 +104,53 @@ function helps(trans: ITrans): Record<string, string> {
       'The jupyter-gpufrac server extension did not answer.'
     )
   };
+}
+
+// Keyed "<state>:<hold>"; a hold with no words of its own for a state reads
+// as the hold alone ("freezing", "thawing").
+function holdHelps(trans: ITrans): Record<string, string> {
+  return {
+    'parked:frozen': trans.__(
+      'Idle, so it was frozen: the driver moved its GPU memory into host memory and gave the GPU back; the process runs on with every variable, open file and thread. Its next cell thaws it first (on this GPU or another of the same model), then runs.'
+    ),
+    'waiting-for-gpu:frozen': trans.__(
+      'Frozen while its GPU is needed elsewhere: its process and every variable wait in host memory (a running cell waits too), and it thaws by itself once a GPU has room. Nothing is restarted.'
+    ),
+    freezing: trans.__(
+      'Being frozen: the driver moves its GPU memory into host memory, then gives the GPU back. Nothing is restarted; every variable is kept.'
+    ),
+    thawing: trans.__(
+      'Being thawed: the driver puts its GPU memory back, then the waiting cell runs. Nothing was restarted; every variable is kept.'
+    )
+  };
+}
+
+function holdLabels(trans: ITrans): Record<string, string> {
+  return {
+    'parked:frozen': trans.__('parked · frozen'),
+    'waiting-for-gpu:frozen': trans.__('waiting for a GPU · frozen'),
+    freezing: trans.__('freezing'),
+    thawing: trans.__('thawing')
+  };
+}
+
+/** The status bar's words for a hold: within its 32 characters. */
+function holdShortWords(trans: ITrans): Record<string, string> {
+  return {
+    'parked:frozen': trans.__('parked · frozen'),
+    'waiting-for-gpu:frozen': trans.__('waiting · frozen'),
+    freezing: trans.__('freezing'),
+    thawing: trans.__('thawing')
+  };
+}
+
+/** The words of `table` for a state with a hold, if it has any. */
+function holdWords(
+  table: Record<string, string>,
+  state: string,
+  hold: Hold | null
+): string | undefined {
+  return hold ? (table[`${state}:${hold}`] ?? table[hold]) : undefined;
 }
 
 function labels(trans: ITrans): Record<string, string> {
@@ -179,6 +238,41 @@ export function isTransitional(state: string): boolean {
   return ['move-pending', 'migrating', 'oom-killed'].includes(state);
 }
 
+/** As isTransitional, and also while the driver freezes or thaws the kernel. */
+export function isChanging(view: Pick<IStateView, 'state' | 'hold'>): boolean {
+  return (
+    isTransitional(view.state) ||
+    view.hold === 'freezing' ||
+    view.hold === 'thawing'
+  );
+}
+
+/**
+ * Whether a kernel without a GPU (parked, or waiting for one) is frozen, or
+ * being frozen or thawed: from its lease, or from the protection an event
+ * just named (the model's guess until the next fetch). Null in any other
+ * state: a kernel on its GPU holds nothing in host memory.
+ */
+export function holdOf(
+  state: string,
+  status: IKernelStatus | null
+): Hold | null {
+  if (state !== 'parked' && state !== 'waiting-for-gpu') {
+    return null;
+  }
+  const leaseState = status?.lease?.state;
+  if (leaseState === 'freezing' || leaseState === 'thawing') {
+    return leaseState;
+  }
+  if (
+    status?.lease?.frozen === true ||
+    status?.protection === FROZEN_IN_HOST_MEMORY
+  ) {
+    return 'frozen';
+  }
+  return null;
+}
+
 /**
  * From what the model knows to what the views show.
  *
@@ -199,12 +293,17 @@ export function stateView(
   if (shown === 'agent-unreachable' && !reason) {
     reason = agent?.reason ?? '';
   }
+  const hold = holdOf(shown, status);
   return {
     state: shown,
-    label: stateLabel(shown, deadline, nowSeconds, trans),
-    help: stateHelp(shown, trans),
+    hold,
+    label:
+      holdWords(holdLabels(trans), shown, hold) ??
+      stateLabel(shown, deadline, nowSeconds, trans),
+    help: holdWords(holdHelps(trans), shown, hold) ?? stateHelp(shown, trans),
     reason: reason.trim(),
-    severity: SEVERITY[shown] ?? 'plain',
+    // Thawing is the way back: news, not worry.
+    severity: hold === 'thawing' ? 'info' : (SEVERITY[shown] ?? 'plain'),
     // "restored" is the server's word for a restore the kernel verified.
     success: shown === 'restored',
     verified: [
@@ -309,7 +408,11 @@ export function shortStateWord(
       ? trans.__('moving in %1 s', view.secondsLeft)
       : trans.__('moving now');
   }
-  return shortWords(trans)[view.state] ?? view.label;
+  return (
+    holdWords(holdShortWords(trans), view.state, view.hold) ??
+    shortWords(trans)[view.state] ??
+    view.label
+  );
 }
 
 /**
@@ -402,10 +505,16 @@ export function statusDescription(
   const device = gpu ? gpuLabel(gpu, trans) : '';
   const memory = gpu ? memoryLine(status, view.verified, trans) : '';
   const reason = view.reason ? ` ${view.reason}` : '';
+  // Without a GPU, what keeps its variables is the question.
+  const kept =
+    view.state === 'parked' || view.state === 'waiting-for-gpu'
+      ? stateKept(status, trans)
+      : null;
   const lines = [
     device,
     memory && `${capitalize(memory)}.`,
     `${capitalize(view.label)}: ${view.help}${reason}`,
+    kept && trans.__('State kept: %1.', kept),
     ...problems.map(problem => trans.__('Server setting problem: %1', problem)),
     trans.__('Click for details.')
   ];
@@ -418,6 +527,57 @@ export function statusDescription(
       reason
     )
   };
+}
+
+// -- what keeps a kernel's state ----------------------------------------------
+
+/**
+ * The panel's "State kept": "frozen in host memory (2.0 GiB of GPU memory)"
+ * or "checkpoint on disk", and "(freezing could not be used: …)" when the
+ * agent said why it could not freeze the last time it tried. Null without a
+ * lease, or from an older server.
+ */
+export function stateKept(
+  status: IKernelStatus | null | undefined,
+  trans: ITrans = defaultTrans
+): string | null {
+  const protection = status?.protection;
+  if (!protection) {
+    return null;
+  }
+  // The server's words; the two it has today are msgids too.
+  let text =
+    protection === FROZEN_IN_HOST_MEMORY
+      ? trans.__('frozen in host memory')
+      : protection === CHECKPOINT_ON_DISK
+        ? trans.__('checkpoint on disk')
+        : protection;
+  const bytes = status?.lease?.frozen_bytes;
+  if (protection === FROZEN_IN_HOST_MEMORY && bytes) {
+    text = trans.__('%1 (%2 of GPU memory)', text, formatBytes(bytes));
+  }
+  const fallback = (status?.fallback ?? '').trim().replace(/[\s.]+$/, '');
+  if (fallback) {
+    text = trans.__('%1 (freezing could not be used: %2)', text, fallback);
+  }
+  return text;
+}
+
+/**
+ * A lease's state in the node table: the contract's words ("running",
+ * "freezing", "thawing", …), and whether it is frozen while it waits.
+ */
+export function leaseStateWords(
+  lease: ILease,
+  trans: ITrans = defaultTrans
+): string {
+  // The contract's words (generated, English) are msgids too.
+  const word = LEASE_STATE_WORDS[lease.state];
+  const text = word ? trans.__(word) : lease.state;
+  if (lease.frozen && lease.state !== 'freezing' && lease.state !== 'thawing') {
+    return trans.__('%1, frozen in host memory', text);
+  }
+  return text;
 }
 
 // -- what the server was asked for, and its settings -------------------------
@@ -867,6 +1027,41 @@ export function eventNotice(
   max: number = MAX_NOTICE
 ): string {
   return fitWords(withPrefix(notebookName(notebook), text), max);
+}
+
+/**
+ * The notification of a freeze for someone else's sake, within `max`: the
+ * notebook and the server's sentence, its asides "(…)" dropped first where it
+ * is too long; when the cut would lose that everything is kept, the cause is
+ * cut shorter and the notice says so itself.
+ */
+export function frozenNotice(
+  text: string,
+  notebook: string | null,
+  max: number = MAX_NOTICE,
+  trans: ITrans = defaultTrans
+): string {
+  const prefix = notebookName(notebook);
+  const full = withPrefix(prefix, text.replace(/\s+/g, ' ').trim());
+  if (full.length <= max) {
+    return full;
+  }
+  const bare = withPrefix(
+    prefix,
+    text
+      .replace(/\s*\([^()]*\)/g, '')
+      .replace(/\s+/g, ' ')
+      .trim()
+  );
+  const cut = fitWords(bare, max);
+  if (/host memory/i.test(cut)) {
+    return cut;
+  }
+  const kept = trans.__(
+    'Its process and every variable are kept in host memory.'
+  );
+  const room = Math.max(max - kept.length - 1, prefix.length + 12);
+  return fitWords(`${fitWords(bare, room)} ${kept}`, max);
 }
 
 /**

@@ -6,9 +6,20 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { IGpuFracEvent, IKernelStatus, ILease } from '../src/api';
-import { KERNEL_STATES } from '../src/contract';
-import { describeEvent, usageOfRequest, usageOfShare } from '../src/format';
+import {
+  CHECKPOINT_ON_DISK,
+  FROZEN_IN_HOST_MEMORY,
+  IGpuFracEvent,
+  IKernelStatus,
+  ILease
+} from '../src/api';
+import { EVENT_KINDS, KERNEL_STATES } from '../src/contract';
+import {
+  describeEvent,
+  eventNoticeKind,
+  usageOfRequest,
+  usageOfShare
+} from '../src/format';
 import { defaultTrans, ITrans } from '../src/trans';
 import {
   askedFor,
@@ -19,13 +30,17 @@ import {
   countdownLabel,
   eventNotice,
   fitWords,
+  frozenNotice,
+  isChanging,
   isTransitional,
+  leaseStateWords,
   MAX_NOTICE,
   readSettings,
   restoreAdvice,
   restoredNotice,
   restoreFactsOf,
   restoreSummary,
+  stateKept,
   stateView,
   statusDescription,
   statusLabel
@@ -651,5 +666,283 @@ test('every word goes through the translator; the default keeps English and coun
   assert.equal(
     restoreSummary({ ok: true, restored: ['a'], lost: [] }),
     '1 of 1 variable restored'
+  );
+});
+
+// -- frozen kernels ------------------------------------------------------------
+
+const FROZEN_MESSAGE =
+  'Frozen because job "train.py" (l-3f9a2c) needs GPU 0 whole: its process and variables wait in host memory (a running cell waits too), and it thaws when the job ends.';
+
+function frozenLease(state: string, extra: Partial<ILease> = {}): ILease {
+  return {
+    id: 'l-1',
+    kind: 'notebook',
+    kernel_id: 'k1',
+    request: 4 * GiB,
+    limit: 8 * GiB,
+    state,
+    frozen: true,
+    frozen_at: NOW - 60,
+    frozen_bytes: 2 * GiB,
+    frozen_gpus: ['GPU-1'],
+    protection: FROZEN_IN_HOST_MEMORY,
+    fallback: '',
+    ...extra
+  };
+}
+
+/** A kernel without a GPU (parked, or waiting), frozen or not. */
+function noGpu(
+  state: string,
+  lease: ILease | null,
+  extra: Partial<IKernelStatus> = {}
+): IKernelStatus {
+  return status(state, {
+    gpu: null,
+    usage: null,
+    lease,
+    protection: lease ? (lease.protection ?? CHECKPOINT_ON_DISK) : null,
+    fallback: lease?.fallback || null,
+    ...extra
+  });
+}
+
+test('a freeze for someone else is a warning that stays and says the kernel is kept', () => {
+  assert.ok((EVENT_KINDS as readonly string[]).includes('frozen'));
+  const frozen: IGpuFracEvent = {
+    kernel_id: 'k1',
+    event: 'frozen',
+    message: FROZEN_MESSAGE,
+    reason: 'job "train.py" needs GPU 0 whole',
+    protection: FROZEN_IN_HOST_MEMORY,
+    frozen_bytes: 2 * GiB,
+    gpu_index: 0
+  };
+  assert.deepEqual(eventNoticeKind(frozen), {
+    type: 'warning',
+    autoClose: false
+  });
+  // The server's sentence as it is; an older server's event still says kept.
+  assert.equal(describeEvent(frozen), FROZEN_MESSAGE);
+  const bare = describeEvent({ ...frozen, message: undefined });
+  assert.match(bare, /^Frozen \(job "train\.py" needs GPU 0 whole\)/);
+  assert.match(bare, /every variable are kept in host memory/);
+  // Within 140 characters: the asides go first, the notebook and the facts stay.
+  const notice = frozenNotice(FROZEN_MESSAGE, 'work/train.ipynb');
+  assert.ok(notice.length <= MAX_NOTICE, notice);
+  assert.equal(
+    notice,
+    'train.ipynb: Frozen because job "train.py" needs GPU 0 whole: its process and variables wait in host memory, and it thaws when the job ends.'
+  );
+  assert.equal(
+    frozenNotice('Frozen: a job needs GPU 0.', 'a.ipynb'),
+    'a.ipynb: Frozen: a job needs GPU 0.'
+  );
+  // A long cause never cuts off that everything is kept.
+  const long = frozenNotice(
+    `Frozen: ${'another notebook on GPU 0 took back the memory it lent, '.repeat(3)}. Its process and variables wait in host memory; it thaws by itself.`,
+    'demo.ipynb'
+  );
+  assert.ok(long.length <= MAX_NOTICE, long);
+  assert.ok(long.startsWith('demo.ipynb: Frozen: another notebook'), long);
+  assert.ok(
+    long.endsWith('Its process and every variable are kept in host memory.'),
+    long
+  );
+  // The thaw is news, not worry; the other interventions keep their kinds.
+  assert.deepEqual(
+    eventNoticeKind({ kernel_id: 'k1', event: 'unparked', gpu_index: 0 }),
+    { type: 'info', autoClose: 8000 }
+  );
+  assert.equal(
+    eventNoticeKind({ ...frozen, event: 'oom_killed' })?.type,
+    'error'
+  );
+  assert.deepEqual(eventNoticeKind({ ...frozen, event: 'shrink_requested' }), {
+    type: 'warning',
+    autoClose: 20000
+  });
+  assert.equal(
+    eventNoticeKind({ ...frozen, event: 'migrating' })?.type,
+    'in-progress'
+  );
+  for (const quiet of ['placed', 'bursting', 'no_gpu', 'parked']) {
+    assert.equal(eventNoticeKind({ ...frozen, event: quiet }), null, quiet);
+  }
+});
+
+test('a park by freezing, by restart, and the thaw read as what they are', () => {
+  const parked: IGpuFracEvent = {
+    kernel_id: 'k1',
+    event: 'parked',
+    protection: FROZEN_IN_HOST_MEMORY
+  };
+  assert.match(describeEvent(parked), /^Parked: frozen in host memory/);
+  assert.match(describeEvent(parked), /every variable kept/);
+  assert.equal(
+    describeEvent({ ...parked, protection: CHECKPOINT_ON_DISK }),
+    'Parked: gave its GPU back while idle; the next cell gets one first.'
+  );
+  const thaw =
+    'Back on GPU 0: thawed after 1 min 3 s frozen in host memory, with everything it held; nothing was restarted.';
+  assert.equal(
+    describeEvent({ kernel_id: 'k1', event: 'unparked', message: thaw }),
+    thaw
+  );
+});
+
+test('a parked kernel that is frozen says so on the chip, in the tooltip and the panel', () => {
+  const frozen = noGpu('parked', frozenLease('parked'));
+  const view = stateView('parked', frozen, UP, NOW);
+  assert.equal(view.hold, 'frozen');
+  assert.equal(view.label, 'parked · frozen');
+  assert.equal(view.severity, 'info');
+  assert.match(view.help, /^Idle, so it was frozen/);
+  assert.match(view.help, /Its next cell thaws it/);
+  assert.equal(statusLabel(frozen, view).text, 'GPU · parked · frozen');
+  assert.equal(statusLabel(frozen, view, 'full').text, 'GPU · parked · frozen');
+  assert.match(
+    statusDescription(frozen, view).title,
+    /^State kept: frozen in host memory \(2\.0 GiB of GPU memory\)\.$/m
+  );
+  // Parked by a restart: no "frozen" anywhere on the chip.
+  const restarted = noGpu(
+    'parked',
+    frozenLease('parked', {
+      frozen: false,
+      frozen_at: null,
+      frozen_bytes: 0,
+      protection: CHECKPOINT_ON_DISK
+    })
+  );
+  const plain = stateView('parked', restarted, UP, NOW);
+  assert.equal(plain.hold, null);
+  assert.equal(statusLabel(restarted, plain).text, 'GPU · parked');
+  assert.match(
+    statusDescription(restarted, plain).title,
+    /^State kept: checkpoint on disk\.$/m
+  );
+  // The event's protection is enough before the next fetch brings the lease.
+  const heard = noGpu('parked', null, { protection: FROZEN_IN_HOST_MEMORY });
+  assert.equal(
+    statusLabel(heard, stateView('parked', heard, UP, NOW)).text,
+    'GPU · parked · frozen'
+  );
+  // The agent down: nothing is claimed about the freeze.
+  const down = stateView('parked', frozen, DOWN, NOW);
+  assert.equal(down.hold, null);
+  assert.doesNotMatch(statusLabel(frozen, down).text, /frozen/);
+});
+
+test('a kernel frozen for a job waits for a GPU; freezing and thawing are brief', () => {
+  const waiting = noGpu('waiting-for-gpu', frozenLease('pending'));
+  const view = stateView('waiting-for-gpu', waiting, UP, NOW);
+  assert.equal(view.label, 'waiting for a GPU · frozen');
+  assert.equal(view.severity, 'warning');
+  assert.match(view.help, /thaws by itself once a GPU has room/);
+  assert.equal(statusLabel(waiting, view).text, 'GPU · waiting · frozen');
+  // A waiting kernel not frozen reads as before.
+  const cold = noGpu('waiting-for-gpu', null);
+  assert.equal(
+    statusLabel(cold, stateView('waiting-for-gpu', cold, UP, NOW)).text,
+    'GPU · waiting for a GPU'
+  );
+  const thawing = noGpu('waiting-for-gpu', frozenLease('thawing'));
+  const thawView = stateView('waiting-for-gpu', thawing, UP, NOW);
+  assert.equal(thawView.hold, 'thawing');
+  assert.equal(statusLabel(thawing, thawView).text, 'GPU · thawing');
+  assert.equal(thawView.severity, 'info');
+  assert.equal(isChanging(thawView), true);
+  const freezing = noGpu('parked', frozenLease('freezing', { frozen: false }));
+  const freezeView = stateView('parked', freezing, UP, NOW);
+  assert.equal(statusLabel(freezing, freezeView).text, 'GPU · freezing');
+  assert.match(freezeView.help, /^Being frozen/);
+  assert.equal(isChanging(freezeView), true);
+  assert.equal(isChanging(view), false);
+  assert.equal(
+    isChanging(stateView('migrating', status('migrating'), UP, NOW)),
+    true
+  );
+  // Within the status bar's 32 characters, with a two-digit GPU too.
+  for (const s of [waiting, thawing, freezing]) {
+    const wide = { ...s, gpu: { uuid: 'GPU-7', index: 15, name: 'H100' } };
+    const text = statusLabel(wide, stateView(s.state, wide, UP, NOW)).text;
+    assert.ok(text.length <= 32, text);
+  }
+});
+
+test('the panel says what keeps the state, and why freezing could not be used', () => {
+  assert.equal(
+    stateKept(noGpu('parked', frozenLease('parked', { frozen_bytes: 0 }))),
+    'frozen in host memory'
+  );
+  assert.equal(
+    stateKept(noGpu('parked', frozenLease('parked'))),
+    'frozen in host memory (2.0 GiB of GPU memory)'
+  );
+  const onDisk = status('guaranteed', {
+    lease: frozenLease('active', { frozen: false, frozen_bytes: 0 }),
+    protection: CHECKPOINT_ON_DISK,
+    fallback: null
+  });
+  assert.equal(stateKept(onDisk), 'checkpoint on disk');
+  assert.equal(
+    stateKept({
+      ...onDisk,
+      fallback: 'the driver has no checkpoint API (CUDA 12.4 or newer needed).'
+    }),
+    'checkpoint on disk (freezing could not be used: the driver has no checkpoint API (CUDA 12.4 or newer needed))'
+  );
+  // No lease (or an older server): nothing to say.
+  assert.equal(stateKept(status('no-gpu', { protection: null })), null);
+  assert.equal(stateKept(status('guaranteed')), null);
+  assert.equal(stateKept(null), null);
+  // On its GPU the tooltip stays as it was: the panel has the line.
+  assert.doesNotMatch(
+    statusDescription(onDisk, stateView('guaranteed', onDisk, UP, NOW)).title,
+    /State kept/
+  );
+});
+
+test('the node table words freezing, thawing and frozen leases', () => {
+  assert.equal(leaseStateWords(frozenLease('freezing')), 'freezing');
+  assert.equal(leaseStateWords(frozenLease('thawing')), 'thawing');
+  assert.equal(
+    leaseStateWords(frozenLease('parked')),
+    'parked (holds no GPU), frozen in host memory'
+  );
+  assert.equal(
+    leaseStateWords(frozenLease('pending')),
+    'waiting for a GPU, frozen in host memory'
+  );
+  assert.equal(
+    leaseStateWords(frozenLease('active', { frozen: false })),
+    'running'
+  );
+  assert.equal(leaseStateWords(frozenLease('odd', { frozen: false })), 'odd');
+});
+
+test('the frozen words go through the translator', () => {
+  const mark = (text: string) => `«${text}»`;
+  const fmt = (text: string, args: Array<string | number>) =>
+    text.replace(/%(\d+)/g, (_, i) => String(args[Number(i) - 1]));
+  const marking: ITrans = {
+    __: (msgid, ...args) => mark(fmt(msgid, args)),
+    _n: (one, many, n, ...args) => mark(fmt(n === 1 ? one : many, [n, ...args]))
+  };
+  const frozen = noGpu('parked', frozenLease('parked'));
+  const view = stateView('parked', frozen, UP, NOW, marking);
+  assert.equal(view.label, '«parked · frozen»');
+  assert.match(view.help, /^«Idle, so it was frozen/);
+  assert.equal(
+    statusLabel(frozen, view, 'compact', marking).text,
+    '«GPU» · «parked · frozen»'
+  );
+  assert.match(stateKept(frozen, marking) ?? '', /«frozen in host memory»/);
+  assert.equal(leaseStateWords(frozenLease('thawing'), marking), '«thawing»');
+  assert.match(
+    describeEvent({ kernel_id: 'k', event: 'frozen' }, marking),
+    /^«Frozen/
   );
 });

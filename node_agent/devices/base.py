@@ -115,7 +115,8 @@ class Freezer(Protocol):
 
     def thaw(self, pid: int, remap: Mapping[str, str] | None = None) -> None:
         """Restore ``pid`` (onto other GPUs: ``remap`` old UUID -> new UUID, covering every GPU
-        it used) and unlock it. Raises FreezeError."""
+        it used) and unlock it; one left locked (a freeze cut short) is only unlocked. Raises
+        FreezeError."""
         ...
 
 

@@ -206,8 +206,10 @@ class DriverFreezer:
                 gpuPairs=ctypes.cast(array, ctypes.POINTER(CUcheckpointGpuPair)),
                 gpuPairsCount=len(everything))
         started = time.monotonic()
-        self._call(driver, "cuCheckpointProcessRestore", pid,
-                   None if args is None else ctypes.byref(args))
+        # Locked, not checkpointed: a freeze (or a thaw) cut short; unlocking finishes it.
+        if self.state(pid) != LOCKED:
+            self._call(driver, "cuCheckpointProcessRestore", pid,
+                       None if args is None else ctypes.byref(args))
         restored = time.monotonic()
         self._call(driver, "cuCheckpointProcessUnlock", pid, None)
         log.info("thawed pid %s%s: restore %.3fs, unlock %.3fs", pid,

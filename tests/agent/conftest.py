@@ -42,11 +42,12 @@ def shared_tmp() -> Iterator[Path]:
 def start_agent(shared_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
-    def start(*args: str, spec: str = "2x1GiB") -> AgentProcess:
+    def start(*args: str, spec: str = "2x1GiB", env: dict[str, str] | None = None
+              ) -> AgentProcess:
         root = shared_tmp / f"agent{len(started)}"
         root.mkdir()
         root.chmod(0o755)
-        agent = AgentProcess(root, spec, ["--poll-interval", "0.05", *args])
+        agent = AgentProcess(root, spec, ["--poll-interval", "0.05", *args], env=env)
         started.append(agent.start())
         return agent
 
