@@ -467,6 +467,8 @@ class Agent:
                 ended = {pid for pid, _ in lease.pids} - {pid for pid, _ in alive}
                 lease = self.ledger.set_pids(lease.id, alive)
                 self._gone(lease.id, ended)
+                if lease.frozen:
+                    lease = self._frozen_process_ended(lease)
             if alive:
                 if lease.orphan_deadline is not None:
                     self.ledger.update(lease.id, orphan_deadline=None)
@@ -1513,6 +1515,18 @@ class Agent:
         log.info("lease %s moved %s -> %s by freezing in %.2fs", lease_id, source,
                  lease.physical, seconds)
         self._activate_pending()
+
+    def _frozen_process_ended(self, lease: Lease) -> Lease:
+        """A frozen process ended (the host's OOM killer, a crash): its GPU state went with it.
+        The lease waits parked, so that its kernel, restarted from its last good checkpoint,
+        starts without a GPU and its next cell gets one."""
+        log.warning("lease %s: a frozen process ended; its kernel restarts from its checkpoint",
+                    lease.id)
+        return self.ledger.update(
+            lease.id, state="parked", frozen_at=None, frozen_bytes=0, frozen_on=(),
+            fallback="its frozen process ended, and with it what the freeze kept",
+            reason="parked: its frozen process ended; its kernel restarts from its last good "
+                   "checkpoint and its next cell gets a GPU")
 
     def _resume_freezes(self) -> None:
         """At start: finish what a previous agent left under way, by what the driver says of

@@ -4,6 +4,8 @@ visibly, and both thaw when the job ends with nothing restarted."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -81,5 +83,37 @@ def test_a_whole_gpu_job_on_a_one_gpu_node_freezes_two_notebooks_and_thaws_them(
                 assert "restored" not in server.events(nb.kernel_id)
             for nb in books:
                 nb.close()
+        finally:
+            stop_server(server)
+
+
+def test_a_frozen_kernel_whose_process_dies_comes_back_from_its_durable_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Frozen GPU state lives in the kernel's own process: when the host's OOM killer (here a
+    SIGKILL) takes it, the checkpoint written before the freeze brings the variables back."""
+    config = CONFIG + "c.GpuFrac.park_after = 1\n"
+    with AgentProcess(tmp_path / "agent", "1x4GiB", ["--poll-interval", "0.2"]) as agent:
+        server = start_server(tmp_path / "server", agent.socket, config)
+        c = agent.client()
+        try:
+            nb = server.open_notebook("dies.ipynb")
+            pid = int(nb.ok("import os, torch\nt = torch.arange(4.0)\nprint('PID', os.getpid())")
+                      .split()[1])
+
+            def lease() -> dict[str, object]:
+                return next(x for x in c.leases() if x.get("kernel_id") == nb.kernel_id)
+
+            wait_for(lambda: lease()["frozen"], 60, "the idle kernel frozen", interval=0.1)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: not lease()["frozen"] and lease()["pids"] not in ([], [pid]), 60,
+                     "the kernel restarted, its frozen state gone", interval=0.1)
+            assert lease()["state"] == "parked" and "frozen process ended" in str(
+                lease()["fallback"])
+            out = nb.ok("assert torch.equal(t, torch.arange(4.0)); print('PID', os.getpid())",
+                        timeout=120)
+            assert int(out.split("PID")[1].split()[0]) != pid
+            assert "back on GPU" in out
+            nb.close()
         finally:
             stop_server(server)
