@@ -441,6 +441,12 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         "CUDA_VISIBLE_DEVICES, as every kernel is, has been reported to fail such a thaw; a "
         "frozen kernel then restarts on the other GPU from its checkpoint.",
     ).tag(config=True)
+    thaw_wait = Float(
+        _AGENT.thaw_wait, min=0,
+        help="Seconds a cell may wait for its frozen kernel's GPU to have room for everything "
+        "it froze; then the kernel restarts from its checkpoint within its request instead "
+        "(what does not fit waits on disk).",
+    ).tag(config=True)
     freeze_lock_timeout = Float(
         _AGENT.freeze_lock_timeout, min=0.1,
         help="Seconds a freeze waits for a kernel's submitted GPU work before it is tried "
@@ -510,7 +516,7 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             "max-workloads-per-gpu", "max-leases-per-user", "admin-group", "tcp", "token-file",
             "log-level", "kubelet-socket", "gpu-resource", "kubelet-interval", "container-logs",
             "reservation-namespace", "freeze-lock-timeout", "freeze-attempts", "freeze-budget",
-            "freeze-budget-share", "freezer")},
+            "freeze-budget-share", "freezer", "thaw-wait")},
     }
     flags = {
         **GpuFracAgent.flags,

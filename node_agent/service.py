@@ -154,6 +154,10 @@ class AgentConfig:
     # is, has been reported to fail even a remap onto its own GPU; no hardware here showed
     # otherwise. Off, a move restarts the kernel from its checkpoint, as before.
     freeze_remap: bool = False
+    # How long a cell may wait for a frozen kernel's GPU to have room for all it froze before
+    # the kernel restarts from its checkpoint within its request instead (what does not fit
+    # then waits on disk): a borrower frozen by reclaim may otherwise wait for hours.
+    thaw_wait: float = 300.0
 
     @property
     def rules(self) -> policy.Rules:
@@ -218,6 +222,8 @@ class Agent:
         self.freezer = freezer
         # Freezes and thaws under way, by lease: each runs the driver's calls in a thread.
         self._acting: dict[str, asyncio.Future[Any]] = {}
+        # Frozen leases whose kernel asked for its GPU back (a cell waits): since when.
+        self._thaw_asked: dict[str, float] = {}
         self.gpus: list[GpuInfo] = []
         self._reported: dict[str, int] = {}
         # When each lease was last said to burst: a usage that hovers at the request must
@@ -966,6 +972,7 @@ class Agent:
 
     def _release(self, lease: Lease) -> None:
         self.ledger.delete(lease.id)
+        self._thaw_asked.pop(lease.id, None)
         self.stats.move_ended(lease.id, RELEASED)  # a no-op unless it was on its way
         self._reported.pop(lease.id, None)
         self._bursting_said.pop(lease.id, None)
@@ -1101,6 +1108,8 @@ class Agent:
         left pending, saying why, until the agent can place it."""
         self._wake()
         lease = self.lease(caller, lease_id)
+        if lease.frozen:
+            self._thaw_asked.setdefault(lease.id, time.monotonic())
         if lease.state != "parked":
             return lease  # it has a GPU, or waits for one already
         self.stats.unpark_asked(lease.id)
@@ -1388,6 +1397,20 @@ class Agent:
         what it froze (it waits for that without a GPU); onto another GPU where the driver can
         remap, else its kernel restarts there from its last good checkpoint."""
         short = self._thaw_room(lease, physical)
+        asked = self._thaw_asked.get(lease.id)
+        if short is not None and asked is not None and (
+                time.monotonic() - asked >= self.config.thaw_wait):
+            # Its request has room (it was placed): a restart within it beats waiting on.
+            self._thaw_asked.pop(lease.id, None)
+            lease = self.ledger.update(lease.id, logical=logical, physical=physical,
+                                       fallback=f"no room to thaw within "
+                                                f"{format_duration(self.config.thaw_wait)}")
+            self._kill(lease, f"restarted on {self._labels(physical)} from its last good "
+                       f"checkpoint: a cell waited {format_duration(self.config.thaw_wait)} for "
+                       f"room to thaw the {format_bytes(lease.frozen_bytes)} it froze ({short}); "
+                       "it comes back within its request, and what does not fit waits on disk "
+                       "(`%gpu restore`)", "thaw_elsewhere")
+            return self.ledger.leases[lease.id]
         if short is not None:
             reason = (f"frozen in host memory: waiting until a GPU has room for the "
                       f"{format_bytes(lease.frozen_bytes)} it froze ({short})")
@@ -1406,6 +1429,7 @@ class Agent:
                            f"{blocker}", "thaw_elsewhere")
                 return self.ledger.leases[lease.id]
             remap = dict(zip(lease.frozen_on, physical, strict=True))
+        self._thaw_asked.pop(lease.id, None)
         lease = self.ledger.update(lease.id, state="thawing", logical=logical, physical=physical,
                                    reason=f"thawing onto {self._labels(physical)}")
         self._act(lease.id, self._thaw(lease.id, remap, how))

@@ -110,3 +110,36 @@ def test_the_host_memory_budget_stops_a_freeze_before_it_starts(
 
     asyncio.run(scenario())
     ledger.close()
+
+
+@pytest.mark.parametrize("wait", [300.0, 0.0])
+def test_a_cell_that_waits_too_long_to_thaw_restarts_its_kernel_within_its_request(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes], wait: float
+) -> None:
+    """A borrower frozen with more than its GPU now has free waits for room; once a cell has
+    waited --thaw-wait for it, the kernel restarts from its checkpoint within its request."""
+    backend = SimulatedBackend("1x2GiB")
+    ledger = Ledger(tmp_path / "state")
+    agent = Agent(backend, ledger, AgentConfig(thaw_wait=wait), SimulatedFreezer(backend))
+
+    async def scenario() -> None:
+        await agent.tick()
+        lease = agent.create_lease(ROOT, ask("512Mi", "2Gi"))
+        agent.register_pid(ROOT, lease.id, sleeper.pid)
+        await agent.freeze(ROOT, lease.id)
+        # What it froze is more than the GPU has free now (others grew meanwhile).
+        agent.ledger.update(lease.id, frozen_bytes=3 * 2**30)
+        after = agent.unpark(ROOT, lease.id)
+        await agent.settled()
+        after = agent.ledger.leases[lease.id]
+        if wait:
+            assert after.state == "pending" and after.frozen
+            assert "waiting until a GPU has room for the 3.0 GiB it froze" in after.reason
+            assert sleeper.poll() is None
+        else:
+            assert after.state == "killed" and not after.frozen
+            assert "waited 0 s for room to thaw the 3.0 GiB it froze" in after.reason
+            assert sleeper.wait(10) == -9
+
+    asyncio.run(scenario())
+    ledger.close()
