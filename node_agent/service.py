@@ -1132,11 +1132,18 @@ class Agent:
     def _place_waiting(self, lease: Lease, how: str) -> Lease:
         """Places a lease that has no GPU (it was parked) as a new notebook is placed: active
         where a GPU has room, pending while notebooks move to make room, or pending with the
-        reason in words while no GPU has room (``how``: AT_ONCE or AFTER_WAIT, for /metrics)."""
+        reason in words while no GPU has room (``how``: AT_ONCE or AFTER_WAIT, for /metrics).
+
+        A frozen lease that nobody waits for thaws where it was frozen (or where the driver can
+        remap it): elsewhere it would restart. Once a cell waits, any GPU with room will do."""
+        kept = self._kept_plan(lease)
+        if (lease.frozen and lease.id not in self._thaw_asked
+                and self._remap_blocker(lease, lease.frozen_on) is not None):
+            kept["reach"] = lease.frozen_on
         try:
             logical, physical, moves = self._place(lease.kind, lease.request, lease.limit,
                                                    lease.devices, self.planning_view(lease.id),
-                                                   **self._kept_plan(lease))
+                                                   **kept)
         except Conflict:
             reason = self._no_room_reason(lease)
             if lease.frozen:

@@ -51,7 +51,9 @@ def observed(reply: Reply) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    with disturbable_node(tmp_path_factory.mktemp("notebooks")) as found:
+    # The restart path, the one that must bring state back from disk (frozen, the process
+    # keeps it: tests/e2e/test_sequences.py runs both).
+    with disturbable_node(tmp_path_factory.mktemp("notebooks"), freezing=False) as found:
         yield found
 
 

@@ -22,9 +22,11 @@ KERNELSPECS = {
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Server]]:
-    """One simulated 2 GiB GPU, a short reclaim grace period, and a server."""
+    """One simulated 2 GiB GPU, a short reclaim grace period, and a server. Freezing is off:
+    this is the stop and restore that stands in where it cannot be used (the sequences and
+    tests/e2e/test_freezing.py freeze)."""
     tmp = tmp_path_factory.mktemp("reclaim")
-    args = ("--poll-interval", "0.2", "--reclaim-grace", "2", "--headroom", "0.25")
+    args = ("--poll-interval", "0.2", "--reclaim-grace", "2", "--headroom", "0.25", "--no-freeze")
     with AgentProcess(tmp / "agent", "1x2GiB", args) as agent:
         config = "c.GpuFrac.lease_poll_interval = 0.5\n"
         with running_server(tmp / "server", agent.socket, config, KERNELSPECS) as server:

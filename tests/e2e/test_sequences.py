@@ -64,18 +64,20 @@ CONFIG = (
 
 
 class Node(NamedTuple):
-    """The agent, the server, and the kubelet the agent follows (as on Kubernetes)."""
+    """The agent, the server, and the kubelet the agent follows (as on Kubernetes); whether
+    the agent freezes (a park and a reclaim keep the process) or restarts kernels."""
 
     agent: AgentProcess
     server: Server
     kubelet: FakeKubelet
+    freezing: bool = True
 
 
 class Sequence:
     """One subject, one reference, the agent and what it takes to disturb the subject."""
 
     def __init__(self, node: Node, rng: random.Random) -> None:
-        self.agent, self.server, self.kubelet = node
+        self.agent, self.server, self.kubelet, self.freezing = node
         self.rng = rng
         self.subject = self.server.open_notebook("subject.ipynb", kernel="subject")
         self.reference = self.server.open_notebook("reference.ipynb", kernel="reference")
@@ -213,11 +215,21 @@ class Sequence:
         self.both(CUT_OFF_DONE)
 
     def do_park(self) -> None:
-        """Parked (`%gpu park`): no GPU held; the check's cell then gets one first."""
+        """Parked (`%gpu park`): no GPU held; the check's cell then gets one first. Frozen,
+        the very process waits; restarted, a new one restores the checkpoint."""
         since = time.time()
         assert "parking once this cell ends" in self.subject.ok("%gpu park")
         wait_for(lambda: self.lease()["state"] == "parked", 60, "the park", interval=0.1)
         assert self.lease()["physical_gpus"] == [] and self.status()["state"] == "parked"
+        if self.freezing:
+            pids = self.lease()["pids"]
+            assert self.lease()["frozen"] and self.status()["protection"] == "frozen in host memory"
+            back = self.subject.ok("pass")
+            assert "frozen in host memory and thawed" in back, back
+            assert self.lease()["pids"] == pids and not self.lease()["frozen"]
+            assert (self.status()["restore"] or {}).get("time", 0) < since, "nothing restored"
+            self.settle_share()
+            return
         wait_for(lambda: (self.status()["restore"] or {}).get("time", 0) > since, 60,
                  "the parked kernel's restore", interval=0.1)
         restore = self.status()["restore"]
@@ -246,6 +258,9 @@ class Sequence:
         since = time.time()
         # A job packed beside the subject is owed its request: the subject's loan is reclaimed.
         owner = self.job_lease("0.65")
+        if self.freezing:
+            self._reclaim_by_freezing(since, owner)
+            return
         try:
             event = self.wait_restored("a reclaim kill", since, "oom_killed")
             # While the owner holds its share, loading the loan again would only be stopped
@@ -256,6 +271,23 @@ class Sequence:
         finally:
             self.agent.client().release(owner["id"])
         assert "loaded big from disk" in self.subject.ok("%gpu restore")
+        self.both(UNBURST)
+
+    def _reclaim_by_freezing(self, since: float, owner: dict[str, Any]) -> None:
+        """The reclaim's last rung freezes the borrower: it waits in host memory on its own
+        GPU, and thaws by itself, with everything, once the owner is gone."""
+        try:
+            frozen = wait_for(lambda: self.events_since(since, "frozen"), 60, "the freeze",
+                              interval=0.1)[0]
+            assert "frozen to return" in frozen["message"], frozen
+            assert self.lease()["frozen"] and self.status()["state"] == "waiting-for-gpu"
+        finally:
+            self.agent.client().release(owner["id"])
+        thawed = wait_for(lambda: self.events_since(since, "unparked"), 60, "the thaw",
+                          interval=0.1)[0]
+        assert "thawed after" in thawed["message"], thawed
+        assert not self.events_since(since, "oom_killed") and not self.events_since(
+            since, "restored")
         self.both(UNBURST)
 
     def do_kernel_sigkill(self) -> None:
@@ -362,23 +394,26 @@ def plan(rng: random.Random, steps: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def disturbable_node(tmp: Path) -> Iterator[Node]:
+def disturbable_node(tmp: Path, *, freezing: bool = True) -> Iterator[Node]:
     """An agent that reclaims fast (a job without processes is owed, so it triggers a reclaim)
-    and keeps such jobs, following a kubelet; and a server with the subject and reference
-    kernelspecs."""
+    and keeps such jobs, following a kubelet, freezing or not; and a server with the subject
+    and reference kernelspecs."""
     tmp.mkdir(parents=True, exist_ok=True)
     with FakeKubelet(tmp / "kubelet.sock") as kubelet:
         args = ["--poll-interval", "0.2", "--reclaim-grace", "1", "--headroom", "0.9",
                 "--orphan-grace", "3600", "--kubelet-socket", kubelet.socket_path,
-                "--kubelet-interval", "0.2"]
+                "--kubelet-interval", "0.2", *([] if freezing else ["--no-freeze"])]
         with AgentProcess(tmp / "agent", "2x2GiB", args) as agent, \
                 running_server(tmp / "server", agent.socket, CONFIG, KERNELSPECS) as server:
-            yield Node(agent, server, kubelet)
+            yield Node(agent, server, kubelet, freezing)
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    with disturbable_node(tmp_path_factory.mktemp("sequences")) as found:
+# Both ways of taking a GPU from a notebook: freezing (the default where the driver can) and
+# the checkpoint and restart that stands in where it cannot.
+@pytest.fixture(scope="module", params=[True, False], ids=["frozen", "restarted"])
+def node(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+         ) -> Iterator[Node]:
+    with disturbable_node(tmp_path_factory.mktemp("sequences"), freezing=request.param) as found:
         yield found
 
 
