@@ -19,7 +19,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.agent import AgentProcess, wait_for  # noqa: E402
+from harness.agent import AgentProcess, nvml_memory_of, wait_for  # noqa: E402
 from harness.jupyter import Server, start_server, stop_server  # noqa: E402
 from node_agent.client import AgentClient  # noqa: E402
 from node_agent.devices.cuda import DriverFreezer  # noqa: E402
@@ -156,22 +156,6 @@ class Worker:
             self.process.wait()
 
 
-def nvml_of(pid: int) -> int:
-    """Bytes NVML says ``pid`` holds on all GPUs."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        held = 0
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            held += sum(p.usedGpuMemory or 0 for p in
-                        pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid)
-        return int(held)
-    finally:
-        pynvml.nvmlShutdown()
-
-
 class DriverTimes(logging.Handler):
     """The driver's split times, from what DriverFreezer logs of each freeze and thaw."""
 
@@ -190,11 +174,11 @@ class DriverTimes(logging.Handler):
 
 def freeze_thaw(freezer: DriverFreezer, times: DriverTimes, pid: int) -> dict[str, float]:
     times.last = {}
-    before = nvml_of(pid)
+    before = nvml_memory_of(pid)
     t0 = time.perf_counter()
     freezer.freeze(pid, lock_timeout=60)
     frozen = time.perf_counter() - t0
-    after = nvml_of(pid)
+    after = nvml_memory_of(pid)
     t0 = time.perf_counter()
     freezer.thaw(pid)
     thawed = time.perf_counter() - t0

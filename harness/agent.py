@@ -48,6 +48,22 @@ def nvml_works() -> bool:
     return done.returncode == 0
 
 
+def nvml_memory_of(pid: int) -> int:
+    """Bytes NVML says ``pid`` holds on all GPUs (0 where it is not listed)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        held = 0
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            held += sum(p.usedGpuMemory or 0 for p in
+                        pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid)
+        return int(held)
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:

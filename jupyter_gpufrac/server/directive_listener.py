@@ -366,16 +366,22 @@ class DirectiveListener:
             protection=lease.get("protection"), frozen_bytes=lease.get("frozen_bytes"))
         return None
 
+    async def _refreshed(self, kernel_id: str, what: str) -> KernelGpu | None:
+        """The kernel's GPU state with its lease read again (None: not one of ours)."""
+        gpu = self.kernels.get(kernel_id)
+        if gpu is not None:
+            try:
+                await gpu.refresh()
+            except AgentError as err:
+                self.log.info("kernel %s: lease not refreshed %s: %s", kernel_id, what, err)
+        return gpu
+
     async def frozen(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """The agent froze the kernel for someone else's sake (a reclaim, a job): say why, and
         that it comes back by itself."""
-        gpu = self.kernels.get(kernel_id)
+        gpu = await self._refreshed(kernel_id, "after a freeze")
         if gpu is None:
             return
-        try:
-            await gpu.refresh()
-        except AgentError as err:
-            self.log.info("kernel %s: lease not refreshed after a freeze: %s", kernel_id, err)
         uuid = directive.get("gpu")
         reason = sentence(str(directive.get("reason") or "Frozen by the GPU agent"))
         self.events.emit(
@@ -386,13 +392,9 @@ class DirectiveListener:
 
     async def moved(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """The agent moved the kernel by freezing it and thawing it on another GPU: say so."""
-        gpu = self.kernels.get(kernel_id)
+        gpu = await self._refreshed(kernel_id, "after a move")
         if gpu is None:
             return
-        try:
-            await gpu.refresh()
-        except AgentError as err:
-            self.log.info("kernel %s: lease not refreshed after a move: %s", kernel_id, err)
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
         self.events.emit(
             kernel_id, "migrated", f"{sentence(str(directive.get('reason') or 'Moved'))}.",
@@ -402,13 +404,9 @@ class DirectiveListener:
 
     async def unparked(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """A cell of a parked kernel got it a GPU again (a frozen one was thawed): say where."""
-        gpu = self.kernels.get(kernel_id)
+        gpu = await self._refreshed(kernel_id, "after unpark")
         if gpu is None:
             return
-        try:
-            await gpu.refresh()
-        except AgentError as err:
-            self.log.info("kernel %s: lease not refreshed after unpark: %s", kernel_id, err)
         uuid = directive.get("gpu")
         where = gpu.label(str(uuid) if uuid else None)
         if directive.get("thawed"):

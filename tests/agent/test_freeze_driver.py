@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from harness.agent import AgentProcess, wait_for
+from node_agent.client import AgentClient
 
 from .conftest import Holder, notebook_holding
 from .fake_cuda import FakeCuda, build
@@ -39,6 +40,13 @@ def driver(shared_tmp: Path, libraries: dict[str, Path],
     yield start
 
 
+def _notebook(agent: AgentProcess, holders: Callable[..., Holder]
+              ) -> tuple[AgentClient, dict[str, Any], Holder]:
+    """A client, and a notebook lease whose process holds 20 MiB."""
+    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    return agent.client(), lease, proc
+
+
 def _calls(fake: FakeCuda, pid: int) -> list[str]:
     return [c.short for c in fake.calls(pid) if c.short != "state"]
 
@@ -51,8 +59,7 @@ def test_park_and_thaw_make_the_four_calls_with_the_lock_timeout(
     driver: Callable[..., tuple[AgentProcess, FakeCuda]], holders: Callable[..., Holder]
 ) -> None:
     agent, fake = driver("r570", "--freeze-lock-timeout", "2.5")
-    c = agent.client()
-    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    c, lease, proc = _notebook(agent, holders)
     assert c.node()["freezing"]["available"] and not c.node()["freezing"]["remap"]
     frozen = c.freeze(lease["id"])
     assert frozen["frozen"] and fake.state(proc.pid) == "checkpointed"
@@ -83,8 +90,7 @@ def test_a_lock_that_times_out_is_tried_again_then_given_up_for_the_fallback(
     driver: Callable[..., tuple[AgentProcess, FakeCuda]], holders: Callable[..., Holder]
 ) -> None:
     agent, fake = driver("r570", "--freeze-attempts", "3")
-    c = agent.client()
-    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    c, lease, proc = _notebook(agent, holders)
     fake.fail("lock", "CUDA_ERROR_TIMEOUT", pid=proc.pid, once=False)
     with pytest.raises(Exception) as err:
         c.freeze(lease["id"])
@@ -104,8 +110,7 @@ def test_a_checkpoint_the_driver_refuses_leaves_the_kernel_running(
     driver: Callable[..., tuple[AgentProcess, FakeCuda]], holders: Callable[..., Holder]
 ) -> None:
     agent, fake = driver("r570")
-    c = agent.client()
-    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    c, lease, proc = _notebook(agent, holders)
     fake.fail("checkpoint", "CUDA_ERROR_NOT_SUPPORTED", pid=proc.pid)
     with pytest.raises(Exception) as err:
         c.freeze(lease["id"])
@@ -117,8 +122,7 @@ def test_a_thaw_that_fails_restarts_the_kernel_from_its_checkpoint(
     driver: Callable[..., tuple[AgentProcess, FakeCuda]], holders: Callable[..., Holder]
 ) -> None:
     agent, fake = driver("r570")
-    c = agent.client()
-    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    c, lease, proc = _notebook(agent, holders)
     c.freeze(lease["id"])
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     fake.fail("restore", "CUDA_ERROR_OUT_OF_MEMORY", pid=proc.pid, leaves="failed")
@@ -154,8 +158,7 @@ def test_a_freeze_cut_short_by_an_agent_restart_is_undone(
     driver: Callable[..., tuple[AgentProcess, FakeCuda]], holders: Callable[..., Holder]
 ) -> None:
     agent, fake = driver("r570")
-    c = agent.client()
-    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    c, lease, proc = _notebook(agent, holders)
     fake.delay("checkpoint", 5.0, pid=proc.pid)
     import threading
 
@@ -179,8 +182,7 @@ def test_a_kernel_that_exits_mid_freeze_is_let_go(
     driver: Callable[..., tuple[AgentProcess, FakeCuda]], holders: Callable[..., Holder]
 ) -> None:
     agent, fake = driver("r570", "--orphan-grace", "60")
-    c = agent.client()
-    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    c, lease, proc = _notebook(agent, holders)
     fake.delay("checkpoint", 1.0, pid=proc.pid)
     import threading
 
@@ -206,8 +208,7 @@ def test_two_thaws_at_once_thaw_once(
     driver: Callable[..., tuple[AgentProcess, FakeCuda]], holders: Callable[..., Holder]
 ) -> None:
     agent, fake = driver("r570")
-    c = agent.client()
-    lease, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 20)
+    c, lease, proc = _notebook(agent, holders)
     c.freeze(lease["id"])
     fake.delay("restore", 0.5, pid=proc.pid)
     first, second = c.unpark(lease["id"]), c.unpark(lease["id"])

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from harness.agent import AgentProcess, wait_for
+from harness.agent import AgentProcess, nvml_memory_of, wait_for
 from harness.jupyter import Notebook, running_server
 from node_agent.client import AgentClient
 
@@ -101,22 +101,6 @@ def _check(nb: Notebook, pid: int, k: int = 1, compute: bool = True) -> str:
     return out
 
 
-def _gpu_memory_of(pid: int) -> int:
-    """Bytes NVML says ``pid`` holds on all GPUs (0 where it is not listed)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        held = 0
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            held += sum(p.usedGpuMemory or 0 for p in
-                        pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid)
-        return int(held)
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -182,7 +166,7 @@ def test_park_freezes_the_kernel_and_its_next_cell_thaws_it_with_everything_kept
         pid = _hold(nb, tmp_path / "lines.txt")
         lease = _lease_of(c, nb.kernel_id)
         assert lease["state"] == "active" and pid in lease["pids"]
-        wait_for(lambda: _gpu_memory_of(pid) > N * 4, 30, "NVML to see the kernel's tensors")
+        wait_for(lambda: nvml_memory_of(pid) > N * 4, 30, "NVML to see the kernel's tensors")
 
         started = time.monotonic()
         assert "parking once this cell ends" in nb.ok("%gpu park")
@@ -192,7 +176,7 @@ def test_park_freezes_the_kernel_and_its_next_cell_thaws_it_with_everything_kept
         assert (frozen["state"], frozen["physical_gpus"], frozen["pids"]) == ("parked", [], [pid])
         assert frozen["protection"] == "frozen in host memory" and not frozen["fallback"]
         assert frozen["frozen_bytes"] >= N * 4 and frozen["frozen_gpus"] == [lease["physical_gpu"]]
-        assert _gpu_memory_of(pid) < FROZEN_MAX and _alive(pid)
+        assert nvml_memory_of(pid) < FROZEN_MAX and _alive(pid)
         wait_for(lambda: server.kernel_status(nb.kernel_id)["state"] == "parked", 30,
                  "the server to say parked", interval=0.2)
         assert "parked" in server.events(nb.kernel_id)
@@ -206,7 +190,7 @@ def test_park_freezes_the_kernel_and_its_next_cell_thaws_it_with_everything_kept
         back = _lease_of(c, nb.kernel_id)
         assert back["state"] == "active" and not back["frozen"] and back["pids"] == [pid]
         assert back["physical_gpus"] == [lease["physical_gpu"]]
-        assert _gpu_memory_of(pid) > N * 4
+        assert nvml_memory_of(pid) > N * 4
         wait_for(lambda: "unparked" in server.events(nb.kernel_id), 30, "the unparked event",
                  interval=0.2)
         nb.close()
@@ -250,7 +234,7 @@ def test_reclaim_freezes_a_borrower_instead_of_killing_it_and_it_thaws_when_room
             assert frozen["state"] == "pending" and frozen["physical_gpus"] == []
             assert "frozen to return" in frozen["reason"] and frozen["pids"] == [pid]
             assert frozen["frozen_bytes"] >= N * 4 + GiB
-            assert _gpu_memory_of(pid) < FROZEN_MAX and _alive(pid)
+            assert nvml_memory_of(pid) < FROZEN_MAX and _alive(pid)
             wait_for(lambda: "frozen" in server.events(borrower.kernel_id), 30, "the frozen event",
                      interval=0.2)
             kinds = server.events(borrower.kernel_id)
@@ -263,7 +247,7 @@ def test_reclaim_freezes_a_borrower_instead_of_killing_it_and_it_thaws_when_room
                             and x, 120, "the borrower to thaw once room returned", interval=0.1)
             assert not back["frozen"] and back["pids"] == [pid]
             assert back["physical_gpus"] == [b_lease["physical_gpu"]]
-            assert _gpu_memory_of(pid) > N * 4 + GiB
+            assert nvml_memory_of(pid) > N * 4 + GiB
             # Shrunk to its request, it may not allocate: the check reads on the host only.
             _check(borrower, pid, k=3, compute=False)
             assert borrower.ok("print(bool((z.cpu() == 1).all()))").strip() == "True"
@@ -312,7 +296,7 @@ def test_a_whole_gpu_job_freezes_two_notebooks_runs_and_they_thaw_intact(
                     assert lease["frozen"] and lease["state"] == "pending", lease
                     assert lease["frozen_gpus"] == [gpu] and lease["physical_gpus"] == []
                     assert "frozen in host memory" in lease["reason"], lease["reason"]
-                    assert _gpu_memory_of(pid) < FROZEN_MAX and _alive(pid)
+                    assert nvml_memory_of(pid) < FROZEN_MAX and _alive(pid)
                 shares = next(g for g in c.node()["gpus"] if g["uuid"] == gpu)["shares"]
                 assert [s["kind"] for s in shares] == ["job"], shares
             finally:
