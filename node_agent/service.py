@@ -1137,13 +1137,21 @@ class Agent:
         A frozen lease that nobody waits for thaws where it was frozen (or where the driver can
         remap it): elsewhere it would restart. Once a cell waits, any GPU with room will do."""
         kept = self._kept_plan(lease)
-        if (lease.frozen and lease.id not in self._thaw_asked
-                and self._remap_blocker(lease, lease.frozen_on) is not None):
-            kept["reach"] = lease.frozen_on
+        others = self.planning_view(lease.id)
         try:
-            logical, physical, moves = self._place(lease.kind, lease.request, lease.limit,
-                                                   lease.devices, self.planning_view(lease.id),
-                                                   **kept)
+            if lease.frozen and self._remap_blocker(lease, lease.frozen_on) is not None:
+                try:
+                    placed = self._place(lease.kind, lease.request, lease.limit, lease.devices,
+                                         others, **{**kept, "reach": lease.frozen_on})
+                except Conflict:
+                    if lease.id not in self._thaw_asked:
+                        raise
+                    placed = self._place(lease.kind, lease.request, lease.limit,
+                                         lease.devices, others, **kept)
+            else:
+                placed = self._place(lease.kind, lease.request, lease.limit, lease.devices,
+                                     others, **kept)
+            logical, physical, moves = placed
         except Conflict:
             reason = self._no_room_reason(lease)
             if lease.frozen:
@@ -1335,7 +1343,8 @@ class Agent:
                 deadline=None, parked_at=now, reason=reason, fallback="")
             self._directive(lease, "frozen", reason, gpu=lease.frozen_on[0], gpus=list(
                 lease.frozen_on), frozen_bytes=held, seconds=round(seconds, 3),
-                waiting=then == "pending", request=lease.request, limit=lease.limit)
+                waiting=then == "pending", cause=cause, request=lease.request,
+                limit=lease.limit)
         for pid in pids:
             self.backend.untrack(pid)
         self._gone(lease_id, set(pids))
@@ -1802,8 +1811,10 @@ class Agent:
         with self.ledger.transaction():
             lease = self.ledger.update(lease.id, state="shrinking", deadline=step.at,
                                        reason=reason)
+            # What follows the grace, so that the user is told the truth beforehand.
+            then = "freeze" if self.freeze_blocker(lease) is None else "stop"
             self._directive(lease, "shrink", reason, request=lease.request, limit=lease.limit,
-                            usage=lease.usage, deadline=step.at, **body)
+                            usage=lease.usage, deadline=step.at, then=then, **body)
         self.counters["shrinks"] += 1
         self.stats.shrink_asked(step.cause or policy.RECLAIM)
 

@@ -380,8 +380,8 @@ class DirectiveListener:
         """The agent froze the kernel for someone else's sake (a reclaim, a job): say why, and
         that it comes back by itself."""
         gpu = await self._refreshed(kernel_id, "after a freeze")
-        if gpu is None:
-            return
+        if gpu is None or directive.get("cause") == "park":
+            return  # a park this server asked for: it said so itself
         uuid = directive.get("gpu")
         reason = sentence(str(directive.get("reason") or "Frozen by the GPU agent"))
         self.events.emit(
@@ -436,7 +436,10 @@ class DirectiveListener:
             kernel_id, "shrink_requested",
             f"Asked to shrink to its {format_bytes(request)} request{by} (it holds "
             f"{format_bytes(usage)}): {reason or 'its GPU owner needs the memory back'}. "
-            "If it does not, the kernel is stopped and restored from its last checkpoint.",
+            + ("If it does not, its process is frozen in host memory, with everything in it, "
+               + ("until its next cell." if directive.get("cause") == "limit" else
+                  "until its GPU has room again.") if directive.get("then") == "freeze" else
+               "If it does not, the kernel is stopped and restored from its last checkpoint."),
             reason=reason, request=directive.get("request"), limit=directive.get("limit"),
             usage=directive.get("usage"),
         )

@@ -279,7 +279,7 @@ class Sequence:
         try:
             frozen = wait_for(lambda: self.events_since(since, "frozen"), 60, "the freeze",
                               interval=0.1)[0]
-            assert "frozen to return" in frozen["message"], frozen
+            assert "Frozen to return" in frozen["message"], frozen
             assert self.lease()["frozen"] and self.status()["state"] == "waiting-for-gpu"
         finally:
             self.agent.client().release(owner["id"])
