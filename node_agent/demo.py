@@ -1,4 +1,4 @@
-"""`gpufrac-agent demo`: an agent on a simulated node, two notebooks spread out, then compacted for a job."""
+"""`gpufrac-agent demo`: a simulated node, two notebooks spread out, compacted for a job, then frozen."""
 
 from __future__ import annotations
 
@@ -64,6 +64,47 @@ class _Notebook:
         self.proc.wait()
 
 
+def _job(client: AgentClient, sock: str, gpus: int, by_id: dict[str, _Notebook],
+         labels: dict[str, str]) -> int:
+    """`gpufrac-agent run --gpus N`, the notebooks doing what the agent asks meanwhile."""
+    _, cursor = client.directives(client="gpufrac-demo", after=-1, timeout=0)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "node_agent", "--socket", sock, "run", "--gpus", str(gpus), "--",
+         sys.executable, "-c",
+         "import os, time; time.sleep(1)\n"
+         "print('   job: ran on', os.environ['CUDA_VISIBLE_DEVICES'], flush=True)"],
+    )
+    done = threading.Event()
+
+    def follow() -> None:
+        after = cursor
+        while not done.is_set():
+            found, after = client.directives(client="gpufrac-demo", after=after, timeout=1,
+                                             kinds=("migrate", "frozen", "unparked"))
+            for d in found:
+                nb = by_id[d["lease_id"]]
+                if d["kind"] == "migrate":
+                    nb.migrate(d, labels)
+                elif d["kind"] == "frozen":
+                    print(f"   {nb.name}: {d['reason']}", flush=True)
+                elif d.get("thawed"):
+                    print(f"   {nb.name}: {d['reason']} (pid {nb.proc.pid}, the same process)",
+                          flush=True)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    code = job.wait(timeout=60)
+    if gpus > 1:  # the thaws come once the job's lease is gone
+        deadline = time.monotonic() + 10
+        while (any(x["frozen"] for x in client.leases() if x["id"] in by_id)
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+    time.sleep(0.3)
+    done.set()
+    follower.join(timeout=5)
+    return code
+
+
 def run_demo(spec: str) -> int:
     with tempfile.TemporaryDirectory(prefix="gpufrac-demo-") as tmp:
         sock = str(Path(tmp) / "agent.sock")
@@ -89,32 +130,18 @@ def run_demo(spec: str) -> int:
             time.sleep(0.5)  # a few polls, so the table shows what the processes hold
             _show(client)
 
-            _say("a job asks for a whole GPU: gpufrac-agent run --gpus 1 -- python -c ...")
-            _, cursor = client.directives(client="gpufrac-demo", after=-1, timeout=0)
-            job = subprocess.Popen(
-                [sys.executable, "-m", "node_agent", "--socket", sock, "run", "--gpus", "1", "--",
-                 sys.executable, "-c",
-                 "import os; print('   job: running on', os.environ['CUDA_VISIBLE_DEVICES'])"],
-            )
             by_id = {nb.lease["id"]: nb for nb in notebooks}
-            done = threading.Event()
-
-            def follow() -> None:
-                after = cursor
-                while not done.is_set():
-                    found, after = client.directives(client="gpufrac-demo", after=after,
-                                                     timeout=1)
-                    for d in found:
-                        if d["kind"] == "migrate":
-                            by_id[d["lease_id"]].migrate(d, labels)
-
-            follower = threading.Thread(target=follow, daemon=True)
-            follower.start()
-            code = job.wait(timeout=60)
-            done.set()
-            follower.join(timeout=5)
-            time.sleep(0.5)
+            _say("a job asks for a whole GPU: gpufrac-agent run --gpus 1 -- python -c ...")
+            code = _job(client, sock, 1, by_id, labels)
             _say(f"the job finished (exit {code}); the notebooks stay compacted on one GPU")
+            _show(client)
+            if code:
+                return code
+            _say("a job asks for both GPUs whole: the notebooks have nowhere to go, so they are "
+                 "frozen (their processes keep everything in host memory) and thawed after it")
+            code = _job(client, sock, 2, by_id, labels)
+            time.sleep(0.5)
+            _say(f"the job finished (exit {code}); the notebooks run again, nothing restarted")
             _show(client)
             return code
         finally:

@@ -647,7 +647,8 @@ class Agent:
                else self.freezer.unavailable())
         return {"available": why is None, "why": why,
                 "freezer": self.freezer.name if self.freezer is not None else None,
-                "remap": why is None and self.freezer is not None and self.freezer.can_remap(),
+                "remap": why is None and self.config.freeze_remap and self.freezer is not None
+                and self.freezer.can_remap(),
                 "frozen_bytes": self.frozen_bytes(), "budget": self.freeze_budget()}
 
     def visible(self, caller: Caller) -> list[Lease]:

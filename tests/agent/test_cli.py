@@ -19,15 +19,18 @@ from node_agent.client import AgentClient, AgentUnavailable
 from node_agent.service import AgentConfig
 
 
-def test_demo_places_spreads_and_compacts() -> None:
+def test_demo_places_spreads_compacts_and_freezes() -> None:
     out = subprocess.run([sys.executable, "-m", "node_agent", "demo"], capture_output=True,
                          text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "simulated node: 2 GPU(s)" in text
     assert "migrate GPU 1 -> GPU 0" in text
-    assert "job: running on GPU-" in text
+    assert text.count("job: ran on GPU-") == 2
     assert "waiting for 1 notebook(s) to move" in out.stderr
+    assert "waiting for 2 notebook(s) on GPU 0 to be frozen" in out.stderr
+    assert text.count("frozen because job") == 2
+    assert text.count("the same process)") == 2
 
 
 def _run(agent: AgentProcess, *cmd: str) -> subprocess.Popen[str]:
