@@ -257,6 +257,13 @@ class Agent:
     # --- life cycle ------------------------------------------------------------------
     async def start(self) -> None:
         """Measure the node, re-adopt live processes from the ledger, then poll."""
+        if self.freezer is not None:
+            # The driver's first look (cuInit) can take seconds: not on the loop, not later.
+            why = await asyncio.get_running_loop().run_in_executor(None, self.freezer.unavailable)
+            if why:
+                log.info("freezing: not available: %s", why)
+            else:
+                log.info("freezing: by %s", self.freezer.name)
         await self.tick()
         for lease in self.ledger.leases.values():
             for pid, _start in lease.pids:
