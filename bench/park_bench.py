@@ -1,11 +1,15 @@
 """Parking and re-attaching a notebook kernel, as delays a user sees, beside a cold start.
 
-Runs a real agent (simulated 2-GPU node), a real jupyter_server and real ipykernel kernels.
+Runs a real agent (simulated 2-GPU node), a real jupyter_server and real ipykernel kernels,
+once parking by freezing (the default) and once by a restart (``--no-freeze``), side by side.
 For each state size a notebook holds that state (torch tensors, a model and its optimizer)
 and is parked with ``%gpu park``. Measured:
 
 - park: from the end of the ``%gpu park`` cell until the agent shows the lease parked
-  (the kernel's checkpoint with its tensors in host memory, a restart, a restore to host);
+  (frozen: a durable checkpoint, then the freeze; restarted: the kernel's checkpoint with its
+  tensors in host memory, a restart, a restore to host). On a simulated node a freeze only
+  takes the memory off the GPU: the driver's copy (about a second per GiB on an H100) is
+  bench/freeze_bench.py's, on a GPU;
 - re-attach: the first cell of the parked kernel, from sending it until its reply, less the
   same cell in a kernel that was never parked (what the user waits for a GPU; the kernel's
   own "back on GPU in … s" line is printed beside it);
@@ -46,8 +50,8 @@ def lease_state(agent: AgentProcess, kernel_id: str) -> str:
     return str(lease["state"])
 
 
-def one_round(server: Server, agent: AgentProcess, nbytes: int, round_no: int
-              ) -> dict[str, float]:
+def one_round(server: Server, agent: AgentProcess, nbytes: int, round_no: int,
+              frozen: bool) -> dict[str, float]:
     cold, nb = cold_start(server, f"park-{nbytes}-{round_no}.ipynb")
     nb.ok(STATE.format(n=nbytes), timeout=600)
     baseline, _ = timed_cell(nb, CHECK)
@@ -56,10 +60,11 @@ def one_round(server: Server, agent: AgentProcess, nbytes: int, round_no: int
     wait_for(lambda: lease_state(agent, nb.kernel_id) == "parked", 600, "the park",
              interval=0.02)
     park = time.perf_counter() - t0
-    # The restore in the parked process ends before it answers cells; wait for it as a user
-    # who comes back later would find it.
-    wait_for(lambda: server.kernel_status(nb.kernel_id)["restore"] is not None, 600,
-             "the restore", interval=0.05)
+    if not frozen:
+        # The restore in the parked process ends before it answers cells; wait for it as a
+        # user who comes back later would find it.
+        wait_for(lambda: server.kernel_status(nb.kernel_id)["restore"] is not None, 600,
+                 "the restore", interval=0.05)
     first, out = timed_cell(nb, CHECK)
     found = BACK.search(out)
     nb.close()
@@ -74,25 +79,28 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds per size (medians)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    with tempfile.TemporaryDirectory(prefix="gpufrac-park-bench-") as tmp:
-        root = Path(tmp)
-        with AgentProcess(root / "agent", "2x4GiB", ["--poll-interval", "0.2"]) as agent:
-            server = start_server(root / "server", agent.socket, CONFIG)
-            try:
-                print(f"{'state':>8} {'cold start':>11} {'park':>8} {'re-attach':>10} "
-                      f"{'kernel says':>12} {'re-attach/cold':>15}")
-                for mib in sizes:
-                    rounds = []
-                    for i in range(args.repeat):
-                        rounds.append(one_round(server, agent, mib << 20, i))
-                        print(f"  round {i + 1}/{args.repeat} of {mib} MiB done", file=sys.stderr,
-                              flush=True)
-                    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-                    print(f"{mib:>5} MiB {med['cold']:>10.2f}s {med['park']:>7.2f}s "
-                          f"{med['reattach']:>9.2f}s {med['said']:>11.2f}s "
-                          f"{med['reattach'] / med['cold']:>15.2f}")
-            finally:
-                stop_server(server)
+    print(f"{'how':>9} {'state':>8} {'cold start':>11} {'park':>8} {'re-attach':>10} "
+          f"{'kernel says':>12} {'re-attach/cold':>15}")
+    for how, extra in (("frozen", []), ("restarted", ["--no-freeze"])):
+        with tempfile.TemporaryDirectory(prefix="gpufrac-park-bench-") as tmp:
+            root = Path(tmp)
+            with AgentProcess(root / "agent", "2x4GiB", ["--poll-interval", "0.2", *extra]
+                              ) as agent:
+                server = start_server(root / "server", agent.socket, CONFIG)
+                try:
+                    for mib in sizes:
+                        rounds = []
+                        for i in range(args.repeat):
+                            rounds.append(one_round(server, agent, mib << 20, i,
+                                                    how == "frozen"))
+                            print(f"  {how}: round {i + 1}/{args.repeat} of {mib} MiB done",
+                                  file=sys.stderr, flush=True)
+                        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+                        print(f"{how:>9} {mib:>4} MiB {med['cold']:>10.2f}s {med['park']:>7.2f}s "
+                              f"{med['reattach']:>9.2f}s {med['said']:>11.2f}s "
+                              f"{med['reattach'] / med['cold']:>15.2f}")
+                finally:
+                    stop_server(server)
     print("medians of", args.repeat, "rounds; re-attach = first cell after the park less the "
           "same cell unparked")
     return 0
