@@ -45,6 +45,8 @@ MAX_ID = 128
 GPU_LISTS = ("logical_gpus", "reachable_gpus")
 # More GPUs than any node has: a list longer than this is not a list of this node's GPUs.
 MAX_GPUS = 64
+# How long an unpark waits for a thaw before it answers `thawing` (the kernel then polls).
+THAW_ANSWER_S = 5.0
 MAX_TEXT = 200
 # A checkpoint longer than a day is a clock gone wrong, not a checkpoint.
 MAX_OBSERVED_SECONDS = 86400.0
@@ -431,9 +433,13 @@ class ParkRequestHandler(LeaseRoute):
 
 
 class UnparkHandler(LeaseRoute):
-    def post(self, lease_id: str) -> None:
+    async def post(self, lease_id: str) -> None:
         _reject_unknown(self.lease_body(lease_id), ())
-        self.reply(self.agent.unpark(self.caller, lease_id).to_json())
+        lease = self.agent.unpark(self.caller, lease_id)
+        if lease.state == "thawing":
+            # A short thaw is answered done: the waiting cell need not poll for it.
+            lease = await self.agent.acted(lease.id, THAW_ANSWER_S) or lease
+        self.reply(lease.to_json())
 
 
 class DirectivesHandler(BaseHandler):

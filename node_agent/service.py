@@ -281,6 +281,15 @@ class Agent:
         await self.settled()
         self._procs.close()
 
+    async def acted(self, lease_id: str, timeout: float) -> Lease | None:
+        """The lease once its freeze or thaw under way has ended, or as it is after
+        ``timeout`` seconds (None: released)."""
+        work = self._acting.get(lease_id)
+        if work is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(work), timeout)
+        return self.ledger.leases.get(lease_id)
+
     async def settled(self) -> None:
         """Wait for the freezes and thaws under way (and any they lead to) to end."""
         while self._acting:
