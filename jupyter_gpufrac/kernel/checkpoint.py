@@ -21,7 +21,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from jupyter_gpufrac.kernel import namespace, pickling, rng, store, tensor_io, torch_adapter
+from jupyter_gpufrac.kernel import (
+    namespace,
+    pickling,
+    rng,
+    snapshot,
+    store,
+    tensor_io,
+    torch_adapter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +46,6 @@ MAX_ATTEMPTS = 3
 PACK_BYTES = 64 * 1024  # a pack holds small pickles up to about this size
 PACK_SPREAD = 128  # about this many small groups per pack
 READ_THREADS = 4
-_SEEN_BYTES = 160
 READ_AHEAD = 512 * 1024 * 1024
 T = TypeVar("T")
 
@@ -64,6 +71,7 @@ class CheckpointResult:
     group_bytes_written: int = 0  # packs of pickled variables written
     groups_written: int = 0  # groups pickled anew: unchanged ones cost nothing
     buffers_bytes: int = 0  # out-of-band buffers (arrays, columns) the checkpoint holds
+    durable: bool = False  # written and synced (else a snapshot on its way to the disk)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -115,7 +123,7 @@ class _Saved:
     rest: str  # the header less groups and when, as JSON
     blobs: dict[str, int]  # every blob the state names
     header: dict[str, Any]
-    state: tuple[int, int, int, int] | None  # the state file as written
+    state: tuple[int, int, int, int] | None  # unused: the writer knows the file it wrote
     digest: str  # of the state file's bytes, which the SEEN_FILE names
 
 
@@ -127,8 +135,15 @@ class Checkpointer:
         self.cache = pickling.IncrementalCache()
         self._guard = pickling.PandasGuard()
         self._lock = threading.Lock()
+        # The last durable checkpoint this process wrote, and the last snapshot it took.
         self.last: CheckpointResult | None = None
-        self._gc: threading.Thread | None = None
+        self.taken: CheckpointResult | None = None
+        self.writer = snapshot.Writer(self.root, self._committed)
+        self._stale_lock = threading.Lock()
+        self._stale: set[str] = set()  # blobs the writer deleted, for the caches to forget
+        self._identity: tuple[int, int, int, int] | None = None  # of the state file it wrote
+        # The last snapshot taken (written, or on its way): the next one writes what changed
+        # since, naming its blobs (the writer writes them in order).
         self._saved: _Saved | None = None
         # The last grouping and what it was computed from (see _group_names).
         self._grouped: tuple[dict[str, tuple[int, ...]], list[list[str]]] | None = None
@@ -151,13 +166,69 @@ class Checkpointer:
         execution_count: int | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> CheckpointResult:
-        """Checkpoint ``ns`` (the notebook's globals); unpicklable variables are listed, not fatal.
+        """Checkpoint ``ns`` (the notebook's globals) and return once it is durable; unpicklable
+        variables are listed, not fatal.
 
         Only variables whose fingerprint changed are pickled again; ``full`` re-pickles and
         re-writes everything (after writes no fingerprint sees, see :mod:`pickling`).
         """
+        started = time.monotonic()
+        job = self.begin(ns, hidden=hidden, full=full, execution_count=execution_count,
+                         extra=extra)
+        try:
+            written = job.wait()
+        except snapshot.WriteError as exc:
+            raise CheckpointError(str(exc)) from exc
+        result = dataclasses.replace(job.result, seconds=time.monotonic() - started,
+                                     durable=True)
+        if written is not job:  # superseded: the snapshot written is a later one
+            result = dataclasses.replace(written.result, seconds=result.seconds, durable=True)
+        return result
+
+    def begin(
+        self,
+        ns: dict[str, Any],
+        *,
+        hidden: Mapping[str, object] | None = None,
+        full: bool = False,
+        execution_count: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> snapshot.Job:
+        """Take a snapshot of ``ns`` as it is now and queue it to be written in the background:
+        in this thread only what changed is found, pickled, and its tensors' and buffers' bytes
+        copied; :meth:`snapshot.Job.wait` waits for it to be durable."""
         with self._lock, pickling.collector_paused():
-            return self._take(ns, hidden, full, execution_count, extra or {})
+            job = self._take(ns, hidden, full, execution_count, extra or {})
+        self.writer.submit(job)
+        return job
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every snapshot taken is written (or failed); False on timeout."""
+        return self.writer.flush(timeout)
+
+    def status(self) -> dict[str, Any]:
+        """The last durable checkpoint (its cell and time) and the one being written, if any,
+        with its progress: what a restore now would load, and what is on its way."""
+        durable = self.writer.durable
+        cell: int | None
+        when: float | None
+        if durable is not None:
+            cell, when = durable.cell, durable.time
+        else:
+            header = self.read_header()
+            cell = header.get("execution_count") if header else None
+            when = header.get("time") if header else None
+        return {"durable_cell": cell, "durable_time": when, "writing": self.writer.writing(),
+                "error": self.writer.error}
+
+    def _committed(self, job: snapshot.Job, stale: list[str]) -> None:
+        """The writer made ``job`` durable (its thread); ``stale`` blobs are deleted next."""
+        with self._stale_lock:
+            self._stale.update(stale)
+            if job.identity is not None:
+                self._identity = job.identity
+        if job.result is not None:
+            self.last = dataclasses.replace(job.result, durable=True)
 
     def _take(
         self,
@@ -166,26 +237,39 @@ class Checkpointer:
         full: bool,
         execution_count: int | None,
         extra: Mapping[str, Any],
-    ) -> CheckpointResult:
+    ) -> snapshot.Job:
         started = time.monotonic()
-        self.wait_for_cleanup()
         try:
             folder = store.CheckpointDir.open(self.root, create=True)
         except (OSError, store.UnsafeCheckpointError) as exc:
             raise CheckpointError(f"cannot use checkpoint directory {self.root}: {exc}") from exc
+        with self._stale_lock:
+            stale, self._stale = self._stale, set()
+            identity = self._identity
+        if stale:
+            # Deleted by the writer: the caches forget them, so no later snapshot names them.
+            self.cache.forget_blobs(stale)
+            self._guard.forget_blobs(stale)
         with folder:
+            if self.writer.reset:
+                self.writer.reset = False
+                self._saved = None
             if full:
                 self.cache.clear()
                 self._guard.clear()
                 self._saved = None
-            elif self._saved is not None and folder.identity(store.STATE_FILE) != self._saved.state:
+            elif (self._saved is not None and not self.writer.busy()
+                  and folder.identity(store.STATE_FILE) != identity):
                 # Not the file this process wrote (removed, replaced): nothing it names is
                 # trusted to be there; blobs are looked for again before they are reused.
                 self._saved = None
+            if self._saved is None and self.writer.busy():
+                # What is on disk is the base: it must not change while it is read.
+                self.writer.flush()
             try:
                 if not self._cleaned:
                     folder.remove_stale_tmp()
-                result, kept = self._write(folder, ns, hidden, execution_count, extra)
+                job = self._write(folder, ns, hidden, execution_count, extra)
             except (OSError, store.UnsafeCheckpointError) as exc:
                 self._guard.abandon()
                 raise CheckpointError(f"writing the checkpoint to {self.root} failed: {exc}") from exc
@@ -193,36 +277,39 @@ class Checkpointer:
                 self._guard.abandon()
                 raise
             self._guard.commit()
-            if kept is not None:
-                self._collect_garbage(folder, kept)
             self._cleaned = True
-        result.seconds = time.monotonic() - started
-        self.last = result
-        return result
+        job.result.seconds = time.monotonic() - started
+        self.taken = job.result
+        return job
 
     def _write(
         self, folder: store.CheckpointDir, ns: dict[str, Any], hidden: Mapping[str, object] | None,
         execution_count: int | None, extra: Mapping[str, Any],
-    ) -> tuple[CheckpointResult, set[str] | None]:
-        """:meth:`_save` with a blob writer whose syncing threads stop whatever happens."""
+    ) -> snapshot.Job:
+        """:meth:`_save` into a staging folder: blobs are copied, written later by the writer."""
         saved = self._saved
         selection = namespace.select(ns, hidden)
         lost: dict[str, str] = {name: "a module object that is not importable"
                                 for name in selection.skipped}
-        blobs = pickling.BlobWriter(folder, self.cache, guard=self._guard,
+        staging = store.StagingDir(folder.path)
+        blobs = pickling.BlobWriter(staging, self.cache, guard=self._guard,
                                     trusted=saved.blobs.keys() if saved else _durable(folder))
         try:
-            return self._save(folder, ns, selection, lost, blobs, execution_count, extra)
+            return self._save(staging, ns, selection, lost, blobs, execution_count, extra)
+        except BaseException:
+            for staged in staging.staged.values():
+                if staged.release is not None:
+                    staged.release()
+            raise
         finally:
             blobs.close()
 
     def _save(
-        self, folder: store.CheckpointDir, ns: dict[str, Any], selection: namespace.Selection,
+        self, staging: store.StagingDir, ns: dict[str, Any], selection: namespace.Selection,
         lost: dict[str, str], blobs: pickling.BlobWriter, execution_count: int | None,
         extra: Mapping[str, Any],
-    ) -> tuple[CheckpointResult, set[str] | None]:
-        """Save what changed and commit; (the result, the blobs to keep when some may have
-        become garbage, else None)."""
+    ) -> snapshot.Job:
+        """Snapshot what changed: the job that writes it, and commits the state naming it."""
         saved = self._saved
         session = pickling.FingerprintSession(blobs, ns)
         try:
@@ -253,14 +340,12 @@ class Checkpointer:
         now = time.time()
         if (saved is not None and groups is saved.groups and rest_key == saved.rest
                 and not blobs.new_blobs):
-            # Nothing the checkpoint holds changed: the committed state stays as it is, and only
-            # when, and after which cell, it was last found current is noted, without an fsync
-            # (if that note is lost, a restore names an earlier cell; no variable is lost).
-            seen = {"state": saved.digest, "time": now, "execution_count": execution_count}
-            # Always as long: written in place, a shorter note would leave the old one's tail.
-            folder.overwrite(store.SEEN_FILE, json.dumps(seen).encode().ljust(_SEEN_BYTES))
+            # Nothing the checkpoint holds changed: the state stays as it is, and only when,
+            # and after which cell, it was last found current is noted.
             self._saved = dataclasses.replace(saved, fingerprints=taken)
-            return self._result(saved.header, now, execution_count, blobs, pickled), None
+            result = self._result(saved.header, now, execution_count, blobs, pickled)
+            return snapshot.Job(execution_count, now, None, saved.digest,
+                                frozenset(saved.blobs), {}, result)
         records = [g.record for g in groups.values()] + carried
         referenced = referenced_blobs(records, packs)
         referenced[rest["rng"]] = len(rng_data)
@@ -275,12 +360,15 @@ class Checkpointer:
             "time": now, "execution_count": execution_count, "pid": os.getpid(),
         }
         data = MAGIC + _trailer(header)
-        # Blobs durable first, then the state file that names them: a kill or crash in between
-        # leaves the previous state whole, and its blobs untouched.
-        folder.commit(store.STATE_FILE, data, blobs=blobs.sync)
-        self._saved = _Saved(taken, groups, packs, rest_key, referenced, header,
-                             folder.identity(store.STATE_FILE), tensor_io.digest(data))
-        return self._result(header, now, execution_count, blobs, pickled), set(referenced)
+        digest = tensor_io.digest(data)
+        self._saved = _Saved(taken, groups, packs, rest_key, referenced, header, None, digest)
+        staged = {name: item for name, item in staging.staged.items() if name in referenced}
+        for name, item in staging.staged.items():
+            if name not in referenced and item.release is not None:
+                item.release()
+        result = self._result(header, now, execution_count, blobs, pickled)
+        return snapshot.Job(execution_count, now, data, digest, frozenset(referenced), staged,
+                            result, state_cell=execution_count)
 
     def _save_changed(
         self, values: Mapping[str, Any], prints: Mapping[str, pickling.Fingerprint | None],
@@ -377,23 +465,9 @@ class Checkpointer:
         self.deferred = carried
         return carried
 
-    def _collect_garbage(self, folder: store.CheckpointDir, keep: set[str]) -> None:
-        # Replaced blobs are deleted off the critical path: unlinking gigabytes takes a while.
-        # The caches forget them first, so no later checkpoint can name a blob being deleted.
-        stale = folder.unreferenced_blobs(keep)
-        if not stale:
-            return
-        self.cache.forget_blobs(set(stale))
-        self._guard.forget_blobs(set(stale))
-        self._gc = threading.Thread(target=_remove_blobs, args=(folder.dup(), stale),
-                                    name="gpufrac-checkpoint-gc", daemon=True)
-        self._gc.start()
-
     def wait_for_cleanup(self) -> None:
-        """Wait until blobs replaced by the last checkpoint are deleted."""
-        if self._gc is not None:
-            self._gc.join()
-            self._gc = None
+        """Wait until every snapshot taken is written and the blobs it replaced are deleted."""
+        self.writer.flush()
 
     def load(
         self, ns: dict[str, Any], *, device: str | None = None, budget: int | None = None,
@@ -406,6 +480,7 @@ class Checkpointer:
         ``bytes``), the largest variables are left on disk until the rest fits; they are
         named in ``deferred`` and :meth:`load_deferred` brings them back.
         """
+        self.flush()  # what is on disk must not change while it is read
         with self._lock, self._open() as folder, pickling.collector_paused():
             return self._load(folder, ns, device, budget, measure)
 
@@ -582,11 +657,6 @@ def _durable(folder: store.CheckpointDir) -> set[str]:
         _check_format(header, folder.path, "it was not overwritten")
     blobs = header.get("blobs")
     return {str(name) for name in blobs} if isinstance(blobs, dict) else set()
-
-
-def _remove_blobs(folder: store.CheckpointDir, names: list[str]) -> None:
-    with folder:
-        folder.remove_blobs(names)
 
 
 def components(items: Iterable[T], joined: Iterable[tuple[T, T]]) -> list[list[T]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -45,6 +46,9 @@ HOST_ROOM_SHARE = 0.8
 # How often a cell waiting for a GPU asks the agent again (seconds, growing to the second).
 UNPARK_POLL_FIRST_S = 0.1
 UNPARK_POLL_MAX_S = 2.0
+# A kernel that exits waits this long for the checkpoint being written (jupyter_client kills a
+# kernel that has not exited 5 s after it was asked to shut down).
+EXIT_FLUSH_S = 4.0
 
 
 def cell_label(execution_count: int | None, source: str) -> str:
@@ -115,6 +119,7 @@ class GpuFracHook:
             torch_adapter.hold_cuda()
             self.ip.input_transformers_post.append(self._unpark_before_cell)
         server_channel.register(self)
+        atexit.register(self.flush_checkpoints)
         self.ip.events.register("pre_execute", self.pre_execute)
         self.ip.events.register("pre_run_cell", self.pre_run_cell)
         self.ip.events.register("post_run_cell", self.post_run_cell)
@@ -169,6 +174,8 @@ class GpuFracHook:
         with contextlib.suppress(ValueError):
             self.ip.input_transformers_post.remove(self._unpark_before_cell)
         server_channel.unregister()
+        atexit.unregister(self.flush_checkpoints)
+        self.flush_checkpoints()
 
     # -- torch -------------------------------------------------------------------------------
 
@@ -270,6 +277,8 @@ class GpuFracHook:
 
     def pre_run_cell(self, info: Any = None) -> None:
         """Show what happened since the last cell; note which cell runs, in case it is cut off."""
+        with contextlib.suppress(Exception):
+            self._tell_checkpoint_failure()
         with self._lock:
             lines = []
             if self.pending_message:
@@ -357,16 +366,59 @@ class GpuFracHook:
         self.apply_cap()
 
     def _checkpoint_quietly(self) -> None:
-        """The automatic checkpoint: a failure is said once per distinct error, never raised."""
+        """The automatic checkpoint, in the background: the cell's reply is not held for it.
+        The snapshot is taken now (what changed, copied); a writer thread writes it. A failure
+        is said once per distinct error, never raised."""
         if not self.env.checkpoint_dir_stable:
             return
+        self._tell_checkpoint_failure()
         try:
-            self.checkpoint(trigger="cell")
-            self.checkpoint_error = None
+            job = self.checkpointer.begin(
+                self.ip.user_ns, hidden=self._hidden(), execution_count=self._execution_count(),
+                extra=self._checkpoint_extra())
         except CheckpointError as exc:
-            if self.checkpoint_error != str(exc):
-                print(f"gpufrac: automatic checkpoint failed: {exc}", file=sys.stderr)
-            self.checkpoint_error = str(exc)
+            self._checkpoint_failed(str(exc))
+            return
+        result = job.result
+        if self.observations is not None:
+            self.observations.checkpoint(
+                "cell", result.tensors_bytes + result.buffers_bytes,
+                result.bytes_written + result.group_bytes_written, result.seconds)
+
+    def _tell_checkpoint_failure(self) -> None:
+        """Say, once, that a checkpoint written in the background failed (and which cell the
+        last good one reflects); say once too when they are written again."""
+        error = self.checkpointer.writer.error
+        if error is not None:
+            self._checkpoint_failed(error)
+        elif self.checkpoint_error is not None and self.checkpointer.writer.durable is not None \
+                and not self.checkpointer.writer.busy():
+            self.checkpoint_error = None
+
+    def _checkpoint_failed(self, error: str) -> None:
+        if self.checkpoint_error == error:
+            return
+        self.checkpoint_error = error
+        status = self.checkpointer.status()
+        cell = status.get("durable_cell")
+        kept = (f" The last good checkpoint (after cell [{cell}]) is kept; a restart restores it."
+                if cell is not None else "")
+        print(f"gpufrac: automatic checkpoint failed: {error}.{kept}", file=sys.stderr, flush=True)
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        return {"kernel_id": self.env.kernel_id,
+                "offloaded": [asdict(r) for r in self.offloaded]}
+
+    def flush_checkpoints(self, timeout: float = EXIT_FLUSH_S) -> None:
+        """Wait, at most ``timeout`` seconds, for the checkpoint being written (kernel exit):
+        one not finished by then is said to be lost, and which cell a restart restores."""
+        if self.checkpointer.flush(timeout):
+            return
+        writing = self.checkpointer.writer.writing() or {}
+        status = self.checkpointer.status()
+        print(f"gpufrac: the checkpoint after cell [{writing.get('cell')}] was still being written "
+              f"when the kernel stopped and is lost; a restart restores the one after cell "
+              f"[{status.get('durable_cell')}].", file=sys.stderr, flush=True)
 
     def _execution_count(self) -> int | None:
         count = getattr(self.ip, "execution_count", None)
@@ -408,8 +460,9 @@ class GpuFracHook:
         """Checkpoint the notebook namespace now (raises CheckpointError for people);
         ``trigger`` says why, for the agent's metrics: cell, server, park or manual."""
         self._settle_rng()
-        extra = {"kernel_id": self.env.kernel_id,
-                 "offloaded": [asdict(r) for r in self.offloaded]}
+        extra = self._checkpoint_extra()
+        # Durable when it returns (the server restarts the kernel from it): a snapshot still
+        # being written is superseded by this one, or written first.
         result = self.checkpointer.take(
             self.ip.user_ns, hidden=self._hidden(), full=full,
             execution_count=self._execution_count(), extra=extra,
@@ -723,7 +776,10 @@ class GpuFracHook:
             "checkpoint_dir": str(self.env.checkpoint_dir),
             "last_checkpoint": last.to_json() if last else (
                 {"time": header.get("time"), "names": header.get("names"),
-                 "lost": header.get("lost")} if header else None),
+                 "lost": header.get("lost"), "execution_count": header.get("execution_count")}
+                if header else None),
+            # The last durable checkpoint (what a restart restores) and the one being written.
+            "checkpoint": self.checkpointer.status(),
             "restore": self.restore_report,
             "agent_available": None if self.watcher is None else self.watcher.available,
             "agent_error": None if self.watcher is None else self.watcher.last_error,

@@ -6,11 +6,12 @@ import argparse
 import contextlib
 import shlex
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 
-from jupyter_gpufrac import contract
+from jupyter_gpufrac import checkpoint_disk, contract
 from jupyter_gpufrac.kernel import messages, torch_adapter
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
@@ -159,6 +160,7 @@ class GpuMagic:
             lines.append(f"  kept on disk since the last restore: {', '.join(waiting)} "
                          "(`%gpu restore` loads them)")
         lines.append(self._checkpoint_line(s))
+        lines.append(self._disk_line())
         if hook.restore_report:
             lines.append("  last restore:")
             lines += ["    " + x for x in str(hook.restore_report.get("message", "")).splitlines()]
@@ -219,12 +221,24 @@ class GpuMagic:
     def _checkpoint_line(self, s: dict[str, Any]) -> str:
         last = s["last_checkpoint"]
         where = s["checkpoint_dir"]
-        if not last or not last.get("time"):
-            return f"  checkpoint: none yet ({where})"
-        stamp = time.strftime("%H:%M:%S", time.localtime(last["time"]))
-        lost = last.get("lost") or {}
-        count = messages.plural(len(last.get("names") or []), "variable")
-        text = f"  checkpoint: {stamp}, {count} ({where})"
+        state = s.get("checkpoint") or {}
+        writing = state.get("writing")
+        progress = ""
+        if writing:
+            progress = (f"; writing the one after cell [{writing.get('cell')}]: "
+                        f"{messages.fmt_bytes(writing.get('bytes_done') or 0)} of "
+                        f"{messages.fmt_bytes(writing.get('bytes_total') or 0)}")
+        if state.get("error"):
+            progress += f"; the last one failed: {state['error']}"
+        when = state.get("durable_time") or (last or {}).get("time")
+        if not when:
+            return f"  checkpoint: none yet ({where}){progress}"
+        stamp = time.strftime("%H:%M:%S", time.localtime(when))
+        cell = state.get("durable_cell")
+        after = f" after cell [{cell}]" if cell is not None else ""
+        lost = (last or {}).get("lost") or {}
+        count = messages.plural(len((last or {}).get("names") or []), "variable")
+        text = f"  checkpoint: {stamp}{after}, {count}, on disk ({where}){progress}"
         if lost:
             text += f"; not saved: {', '.join(sorted(lost))}"
         return text
@@ -247,6 +261,15 @@ class GpuMagic:
                 f"{messages.fmt_bytes(gpu.get('memory_total'))}{health}{mark}"
             )
         return lines
+
+    def _disk_line(self) -> str:
+        """What this kernel's and all the user's kernels' checkpoints here take on disk."""
+        try:
+            folder = Path(self.hook.env.checkpoint_dir)
+            # stat calls only (a bounded walk): %gpu stays quick however much is on disk.
+            return disk_text(checkpoint_disk.measure(folder.parent), folder.name, time.time())
+        except Exception as exc:  # a line of %gpu, never its failure
+            return f"  checkpoints on disk: not measured ({exc})"
 
     def do_request(self, args: argparse.Namespace) -> None:
         hook = self.hook
@@ -402,3 +425,20 @@ class GpuMagic:
             print("gpufrac: this kernel has no GPU lease.")
             return
         print(f"gpufrac: this kernel runs on {self.hook.gpu_label()}.")
+
+
+def disk_text(usage: checkpoint_disk.Usage, kernel: str, now: float) -> str:
+    """``  checkpoints on disk: 1.2 GiB for this kernel, 3.4 GiB for all your kernels here (2
+    kept from shut-down kernels until 2025-01-02 14:03)``."""
+    mine = usage.of(kernel)
+    at_least = "" if usage.complete else "at least "
+    text = (f"  checkpoints on disk: {at_least}{messages.fmt_bytes(mine.bytes if mine else 0)} "
+            f"for this kernel, {at_least}{messages.fmt_bytes(usage.total)} for all your kernels "
+            f"here")
+    kept = usage.kept(now)
+    if kept:
+        untils = [f.marker.keep_until for f in kept if f.marker and f.marker.keep_until]
+        until = (" until " + time.strftime("%Y-%m-%d %H:%M", time.localtime(max(untils)))
+                 if untils else "")
+        text += f" ({len(kept)} kept from shut-down kernels{until})"
+    return text

@@ -7,7 +7,9 @@ pickle of it in which tensors stand as their storage blob (reused while their ve
 says unchanged), large arrays as a hash of their bytes, pandas arrays protected by copy-on-write
 as their identity, the notebook's classes as a hash of their own fingerprint and empty
 OrderedDicts as a mark beside their identity; a variable whose fingerprint did not change is not
-pickled again.
+pickled again. An object that an imported module holds under a name (``scipy.stats.norm``,
+``logging.root``, ``sys.stdout``) is pickled and fingerprinted as that name (see
+:class:`ModuleObjects`): a restore finds the module's own object again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import enum
 import functools
 import gc
+import importlib
 import io
 import itertools
 import pickle
@@ -66,11 +69,164 @@ def _fp(*args: Any) -> Any:
     raise pickle.UnpicklingError("a gpufrac fingerprint cannot be loaded")
 
 
-_REFS = frozenset({_tensor_ref.__name__, _storage_ref.__name__, _user_ns_ref.__name__})
+def _module_object_ref(*args: Any) -> Any:
+    """Names a module's object in a pickle (see :func:`_tensor_ref`)."""
+    raise pickle.UnpicklingError("a gpufrac module object outside a gpufrac restore")
+
+
+_REFS = frozenset({_tensor_ref.__name__, _storage_ref.__name__, _user_ns_ref.__name__,
+                   _module_object_ref.__name__})
 # Format 2 named tensors, bare storages and the namespace by persistent ids with these tags.
 _V2_TENSOR = "gpufrac.tensor"
 _V2_STORAGE = "gpufrac.storage"
 _V2_USER_NS = ("gpufrac.user_ns",)
+# A list, dict or set a module holds, as a persistent id (pickle asks no reducer_override for
+# those): (tag, module, name, class module, class qualified name).
+_MODULE_OBJECT = "gpufrac.module_object"
+
+
+class ModuleObjectError(pickle.UnpicklingError):
+    """A module's object named by a checkpoint is not there to be found again: its module does
+    not import, no longer has the name, or holds an object of another class under it."""
+
+
+_MISSING = object()
+# Never by reference: what is immutable (a copy is as good), what pickle and cloudpickle already
+# name (classes, functions, modules), and bound methods (their object is met, and named, itself).
+_NOT_NAMED = frozenset({
+    str, bytes, int, float, complex, bool, type(None), tuple, frozenset, range, slice,
+    type(Ellipsis), type(NotImplemented), types.FunctionType, types.BuiltinFunctionType,
+    types.MethodType, types.ModuleType, types.CodeType, property, staticmethod, classmethod,
+    types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
+    types.GetSetDescriptorType, types.MemberDescriptorType,
+})
+# Modules whose globals are the notebook's, or hold its objects: IPython binds the last result
+# to ``builtins._``, the interpreter the last exception to ``sys.last_value``.
+_SKIPPED_MODULES = frozenset({"__main__", "__mp_main__", "builtins"})
+_SKIPPED_NAMES = frozenset({("sys", "last_value"), ("sys", "last_type"),
+                            ("sys", "last_traceback"), ("sys", "last_exc")})
+
+
+def _module_order(name: str) -> tuple[bool, int, int, str]:
+    """Modules in the order their names are preferred: public before private, shallow before
+    deep (``scipy.stats.norm`` rather than ``scipy.stats._continuous_distns.norm``)."""
+    parts = name.split(".")
+    return (any(part.startswith("_") for part in parts), len(parts), len(name), name)
+
+
+class ModuleObjects:
+    """Where imported modules hold each object, by id: ``id -> (module, name)``.
+
+    A value that is, when pickled, the very object an imported module holds under a name (a
+    module's singleton, ``scipy.stats.norm``, ``logging.root``, ``sys.stdout``, ``os.environ``,
+    ``numpy.random.mtrand._rand`` behind ``numpy.random.seed``) is pickled as that name and a
+    restore imports the module and takes its object again: a copy would be another object, with
+    state of its own (``norm``'s generator would no longer be the one ``np.random.seed`` seeds).
+    Only modules in ``sys.modules`` when the checkpoint was taken are named (importing them
+    again at the restore has the effects their first import had), never ``__main__``, the
+    builtins, nor a module cloudpickle is told to pickle by value; a hit is checked against the
+    module's globals when met (``vars(module)[name] is obj``), so an index gone stale (an object
+    rebound, an id reused) costs only the check.
+
+    No copy is kept besides the name: a restore that cannot find the object again (the module
+    fails to import, the name is gone, or holds an object of another class) reports the
+    variable as not restored, with why. A copy would seldom help (its class is most often
+    defined in the very module that failed to import), could not be taken of many such objects
+    (``sys.stdout``), and taking it would cost every checkpoint a pickle of the object's state,
+    which for ``logging.root`` is every logger of the process and for ``norm`` a generator that
+    changes at every draw.
+
+    The index is built from every module's globals (about 20 ms with torch, pandas and scipy
+    loaded) and rebuilt only when modules were imported since: an object bound into an already
+    imported module later is pickled by value until the next import.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[int, int] | None = None
+        self._by_id: dict[int, tuple[str, str]] = {}
+
+    def current(self) -> dict[int, tuple[str, str]]:
+        """The index, rebuilt first if modules were imported (or registered by value) since."""
+        registered = cloudpickle.list_registry_pickle_by_value()
+        key = (len(sys.modules), len(registered))
+        if key != self._key:
+            with self._lock:
+                if key != self._key:
+                    self._by_id = self._build(registered)
+                    self._key = key
+        return self._by_id
+
+    @staticmethod
+    def _build(registered: Collection[str]) -> dict[int, tuple[str, str]]:
+        by_id: dict[int, tuple[str, str]] = {}
+        tensors = _tensor_classes() + _storage_classes()
+        numpy = sys.modules.get("numpy")
+        data = (*tensors, numpy.ndarray) if numpy is not None else tensors
+        for module_name, module in sorted(list(sys.modules.items()), key=lambda i: _module_order(i[0])):
+            if (module_name in _SKIPPED_MODULES or type(module_name) is not str
+                    or not isinstance(module, types.ModuleType)
+                    # A lazy module (importlib.util.LazyLoader) would load on being looked at.
+                    or type(module).__getattribute__ is not types.ModuleType.__getattribute__
+                    or getattr(module, "__spec__", None) is None
+                    or any(module_name == name or module_name.startswith(name + ".")
+                           for name in registered)):
+                continue
+            try:
+                items = list(vars(module).items())
+            except TypeError:
+                continue
+            # Public names first, then those of a leading underscore.
+            for name, value in sorted(items, key=lambda i: str(i[0]).startswith("_")):
+                cls = type(value)  # not isinstance: a lazy module proxy answers __class__
+                if (cls in _NOT_NAMED or type(name) is not str or name.startswith("__")
+                        or issubclass(cls, type) or cls in data
+                        or (module_name, name) in _SKIPPED_NAMES):
+                    continue
+                by_id.setdefault(id(value), (module_name, name))
+        return by_id
+
+
+_MODULE_OBJECTS = ModuleObjects()
+
+
+def _module_object(obj: Any, index: Mapping[int, tuple[str, str]]) -> tuple[str, str, str, str] | None:
+    """(module, name, class module, class qualified name) when ``obj`` is the object the module
+    holds under that name now, else None."""
+    where = index.get(id(obj))
+    if where is None:
+        return None
+    module_name, name = where
+    module = sys.modules.get(module_name)
+    if module is None or vars(module).get(name, _MISSING) is not obj:
+        return None  # rebound since the index was built, or another object on a reused id
+    cls = type(obj)
+    cls_module, cls_name = getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)
+    if not isinstance(cls_module, str) or not isinstance(cls_name, str) or cls_module == "__main__":
+        return None  # an object of the notebook's own class that a module was given
+    return (module_name, name, cls_module, cls_name)
+
+
+def load_module_object(module_name: str, name: str, cls_module: str, cls_name: str) -> Any:
+    """The object ``module_name`` holds under ``name``, importing the module; raises
+    :class:`ModuleObjectError`, saying why, when it is not there or is of another class."""
+    where = f"{module_name}.{name}"
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ModuleObjectError(
+            f"{where}: import {module_name} failed: {type(exc).__name__}: {exc}") from exc
+    value = vars(module).get(name, _MISSING)
+    if value is _MISSING:
+        value = getattr(module, name, _MISSING)
+    if value is _MISSING:
+        raise ModuleObjectError(f"{where}: {module_name} has no {name} any more")
+    cls = type(value)
+    found = (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None))
+    if found != (cls_module, cls_name):
+        raise ModuleObjectError(f"{where} is now a {found[0]}.{found[1]}, "
+                                f"not the {cls_module}.{cls_name} it was")
+    return value
 
 
 @contextlib.contextmanager
@@ -646,8 +802,29 @@ class NamespacePickler(_NamespacePicklerBase):
         self._blobs = blobs
         self._tensor_types = _tensor_classes()
         self._storage_types = _storage_classes()
+        self._module_objects = _MODULE_OBJECTS.current()
+
+    def dump(self, obj: Any) -> None:
+        # A list, dict or set is never shown to reducer_override: one that a module holds is
+        # named by a persistent id, asked of every object pickled, which doubles the time
+        # pickling lists of records takes. So only a group with a variable holding one
+        # (``path = sys.path``) asks it; there, it is named wherever the group holds it
+        # (variables that share it are in its group). Held only inside other values, such
+        # a container stays a copy.
+        index = self._module_objects
+        if type(obj) is dict and any(type(value) in _MUTABLE and id(value) in index
+                                     for value in obj.values()):
+            self.persistent_id = self._module_container
+        super().dump(obj)
+
+    def _module_container(self, obj: Any) -> Any:
+        if type(obj) in _MUTABLE and (named := _module_object(obj, self._module_objects)):
+            return (_MODULE_OBJECT, *named)
+        return None
 
     def reducer_override(self, obj: Any) -> Any:
+        if id(obj) in self._module_objects and (named := _module_object(obj, self._module_objects)):
+            return (_module_object_ref, named)
         cls = type(obj)
         if cls in self._tensor_types and _storable(obj):
             blob, nbytes, device = self._blobs.record_for(obj)
@@ -716,6 +893,7 @@ class FingerprintSession:
         self.user_ns = user_ns
         self.guard = blobs.guard if PandasGuard.active() else None
         self.handlers = _Handlers(self._find_handler)
+        self.module_objects = _MODULE_OBJECTS.current()
         self._tensor_types = _tensor_classes()
         self._storage_types = _storage_classes()
         self._kinds: dict[type, bool | None] = {}
@@ -1019,10 +1197,14 @@ class _Fingerprinter(_NamespacePicklerBase):
         self.dispatch_table = session.dispatch_table
         super().__init__(file, session.user_ns)
         self._handlers = session.handlers
+        self._module_objects = session.module_objects
         self.reductions = 0  # objects that were not built-in containers or atoms
 
     def reducer_override(self, obj: Any) -> Any:
         self.reductions += 1
+        if id(obj) in self._module_objects and (named := _module_object(obj, self._module_objects)):
+            # As the checkpoint pickles it: by its name (its state is its module's).
+            return (_fp, ("module object", *named))
         cls = type(obj)
         if cls is collections.OrderedDict:
             # Here rather than through a handler: a model has a dozen per module (its hooks),
@@ -1221,15 +1403,18 @@ class NamespaceUnpickler(pickle.Unpickler):
             _tensor_ref.__name__: self._load_tensor,
             _storage_ref.__name__: self._load_bare_storage,
             _user_ns_ref.__name__: lambda: self._user_ns,
+            _module_object_ref.__name__: load_module_object,
         }
         self._v2_tensors: dict[int, Any] = {}
         self.moved_to_cpu_bytes = 0
 
     def persistent_load(self, pid: Any) -> Any:
         """Format 2's references: the namespace, bare storages, and tensors numbered per pickle
-        (a tensor met twice is one tensor)."""
+        (a tensor met twice is one tensor); and the lists, dicts and sets of modules."""
         if pid == _V2_USER_NS:
             return self._user_ns
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == _MODULE_OBJECT:
+            return load_module_object(*pid[1:])
         if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == _V2_STORAGE:
             return self._load_bare_storage(*pid[1:])
         if isinstance(pid, tuple) and len(pid) in (12, 13) and pid[0] == _V2_TENSOR:

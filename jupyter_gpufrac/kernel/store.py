@@ -7,12 +7,15 @@ import errno
 import io
 import os
 import stat
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 STATE_FILE = "checkpoint.gfc"
 # When or after which cell the committed state was last found current (JSON, not durable).
@@ -26,6 +29,62 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _SYNC_THREADS = 8  # fsyncs under way at once (see BlobSync)
+WRITE_CHUNK = 8 * 1024 * 1024  # bytes per write call: progress is counted between them
+
+# A test seam: checkpoint writes fail with ENOSPC once this many more bytes have been written
+# (a disk that fills mid-write). Set with inject_enospc_after, or by the environment variable
+# below for a kernel started by a test. None: never.
+ENOSPC_ENV = "GPUFRAC_TEST_ENOSPC_AFTER"
+_fault_lock = threading.Lock()
+_enospc_left: int | None = None
+if os.environ.get(ENOSPC_ENV, "").strip().isdigit():
+    _enospc_left = int(os.environ[ENOSPC_ENV])
+
+
+# Another: each write of a chunk of at least a MiB first sleeps this long (a slow disk, so a
+# test can act while a checkpoint is being written).
+SLOW_ENV = "GPUFRAC_TEST_SLOW_WRITE_S"
+_slow_s = float(os.environ.get(SLOW_ENV, "0") or 0)
+
+
+def inject_enospc_after(nbytes: int | None) -> None:
+    """Make checkpoint writes raise OSError(ENOSPC) after ``nbytes`` more bytes (None: stop)."""
+    global _enospc_left
+    with _fault_lock:
+        _enospc_left = nbytes
+
+
+def _allowance(wanted: int) -> int:
+    """How much of ``wanted`` bytes the disk takes (all of them, unless a fault is injected)."""
+    global _enospc_left
+    if _enospc_left is None:
+        return wanted
+    with _fault_lock:
+        if _enospc_left is None:
+            return wanted
+        took = min(wanted, _enospc_left)
+        _enospc_left -= took
+        return took
+
+
+def write_all(fh: IO[bytes] | io.FileIO, data: memoryview | bytes,
+              progress: Callable[[int], None] | None = None) -> None:
+    """Write all of ``data`` in chunks (``progress`` told of each); every checkpoint write goes
+    through here, so a test can make the disk fill (:func:`inject_enospc_after`)."""
+    view = memoryview(data).cast("B")
+    while view:
+        chunk = view[:WRITE_CHUNK]
+        if _slow_s and len(chunk) >= 1024 * 1024:
+            time.sleep(_slow_s)
+        allowed = _allowance(len(chunk))
+        done = 0
+        while done < allowed:
+            done += fh.write(chunk[done:allowed]) or 0
+        if allowed < len(chunk):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if progress is not None:
+            progress(len(chunk))
+        view = view[len(chunk):]
 
 
 class UnsafeCheckpointError(Exception):
@@ -225,7 +284,7 @@ class CheckpointDir:
                            durable: bool = True) -> None:
         """Replace ``name`` with ``data`` atomically."""
         with self.atomic_writer(name, blob=blob, durable=durable) as fh:
-            fh.write(data)
+            write_all(fh, data)
 
     def overwrite(self, name: str, data: bytes) -> None:
         """Write ``data`` over the start of ``name`` in place (created 0600 if missing): no new
@@ -266,9 +325,7 @@ class CheckpointDir:
         tmp, fh = self.create_tmp()
         try:
             with fh:
-                view = memoryview(data)
-                while view:
-                    view = view[fh.write(view) or 0:]
+                write_all(fh, data)
                 os.fsync(fh.fileno())
             if blobs is not None:
                 blobs.wait()
@@ -309,6 +366,42 @@ class CheckpointDir:
                 os.unlink(_blob_name(name), dir_fd=self.blobs_fd)
 
 
+@dataclass
+class Staged:
+    """A blob's bytes as a snapshot holds them until its writer writes them: a private copy
+    (``data``), or bytes to compress first (``compress``); ``ready`` waits for a copy still
+    under way (a GPU copy ordered on its stream), ``release`` gives the copy's memory back."""
+
+    data: Any
+    nbytes: int
+    compress: bool = False
+    pack: bool = False  # pickles of groups (counted apart from tensors and buffers)
+    ready: Callable[[], None] | None = None
+    release: Callable[[], None] | None = None
+
+
+class StagingDir(CheckpointDir):
+    """Stands for a checkpoint directory while a snapshot is taken: blobs are not written but
+    staged (copied into memory as they are at the cell's end), for a writer thread to write
+    (:mod:`snapshot`). It holds no descriptors: anything that would touch the disk fails."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, -1, -1)
+        self.staged: dict[str, Staged] = {}
+
+    def stage(self, name: str, staged: Staged) -> None:
+        """Hold ``staged`` as blob ``name`` (a later staging of the same name replaces it)."""
+        old = self.staged.get(_blob_name(name))
+        self.staged[name] = staged
+        if old is not None and old.release is not None and old is not staged:
+            old.release()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the staged blobs hold."""
+        return sum(s.nbytes for s in self.staged.values())
+
+
 class BlobSync:
     """fsyncs blobs as they are written, several at once, while the checkpoint goes on: the
     disk writes one blob while the next is pickled and written to memory, and the filesystem
@@ -316,12 +409,19 @@ class BlobSync:
 
     def __init__(self, folder: CheckpointDir) -> None:
         self._folder = folder
+        # While a snapshot is taken nothing is written: a blob's bytes are staged at once, in
+        # the notebook's thread, as they are at the cell's end (see StagingDir).
+        self._staging = isinstance(folder, StagingDir)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
 
     def add(self, name: str, write: Callable[[], None] | None = None) -> None:
         """Start syncing blob ``name``; with ``write``, once ``write()`` has written it, in the
         same thread (the checkpoint goes on meanwhile; :meth:`wait` raises what it raised)."""
+        if self._staging:
+            if write is not None:
+                write()  # stages the bytes: nothing to sync before they are written
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="gpufrac-fsync")
         self._pending.append(self._pool.submit(self._sync, _blob_name(name), write))

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -17,6 +18,8 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Float, Int, List, Unicode, default, validate
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.checkpoint_disk import Usage, measure
+from jupyter_gpufrac.server import retention
 from jupyter_gpufrac.server.agent_link import (
     AgentError,
     AgentLink,
@@ -42,6 +45,8 @@ AGENT_CHECK_TIMEOUT_S = 2.0
 EMBEDDED_RESTART_EVERY_S = 5.0
 RECONNECT_IVL_MS = 10  # a kernel socket's first retry; then doubling, up to:
 RECONNECT_IVL_MAX_MS = 25
+# The REST kernel view measures the checkpoint folder at most this often (a walk of stat calls).
+CHECKPOINT_DISK_CACHE_S = 10.0
 
 
 class GpuFrac(ExtensionApp):
@@ -81,6 +86,22 @@ class GpuFrac(ExtensionApp):
     checkpoint_dir = Unicode(
         help="Directory for kernel checkpoints (one 0700 subdirectory per kernel). "
         "Default: <jupyter data dir>/gpufrac/checkpoints.",
+    ).tag(config=True)
+
+    checkpoint_keep_seconds = Float(
+        86400.0,
+        help="Seconds a kernel's checkpoint is kept after its user shut the kernel down, then "
+        "removed (at a server start, or by the periodic sweep). A server stop or crash marks "
+        "nothing: the checkpoints of the kernels it ran are removed once nothing was written in "
+        "them for this long (and for two checkpoint_sweep_interval), so a notebook reopened "
+        "after a crash can still find its state. 0: removed at the next sweep.",
+    ).tag(config=True)
+
+    checkpoint_sweep_interval = Float(
+        3600.0,
+        help="Seconds between sweeps of the checkpoint folder for expired checkpoints (see "
+        "checkpoint_keep_seconds); each sweep also marks this server's running kernels' folders "
+        "as in use, for other servers of yours sharing the folder. 0: only at server start.",
     ).tag(config=True)
 
     embedded_agent = Bool(
@@ -197,10 +218,13 @@ class GpuFrac(ExtensionApp):
         return value
 
     @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval",
-              "agent_check_interval", "park_after")
+              "agent_check_interval", "park_after", "checkpoint_keep_seconds",
+              "checkpoint_sweep_interval")
     def _validate_seconds(self, proposal: Any) -> float:
         value = float(proposal.value)
-        smallest = 0.0 if proposal.trait.name in ("migrate_grace_period", "park_after") else 0.1
+        smallest = 0.0 if proposal.trait.name in ("migrate_grace_period", "park_after",
+                                                   "checkpoint_keep_seconds",
+                                                   "checkpoint_sweep_interval") else 0.1
         if not value >= smallest or value == float("inf"):
             return self._bad_setting(
                 proposal,
@@ -306,7 +330,9 @@ class GpuFrac(ExtensionApp):
             on_launched=self._kernel_launched,
             agent_command=agent_command(self.agent_socket, self.agent_state_dir),
             config_problems=tuple(self.config_problems),
+            checkpoint_keep_seconds=self.checkpoint_keep_seconds,
         )
+        self._disk: tuple[float, Usage] | None = None
         self.settings["gpufrac_app"] = self
         self.log.info(
             "gpufrac: agent socket %s, checkpoints in %s, client %s",
@@ -335,6 +361,7 @@ class GpuFrac(ExtensionApp):
         self._spawn(self.listener.run())
         self._spawn(self._watch_leases())
         self._spawn(self._watch_agent())
+        self._spawn(self._sweep_checkpoints_forever())
 
     async def agent_ready(self, kernel_id: str) -> None:
         """Wait until the server has found (or started) its agent; not past its deadline."""
@@ -380,6 +407,9 @@ class GpuFrac(ExtensionApp):
         """Stop listening; stop the embedded agent (after giving back our kernels' leases)."""
         if getattr(self, "kernel_settings", None) is None:
             return
+        # The server shuts its kernels down next: not their users' doing, so their checkpoints
+        # are not marked (they expire like a crashed server's, by their last write).
+        self.kernel_settings.server_stopping = True
         if self.listener is not None:
             await self.listener.stop()
         if self.spares is not None:
@@ -399,6 +429,44 @@ class GpuFrac(ExtensionApp):
                         self.log.info("gpufrac: lease %s not released: %s", lease["id"], err)
             await self.embedded.stop()
             self.embedded = None
+
+    # -- checkpoints on disk -----------------------------------------------------------
+
+    async def _sweep_checkpoints_forever(self) -> None:
+        """Remove expired checkpoints at start, then every checkpoint_sweep_interval."""
+        while True:
+            await self.sweep_checkpoints()
+            if not self.checkpoint_sweep_interval:
+                return
+            await asyncio.sleep(self.checkpoint_sweep_interval)
+
+    async def sweep_checkpoints(self) -> list[retention.Removed]:
+        """One sweep of the checkpoint folder, its I/O off the event loop; never raises."""
+        km = self.kernels.kernel_manager
+        running = set(km.list_kernel_ids()) if km is not None else set()
+        try:
+            removed = await asyncio.to_thread(
+                retention.sweep, self.checkpoint_dir, self.checkpoint_keep_seconds, running,
+                2 * self.checkpoint_sweep_interval, self.log)
+        except Exception:  # a sweep must never stop the server or the next sweep
+            self.log.exception("gpufrac: the checkpoint sweep of %s failed", self.checkpoint_dir)
+            return []
+        if removed:
+            self._disk = None
+        return removed
+
+    async def checkpoint_disk(self, kernel_id: str) -> dict[str, Any] | None:
+        """The REST model's ``checkpoint_disk`` for ``kernel_id``; None when it cannot be said."""
+        now = time.time()
+        cached = self._disk
+        if cached is None or now - cached[0] >= CHECKPOINT_DISK_CACHE_S:
+            try:
+                usage = await asyncio.to_thread(measure, Path(self.checkpoint_dir))
+            except OSError as err:
+                self.log.info("gpufrac: measuring %s: %s", self.checkpoint_dir, err)
+                return None
+            cached = self._disk = (now, usage)
+        return cached[1].model(kernel_id, now)
 
     # -- following kernels -------------------------------------------------------------
 

@@ -87,6 +87,7 @@ class KernelHandler(GpuFracHandler):
         self.write_json(kernel_model(
             kernel_id, kernel, gpu, lease, app.events.events(kernel_id),
             agent_error=agent_error, notebook=await self._notebook(kernel_id),
+            checkpoint_disk=await app.checkpoint_disk(kernel_id),
         ))
 
     async def _notebook(self, kernel_id: str) -> str | None:

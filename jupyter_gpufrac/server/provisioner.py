@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import os
@@ -12,6 +13,7 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.checkpoint_disk import clear_marker
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import (
     build_kernel_env,
@@ -19,6 +21,7 @@ from jupyter_gpufrac.server.launch import (
     kernel_arguments,
     kernel_checkpoint_dir,
 )
+from jupyter_gpufrac.server.retention import mark_shut_down
 from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
 from jupyter_gpufrac.server.spares import SpareKey, SparePool
 
@@ -111,6 +114,8 @@ class GpuFracProvisioner(LocalProvisioner):
         argv = list(getattr(spec, "argv", []) or [])
         load_ext = is_ipykernel(argv, str(getattr(spec, "language", "") or ""))
         checkpoint_dir = kernel_checkpoint_dir(settings.checkpoint_root, kernel_id)
+        # A kernel launched under this id is not shut down (whatever marked it before).
+        clear_marker(pathlib.Path(checkpoint_dir))
         kwargs["extra_arguments"] = kernel_arguments(kwargs.get("extra_arguments"), load_ext)
         kwargs["env"] = build_kernel_env(
             kwargs.get("env") or os.environ,
@@ -209,9 +214,16 @@ class GpuFracProvisioner(LocalProvisioner):
     # -- shutdown ----------------------------------------------------------------------
 
     async def cleanup(self, restart: bool = False) -> None:
-        """At shutdown (not restart) give the lease back."""
+        """At shutdown (not restart) give the lease back, and mark the checkpoint as its
+        user's to drop after ``checkpoint_keep_seconds`` (not at a server stop: see
+        :func:`~jupyter_gpufrac.server.retention.sweep`)."""
         if not restart:
             await self.gpu.close()
+            settings = self.settings()
+            if not settings.server_stopping:
+                await asyncio.to_thread(mark_shut_down, settings.checkpoint_root,
+                                        str(self.kernel_id), settings.checkpoint_keep_seconds,
+                                        self.log)
         await super().cleanup(restart=restart)
 
 

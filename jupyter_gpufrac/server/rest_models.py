@@ -90,6 +90,7 @@ def kernel_model(
     *,
     agent_error: str | None = None,
     notebook: str | None = None,
+    checkpoint_disk: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/kernels/<kernel_id>``."""
     state, reason, deadline = kernel_state(kernel, gpu, lease, events, agent_error=agent_error)
@@ -116,6 +117,8 @@ def kernel_model(
         "lease": lease,
         # Where request and limit came from (None: the lease predates this server process).
         "share_source": gpu.share_source if gpu is not None else None,
+        # What this kernel's and all the user's kernels' checkpoints take on disk.
+        "checkpoint_disk": checkpoint_disk,
         "events": events,
     }
 

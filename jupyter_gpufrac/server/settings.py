@@ -32,6 +32,10 @@ class KernelSettings:
     agent_command: str = "gpufrac-agent serve"
     # Bad c.GpuFrac settings: while there are any, kernels start without a GPU lease.
     config_problems: tuple[str, ...] = ()
+    # How long a kernel's checkpoint is kept after its user shut it down (c.GpuFrac).
+    checkpoint_keep_seconds: float = 86400.0
+    # Set as the server stops: the kernels it shuts down then were not shut down by their users.
+    server_stopping: bool = False
 
     @property
     def remembered_request_path(self) -> str:

@@ -63,6 +63,9 @@ CONFIG = (
 )
 
 
+# Waits in the kernel for the checkpoints written in the background (prints nothing).
+WRITTEN = "__import__('jupyter_gpufrac.kernel', fromlist=['x'])._hook.checkpointer.flush(120)"
+
 class Node(NamedTuple):
     """The agent, the server, and the kubelet the agent follows (as on Kubernetes); whether
     the agent freezes (a park and a reclaim keep the process) or restarts kernels."""
@@ -253,8 +256,14 @@ class Sequence:
         assert self.status()["gpu"]["uuid"] != source
         self.settle_share()
 
+    def checkpoint_written(self) -> None:
+        """Wait until the subject's checkpoints are on disk: they are written in the background,
+        and a kill right after a cell restores the one before it (said, not silent)."""
+        self.subject.ok(WRITTEN)
+
     def do_oom_kill(self) -> None:
         self.both(BURST)
+        self.checkpoint_written()
         since = time.time()
         # A job packed beside the subject is owed its request: the subject's loan is reclaimed.
         owner = self.job_lease("0.65")
@@ -293,6 +302,7 @@ class Sequence:
     def do_kernel_sigkill(self) -> None:
         pid = int(self.subject.ok("import os\nprint(os.getpid())").split()[-1])
         self.reference.ok("import os\nprint(os.getpid())")
+        self.checkpoint_written()
         since = time.time()
         os.kill(pid, signal.SIGKILL)
         event = self.wait_restored("a SIGKILL of the kernel", since, "restored")

@@ -103,6 +103,17 @@ class Kernel:
         return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 
 
+WRITTEN = ("__import__('jupyter_gpufrac.kernel', fromlist=['x'])._hook"
+           ".checkpointer.flush({timeout})")
+
+
+def wait_written(kernel: Kernel, timeout: float = 60.0) -> None:
+    """Wait until the checkpoints the kernel took after its cells are on disk (they are written
+    in the background: a kill right after a cell restores the one before it)."""
+    out = kernel.run(WRITTEN.format(timeout=timeout), timeout=timeout + 10, silent=True)
+    assert out.status == "ok", out.text
+
+
 def kernel_env(extra: Mapping[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFRAC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -1,0 +1,197 @@
+"""What kernels' checkpoints take on disk, and the marker a shut-down kernel's folder carries."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jupyter_gpufrac.kernel import store
+
+# Written by the server into the folder of a kernel its user shut down (not at a restart, not
+# at a server stop): from then the folder is kept for c.GpuFrac.checkpoint_keep_seconds.
+SHUTDOWN_MARKER = "shutdown.json"
+# A checkpoint folder is two levels deep (blobs/); deeper is not ours and not followed.
+MAX_DEPTH = 8
+# A measure stops after this many entries (then it says "at least"): %gpu must stay cheap.
+MAX_ENTRIES = 200_000
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# The root is the configured path: it may be a link (like its parents), what is in it may not.
+ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Marker:
+    """When a kernel was shut down, and until when its server meant to keep its checkpoint."""
+
+    time: float
+    keep_until: float | None = None
+
+
+def _is_own_dir(st: os.stat_result) -> bool:
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def write_marker(folder: Path, when: float, keep_until: float) -> bool:
+    """Mark ``folder`` as its kernel's user shut it down; False when there is no such folder.
+
+    Written atomically through the folder's descriptor by the checkpoint store (a link or a
+    folder that is not ours alone is refused with ``UnsafeCheckpointError``).
+    """
+    try:
+        if not _is_own_dir(os.lstat(folder)):
+            return False
+    except FileNotFoundError:
+        return False  # never launched: nothing to keep
+    data = json.dumps({"time": when, "keep_until": keep_until}).encode()
+    store.write_file(Path(folder), SHUTDOWN_MARKER, data)
+    return True
+
+
+def clear_marker(folder: Path) -> None:
+    """Take the marker away (its kernel is launched again); nothing happens if there is none."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        fd = os.open(folder, DIR_FLAGS)
+        try:
+            os.unlink(SHUTDOWN_MARKER, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+
+def read_marker(folder: Path) -> Marker | None:
+    """The folder's shutdown marker, or None (none, unreadable, a link, not ours, malformed)."""
+    try:
+        data = json.loads(store.read_file(Path(folder), SHUTDOWN_MARKER))
+    except (OSError, ValueError, store.UnsafeCheckpointError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    when, until = data.get("time"), data.get("keep_until")
+    if not isinstance(when, int | float) or isinstance(when, bool):
+        return None
+    if not isinstance(until, int | float) or isinstance(until, bool):
+        until = None
+    return Marker(float(when), None if until is None else float(until))
+
+
+@dataclass
+class Tree:
+    """What a folder holds: bytes on disk (allocated blocks), its newest write, entries seen."""
+
+    bytes: int = 0
+    last_write: float = 0.0
+    entries: int = 0
+    complete: bool = True
+
+
+def walk(dir_fd: int, tree: Tree, depth: int = 0, limit: int = MAX_ENTRIES) -> Tree:
+    """Add what the open directory ``dir_fd`` holds to ``tree``: stat only, links not followed,
+    nothing read."""
+    tree.last_write = max(tree.last_write, os.fstat(dir_fd).st_mtime)
+    for name in os.listdir(dir_fd):
+        if tree.entries >= limit:
+            tree.complete = False
+            return tree
+        tree.entries += 1
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile (a checkpoint's temporary)
+        tree.bytes += st.st_blocks * 512
+        tree.last_write = max(tree.last_write, st.st_mtime)
+        if stat.S_ISDIR(st.st_mode):
+            if depth >= MAX_DEPTH:
+                tree.complete = False
+                continue
+            with _opened(name, dir_fd) as sub:
+                if sub is not None:
+                    walk(sub, tree, depth + 1, limit)
+    return tree
+
+
+@contextlib.contextmanager
+def _opened(name: str | Path, dir_fd: int | None, flags: int = DIR_FLAGS) -> Iterator[int | None]:
+    """``name`` opened as a directory without following a link, or None when it cannot be."""
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError:  # gone, a link, not a directory, not ours to read
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Folder:
+    """One kernel's checkpoint folder under the root."""
+
+    name: str
+    bytes: int
+    last_write: float
+    marker: Marker | None
+
+
+@dataclass
+class Usage:
+    """Every kernel folder of the root that is the user's own."""
+
+    folders: list[Folder] = field(default_factory=list)
+    complete: bool = True
+
+    @property
+    def total(self) -> int:
+        return sum(folder.bytes for folder in self.folders)
+
+    def of(self, name: str) -> Folder | None:
+        return next((folder for folder in self.folders if folder.name == name), None)
+
+    def kept(self, now: float) -> list[Folder]:
+        """Folders of kernels shut down by their user and still kept."""
+        return [folder for folder in self.folders if folder.marker is not None
+                and (folder.marker.keep_until is None or folder.marker.keep_until > now)]
+
+    def model(self, kernel: str | None, now: float) -> dict[str, object]:
+        """The REST model's ``checkpoint_disk`` (docs/server-api.md)."""
+        mine = self.of(kernel) if kernel is not None else None
+        kept = self.kept(now)
+        untils = [f.marker.keep_until for f in kept if f.marker and f.marker.keep_until]
+        return {
+            "kernel_bytes": None if mine is None else mine.bytes,
+            "all_bytes": self.total,
+            "folders": len(self.folders),
+            "kept_after_shutdown": len(kept),
+            "kept_until": max(untils) if untils else None,
+            "complete": self.complete,
+        }
+
+
+def measure(root: Path, limit: int = MAX_ENTRIES) -> Usage:
+    """What each kernel folder under ``root`` takes on disk (an absent root: nothing)."""
+    usage = Usage()
+    with _opened(root, None, ROOT_FLAGS) as root_fd:
+        if root_fd is None or os.fstat(root_fd).st_uid != os.geteuid():
+            return usage
+        entries = 0
+        for name in sorted(os.listdir(root_fd)):
+            try:
+                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not _is_own_dir(st):
+                continue  # files (the remembered request), links, other users' folders
+            with _opened(name, root_fd) as fd:
+                if fd is None:
+                    continue
+                tree = walk(fd, Tree(bytes=st.st_blocks * 512), limit=max(limit - entries, 0))
+            entries += tree.entries
+            usage.complete = usage.complete and tree.complete
+            usage.folders.append(Folder(name, tree.bytes, tree.last_write,
+                                        read_marker(Path(root) / name)))
+    return usage

@@ -1,0 +1,197 @@
+"""Checkpoints of kernels that are gone: marked at shutdown, kept a while, then removed."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from jupyter_gpufrac import contract
+from jupyter_gpufrac.checkpoint_disk import (
+    DIR_FLAGS,
+    MAX_DEPTH,
+    ROOT_FLAGS,
+    Marker,
+    read_marker,
+    write_marker,
+)
+from jupyter_gpufrac.kernel.store import UnsafeCheckpointError
+from node_agent.quantities import format_bytes
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A kernel folder the sweep removed, and the bytes on disk that gave back."""
+
+    name: str
+    freed: int
+    why: str
+
+
+def mark_shut_down(root: str, kernel_id: str, keep_s: float, log: logging.Logger,
+                   now: float | None = None) -> None:
+    """The user shut kernel ``kernel_id`` down: its checkpoint is kept ``keep_s`` from now."""
+    now = time.time() if now is None else now
+    folder = Path(root) / kernel_id
+    try:
+        if write_marker(folder, now, now + keep_s):
+            log.info("kernel %s: shut down; its checkpoint in %s is kept until %s", kernel_id,
+                     folder, time.strftime("%Y-%m-%d %H:%M", time.localtime(now + keep_s)))
+    except (OSError, UnsafeCheckpointError) as err:
+        log.warning("kernel %s: could not mark its checkpoint as shut down: %s", kernel_id, err)
+
+
+def touch(root_fd: int, name: str) -> None:
+    """Say the kernel of folder ``name`` still runs (its mtime is the orphan clock)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(name, DIR_FLAGS, dir_fd=root_fd)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
+
+
+def _listening(folder_fd: int) -> bool:
+    """Whether a kernel listens on the wake socket in the folder: it runs, under this server or
+    another one sharing the data folder. Uncertain answers count as yes (keep)."""
+    try:
+        st = os.stat(contract.WAKE_SOCKET, dir_fd=folder_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        return False
+    # Through the folder's descriptor: the name is not looked up again, and any path length fits.
+    address = f"/proc/self/fd/{folder_fd}/{contract.WAKE_SOCKET}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)  # nothing is sent: the kernel is not woken
+        except OSError as err:
+            return err.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    return True
+
+
+def _newest_write(folder_fd: int) -> float:
+    """The newest mtime of the folder and what it holds directly (a kernel writes there)."""
+    newest = os.fstat(folder_fd).st_mtime
+    for name in os.listdir(folder_fd):
+        with contextlib.suppress(FileNotFoundError):
+            newest = max(newest, os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mtime)
+    return newest
+
+
+def remove_tree(parent_fd: int, name: str, depth: int = 0) -> int:
+    """Remove directory ``name`` of ``parent_fd`` and everything in it through descriptors,
+    never following a link (a link is unlinked, its target left alone); the bytes freed."""
+    freed = 0
+    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        for entry in os.listdir(fd):
+            try:
+                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if depth >= MAX_DEPTH:
+                    raise OSError(errno.ELOOP, "too deep", entry)
+                freed += remove_tree(fd, entry, depth + 1)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry, dir_fd=fd)
+                if st.st_nlink <= 1:  # a hard link's blocks stay with the other name
+                    freed += st.st_blocks * 512
+        freed += os.fstat(fd).st_blocks * 512
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+    return freed
+
+
+def _expired(marker: Marker | None, last_write: float, now: float, keep_s: float,
+             orphan_after_s: float) -> str | None:
+    """Why the folder may go, or None."""
+    if marker is not None:
+        if now - marker.time >= keep_s:
+            return "shut down at " + time.strftime("%Y-%m-%d %H:%M", time.localtime(marker.time))
+        return None
+    if now - last_write >= max(keep_s, orphan_after_s):
+        return ("no kernel uses it; last written "
+                + time.strftime("%Y-%m-%d %H:%M", time.localtime(last_write)))
+    return None
+
+
+def sweep(root: str, keep_s: float, running: Collection[str], orphan_after_s: float,
+          log: logging.Logger, now: float | None = None) -> list[Removed]:
+    """Remove the expired kernel folders under ``root``; touch those of ``running`` kernels.
+
+    A folder goes when its kernel was shut down ``keep_s`` ago (the marker says when), or,
+    without a marker, when nothing was written in it for ``max(keep_s, orphan_after_s)``. Never
+    a folder of a kernel in ``running`` (this server's) nor one whose wake socket answers (a
+    kernel of another server of this user sharing the folder), never a link, never another
+    user's folder.
+    """
+    now = time.time() if now is None else now
+    removed: list[Removed] = []
+    try:
+        # The root is the configured path, a link or not (like its parents); inside it nothing
+        # is followed.
+        root_fd = os.open(root, ROOT_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    try:
+        root_st = os.fstat(root_fd)
+        if root_st.st_uid != os.geteuid():
+            log.warning("gpufrac: checkpoint folder %s is not yours (uid %s): nothing removed",
+                        root, root_st.st_uid)
+            return removed
+        for name in sorted(os.listdir(root_fd)):
+            if name in running:
+                touch(root_fd, name)
+                continue
+            done = _sweep_one(root, root_fd, name, keep_s, orphan_after_s, now, log)
+            if done is not None:
+                removed.append(done)
+    finally:
+        os.close(root_fd)
+    if removed:
+        log.info("gpufrac: removed %d expired checkpoint folders from %s, freeing %s",
+                 len(removed), root, format_bytes(sum(r.freed for r in removed)))
+    return removed
+
+
+def _sweep_one(root: str, root_fd: int, name: str, keep_s: float, orphan_after_s: float,
+               now: float, log: logging.Logger) -> Removed | None:
+    try:
+        st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return None  # a file (the remembered request), a link, another user's folder
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return None  # replaced by a link since, or gone
+    try:
+        # Checked on the descriptor: what is judged is what is removed.
+        if os.fstat(fd).st_ino != st.st_ino or _listening(fd):
+            return None
+        why = _expired(read_marker(Path(root) / name), _newest_write(fd), now, keep_s,
+                       orphan_after_s)
+    finally:
+        os.close(fd)
+    if why is None:
+        return None
+    try:
+        freed = remove_tree(root_fd, name)
+    except OSError as err:
+        log.warning("gpufrac: could not remove expired checkpoint %s: %s", Path(root) / name, err)
+        return None
+    log.info("gpufrac: removed the checkpoint of kernel %s (%s), freeing %s", name, why,
+             format_bytes(freed))
+    return Removed(name, freed, why)
