@@ -42,10 +42,15 @@ REACHABLE_GPUS = "GPUFRAC_REACHABLE_GPUS"
 
 # Set anew by every launch and removed from the inherited environment first, so that a
 # value from an earlier launch (a restore flag, an old GPU) never leaks into the next one.
+# Set when the kernel must not checkpoint (its folder is not the user's alone): why, for people.
+NO_CHECKPOINTS = "GPUFRAC_NO_CHECKPOINTS"
+# The generation of the newest checkpoint of this kernel the server saw (an integer).
+CHECKPOINT_GENERATION = "GPUFRAC_CHECKPOINT_GENERATION"
+
 LAUNCH_VARIABLES = (
     LEASE_ID, KERNEL_ID, REQUEST, LIMIT, GPU_UUID, GPU_INDEX, GPU_NAME, GPU_TOTAL, CONTEXT,
     SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, PARKED, SHARE_SOURCE, REMEMBERED_REQUEST,
-    *FRAMEWORK_CAPS,
+    NO_CHECKPOINTS, CHECKPOINT_GENERATION, *FRAMEWORK_CAPS,
 )
 
 # The IPython extension the kernel loads.

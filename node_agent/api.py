@@ -13,10 +13,10 @@ import resource
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from tornado import httpserver, ioloop, iostream, netutil, web
+from tornado import httpserver, httputil, ioloop, iostream, netutil, web
 
 from node_agent import policy
 from node_agent.metrics import render_metrics
@@ -48,6 +48,10 @@ MAX_GPUS = 64
 # How long an unpark waits for a thaw before it answers `thawing` (the kernel then polls).
 THAW_ANSWER_S = 5.0
 MAX_TEXT = 200
+# Bytes fit a signed 64-bit integer (SQLite's, Prometheus's float keeps them finite).
+MAX_BYTES = 2**63 - 1
+# pid_t is a signed 32-bit integer.
+MAX_PID = 2**31 - 1
 # A checkpoint longer than a day is a clock gone wrong, not a checkpoint.
 MAX_OBSERVED_SECONDS = 86400.0
 # A lease id in a path, as the agent makes them (l-3f9a0c1b2d4e), with room to spare.
@@ -68,8 +72,11 @@ class ApiError(Exception):
 _STATUS: dict[type[Refused], int] = {NotYours: 403, NotFound: 404, Conflict: 409, OverQuota: 429}
 
 
-def _field(body: dict[str, Any], name: str, kind: type, default: Any = None, *,
-           required: bool = False, expected: str = "") -> Any:
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None, *,
+           required: bool = False, expected: str = "", low: float | None = None,
+           high: float | None = None) -> Any:
+    """``body[name]`` if it is a ``kind`` (numbers: within ``low``..``high``), else a 400
+    naming the field and what was expected."""
     value = body.get(name)
     if value is None:
         if required:
@@ -77,8 +84,20 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any = None, *,
         return default
     # bool is an int to Python, never to a client.
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ApiError(400, name, f"expected {expected}, got {value!r}")
+        raise ApiError(400, name, f"expected {expected}, got {_shown(value)}")
+    # Every number is bounded: one absurd figure stored would break node-wide views.
+    if isinstance(value, int | float) and not isinstance(value, bool) and (
+            (isinstance(value, float) and not math.isfinite(value))
+            or (low is not None and value < low) or (high is not None and value > high)):
+        raise ApiError(400, name, f"expected {expected}, got {_shown(value)}")
     return value
+
+
+def _shown(value: Any) -> str:
+    # A 10**400 would take a page (and Python refuses to print past 4300 digits).
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_BYTES:
+        return "an integer below -2^63" if value < 0 else "an integer above 2^63-1"
+    return reprlib.repr(value)
 
 
 def _reject_unknown(body: dict[str, Any], allowed: Iterable[str]) -> None:
@@ -126,7 +145,8 @@ def parse_create_lease(body: dict[str, Any]) -> CreateLease:
     name = _field(body, "name", str, "", expected="a string")
     if len(name) > MAX_TEXT:
         raise ApiError(400, "name", f"expected at most {MAX_TEXT} characters")
-    devices = _field(body, "devices", int, 1, expected="a whole number of GPUs")
+    devices = _field(body, "devices", int, 1, expected=f"a whole number of GPUs, 1 to {MAX_GPUS}",
+                     low=1, high=MAX_GPUS)
     # A job takes a whole GPU unless it says otherwise; a notebook must say.
     request = _quantity(body, "request") or (
         Quantity(fraction=1.0) if kind == policy.JOB else None
@@ -168,7 +188,8 @@ def parse_resize(body: dict[str, Any]) -> Resize:
 def parse_pid(body: dict[str, Any]) -> int:
     """``POST /v1/leases/<id>/pids``."""
     _reject_unknown(body, ("pid",))
-    pid: int = _field(body, "pid", int, required=True, expected="a process id")
+    pid: int = _field(body, "pid", int, required=True,
+                      expected=f"a process id, 1 to {MAX_PID}", low=1, high=MAX_PID)
     return pid
 
 
@@ -200,25 +221,21 @@ def parse_observation(body: dict[str, Any]) -> Observation:
         raise ApiError(400, "kind", f'expected "checkpoint" or "offload", got {kind!r}')
     sizes = {}
     for name in ("bytes", "written_bytes"):
-        value = _field(body, name, int, 0, required=name == "bytes",
-                       expected="a number of bytes, an integer >= 0")
-        if value < 0:
-            raise ApiError(400, name, f"expected an integer >= 0, got {value}")
-        sizes[name] = value
-    seconds = body.get("seconds", 0.0)
-    if (isinstance(seconds, bool) or not isinstance(seconds, int | float)
-            or not (math.isfinite(seconds) and 0 <= seconds <= MAX_OBSERVED_SECONDS)):
-        raise ApiError(400, "seconds", f"expected 0 to {MAX_OBSERVED_SECONDS:g} seconds, "
-                                       f"got {seconds!r}")
+        sizes[name] = _field(body, name, int, 0, required=name == "bytes",
+                             expected="a number of bytes, an integer >= 0 (at most 2^63-1)",
+                             low=0, high=MAX_BYTES)
+    seconds = _field(body, "seconds", (int, float), 0.0,
+                     expected=f"0 to {MAX_OBSERVED_SECONDS:g} seconds", low=0,
+                     high=MAX_OBSERVED_SECONDS)
     return Observation(kind, why, sizes["bytes"], sizes["written_bytes"], float(seconds))
 
 
 def parse_usage(body: dict[str, Any]) -> int:
     """``POST /v1/leases/<id>/usage``: bytes in use."""
     _reject_unknown(body, ("bytes",))
-    used: int = _field(body, "bytes", int, required=True, expected="bytes in use, an integer >= 0")
-    if used < 0:
-        raise ApiError(400, "bytes", f"expected an integer >= 0, got {used}")
+    used: int = _field(body, "bytes", int, required=True,
+                       expected="bytes in use, an integer >= 0 (at most 2^63-1)", low=0,
+                       high=MAX_BYTES)
     return used
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -520,27 +537,54 @@ MAX_HEADERS = 16 * 1024
 REQUEST_TIMEOUT = 10.0
 # Connections one uid may hold at once (root is not counted: it runs the system's servers).
 CONNECTIONS_PER_USER = 256
+# TCP connections one peer address may hold, and all of them together; counted before a token
+# is read, since a connection costs a descriptor whether or not it ever sends one.
+TCP_CONNECTIONS_PER_PEER = 64
+TCP_CONNECTIONS = 256
+# Request bodies being read, all connections together, and one caller's (uid's, or TCP peer's)
+# share of that: past them a new body is answered 503 before any of it is read.
+BODY_BUFFER = 16 * 1024 * 1024
+BODY_BUFFER_PER_CALLER = 4 * 1024 * 1024
 BACKLOG = 4096
 
 
 class AgentServer(httpserver.HTTPServer):
-    """Tornado's HTTP server with the Unix-socket hygiene the agent needs: a per-uid connection
-    limit, and an accept loop that backs off at the descriptor limit instead of spinning."""
+    """Tornado's HTTP server with the hygiene the agent needs: connection limits per uid (Unix
+    socket) and per peer address (TCP), a bound on request bodies buffered at once, and an
+    accept loop that backs off at the descriptor limit instead of spinning."""
 
     def initialize(self, *args: Any, connections_per_user: int = CONNECTIONS_PER_USER,
-                   **kwargs: Any) -> None:
+                   tcp_per_peer: int = TCP_CONNECTIONS_PER_PEER,
+                   tcp_connections: int = TCP_CONNECTIONS, body_buffer: int = BODY_BUFFER,
+                   body_buffer_per_caller: int = BODY_BUFFER_PER_CALLER, **kwargs: Any) -> None:
         super().initialize(*args, **kwargs)
         self._per_user = connections_per_user
-        self._open: dict[int, int] = {}
-        self._uid_of: dict[int, int] = {}  # id(stream) -> uid
-        self._stop_accepting: list[Callable[[], None]] = []
+        self._tcp_per_peer = tcp_per_peer
+        self._tcp_total = tcp_connections
+        self._tcp_open = 0
+        # Keyed by uid (Unix socket) or by peer address, a str (TCP): they never collide.
+        self._open: dict[int | str, int] = {}
+        self._key_of: dict[int, int | str] = {}  # id(stream) -> its key
+        self._body_total = body_buffer
+        self._body_per_caller = body_buffer_per_caller
+        self._buffering = 0
+        self._buffering_of: dict[int | str, int] = {}
         self._last_warning = 0.0
 
-    def add_unix_socket(self, sock: socket.socket) -> None:
+    def add_sockets(self, sockets: Iterable[socket.socket]) -> None:
+        """Serve on listening sockets, Unix or TCP (``listen`` and ``bind`` come here too): one
+        accept loop for all, which pauses at the descriptor limit where Tornado's would spin."""
         loop = ioloop.IOLoop.current()
+        for sock in sockets:
+            self._add_socket(loop, sock)
 
+    def add_unix_socket(self, sock: socket.socket) -> None:
+        self.add_sockets([sock])
+
+    def _add_socket(self, loop: ioloop.IOLoop, sock: socket.socket) -> None:
         def resume() -> None:
-            loop.add_handler(sock, accept, ioloop.IOLoop.READ)
+            if not self._stopped:
+                loop.add_handler(sock, accept, ioloop.IOLoop.READ)
 
         def accept(_fd: Any, _events: int) -> None:
             for _ in range(BACKLOG):
@@ -561,44 +605,75 @@ class AgentServer(httpserver.HTTPServer):
                     return
                 self._handle_connection(conn, address)
 
+        # TCPServer.stop removes the handler (a no-op while paused) and closes the socket.
+        self._sockets[sock.fileno()] = sock
+        self._handlers[sock.fileno()] = lambda: loop.remove_handler(sock)
         loop.add_handler(sock, accept, ioloop.IOLoop.READ)
-        self._stop_accepting.append(lambda: loop.remove_handler(sock))
-
-    def stop(self) -> None:
-        for stop in self._stop_accepting:
-            stop()
-        self._stop_accepting.clear()
-        super().stop()
 
     def handle_stream(self, stream: iostream.IOStream, address: Any) -> None:
         sock = stream.socket
-        uid = -1
+        key: int | str
         if sock.family == socket.AF_UNIX:
             stream.gpufrac_peer = peer_credentials(sock)  # type: ignore[attr-defined]
-            uid = stream.gpufrac_peer[1]  # type: ignore[attr-defined]
-        if uid > 0 and self._open.get(uid, 0) >= self._per_user:
-            self._warn("uid %d holds %d connections, the limit; refusing one", uid, self._per_user)
-            body = json.dumps({"error": {"field": None, "message": (
-                f"too many connections from uid {uid} (at most {self._per_user} at once); "
-                "close some and try again")}}).encode()
-            written = stream.write(
-                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
-                + b"\r\n\r\n" + body)
-            written.add_done_callback(lambda done: _close(stream, done))
+            uid: int = stream.gpufrac_peer[1]  # type: ignore[attr-defined]
+            key, limit, who = uid, self._per_user if uid > 0 else 0, f"uid {uid}"
+        else:
+            # By address, before any token is read: a peer without one costs descriptors too.
+            key = str(address[0] if isinstance(address, tuple) else address)
+            limit = self._tcp_per_peer
+            who = key
+            if self._tcp_open >= self._tcp_total:
+                self._warn("%d TCP connections, the limit; refusing one from %s", self._tcp_open, who)
+                _refuse(stream, f"too many TCP connections (at most {self._tcp_total} at once); "
+                                "try again later")
+                return
+        if limit and self._open.get(key, 0) >= limit:
+            self._warn("%s holds %d connections, the limit; refusing one", who, limit)
+            _refuse(stream, f"too many connections from {who} (at most {limit} at once); "
+                            "close some and try again")
             return
-        self._open[uid] = self._open.get(uid, 0) + 1
-        self._uid_of[id(stream)] = uid
+        self._open[key] = self._open.get(key, 0) + 1
+        self._key_of[id(stream)] = key
+        if isinstance(key, str):
+            self._tcp_open += 1
         super().handle_stream(stream, address)
 
     def on_close(self, server_conn: object) -> None:
         stream = getattr(server_conn, "stream", None)
-        uid = self._uid_of.pop(id(stream), None)
-        if uid is not None:
-            self._open[uid] -= 1
-            if not self._open[uid]:
-                del self._open[uid]
+        key = self._key_of.pop(id(stream), None)
+        if key is not None:
+            self._open[key] -= 1
+            if not self._open[key]:
+                del self._open[key]
+            if isinstance(key, str):
+                self._tcp_open -= 1
         super().on_close(server_conn)
+
+    def start_request(self, server_conn: object, request_conn: httputil.HTTPConnection
+                      ) -> httputil.HTTPMessageDelegate:
+        inner = super().start_request(server_conn, request_conn)
+        key = self._key_of.get(id(getattr(request_conn, "stream", None)), "")
+        return _BoundedBody(self, key, inner, request_conn)
+
+    def reserve_body(self, key: int | str, size: int) -> bool:
+        """Count ``size`` bytes of a body about to be read against the bounds; False: over them."""
+        mine = self._buffering_of.get(key, 0)
+        if size and (self._buffering + size > self._body_total
+                     or mine + size > self._body_per_caller):
+            self._warn("%d bytes of request bodies being read (%d from one caller); refusing one "
+                       "of %d", self._buffering, mine, size)
+            return False
+        self._buffering += size
+        self._buffering_of[key] = mine + size
+        return True
+
+    def release_body(self, key: int | str, size: int) -> None:
+        self._buffering -= size
+        left = self._buffering_of.get(key, 0) - size
+        if left > 0:
+            self._buffering_of[key] = left
+        else:
+            self._buffering_of.pop(key, None)
 
     def _warn(self, message: str, *args: Any) -> None:
         # At most one line a second: a flood must not turn into a flood of log.
@@ -606,6 +681,77 @@ class AgentServer(httpserver.HTTPServer):
         if now - self._last_warning >= 1.0:
             self._last_warning = now
             log.warning(message, *args)
+
+
+class _BoundedBody(httputil.HTTPMessageDelegate):
+    """One request on its way to the application: its body's size (Content-Length, or MAX_BODY
+    when chunked) is counted against the server's bounds before a byte of it is read, and a
+    body over them is answered 503 and its connection closed unread."""
+
+    def __init__(self, server: AgentServer, key: int | str, inner: httputil.HTTPMessageDelegate,
+                 conn: httputil.HTTPConnection) -> None:
+        self._server = server
+        self._key = key
+        self._inner = inner
+        self._conn = conn
+        self._held = 0
+        self._refused = False
+
+    def headers_received(self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine,
+                         headers: httputil.HTTPHeaders) -> Awaitable[None] | None:
+        size = 0
+        if "Content-Length" in headers:
+            try:
+                size = min(int(headers["Content-Length"]), MAX_BODY + 1)
+            except ValueError:
+                size = 0  # Tornado answers 400 for it
+        elif headers.get("Transfer-Encoding", "").lower() == "chunked":
+            size = MAX_BODY
+        if size < 0 or not self._server.reserve_body(self._key, max(size, 0)):
+            self._refused = True
+            body = _error_json("the agent is reading too many request bodies at once; "
+                               "try again in a moment")
+            self._conn.write_headers(
+                httputil.ResponseStartLine("HTTP/1.1", 503, "Service Unavailable"),
+                httputil.HTTPHeaders({"Content-Type": "application/json", "Connection": "close",
+                                      "Content-Length": str(len(body))}), body)
+            # Finished before the body is read: Tornado closes the connection, body unread.
+            self._conn.finish()
+            return None
+        self._held = max(size, 0)
+        return self._inner.headers_received(start_line, headers)
+
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
+        return None if self._refused else self._inner.data_received(chunk)
+
+    def finish(self) -> None:
+        self._release()
+        if not self._refused:
+            self._inner.finish()
+
+    def on_connection_close(self) -> None:
+        self._release()
+        if not self._refused:
+            self._inner.on_connection_close()
+
+    def _release(self) -> None:
+        if self._held:
+            self._server.release_body(self._key, self._held)
+            self._held = 0
+
+
+def _error_json(message: str) -> bytes:
+    return json.dumps({"error": {"field": None, "message": message}}).encode()
+
+
+def _refuse(stream: iostream.IOStream, message: str) -> None:
+    """Answer 503 on a connection that is not served, and close it."""
+    body = _error_json(message)
+    written = stream.write(
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(body)).encode()
+        + b"\r\n\r\n" + body)
+    written.add_done_callback(lambda done: _close(stream, done))
 
 
 def _close(stream: iostream.IOStream, written: Any) -> None:
@@ -630,3 +776,9 @@ def listen_unix(app: web.Application, path: str) -> AgentServer:
     raise_descriptor_limit()
     server.add_unix_socket(sock)
     return server
+
+
+def listen_tcp(server: AgentServer, host: str, port: int) -> None:
+    """Serve ``server`` on TCP too (requests need the token): through the same accept loop
+    and limits as the Unix socket."""
+    server.listen(port, host, backlog=BACKLOG)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import grp
@@ -20,7 +21,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
-from pathlib import Path
 from typing import Any, TypeVar
 
 from traitlets import (
@@ -356,6 +356,31 @@ def _make_socket_folder(socket_path: str) -> None:
     os.chmod(folder, mode)
 
 
+def read_token_file(path: str) -> tuple[str, str | None]:
+    """The TCP token in ``path``, and what is wrong with the file (None: nothing): it must be
+    a regular file, not a link, of the agent's own user, that nobody else may read or write."""
+    fix = f"it must be a regular file of uid {os.geteuid()} that only it can read: `chmod 600 {path}`"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "", f"it is a symbolic link; {fix} (not a link to one)"
+        return "", f"cannot open it ({exc.strerror}); {fix}"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "", f"it is not a regular file; {fix}"
+        if info.st_uid != os.geteuid():
+            return "", f"it belongs to uid {info.st_uid}, not the agent's; {fix} after " \
+                       f"`chown {os.geteuid()} {path}`"
+        if info.st_mode & 0o077:
+            return "", f"its mode {stat.S_IMODE(info.st_mode):04o} lets others read or change it; {fix}"
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(4096).decode("utf-8", "replace").strip(), None
+    finally:
+        os.close(fd)
+
+
 def _tcp_address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not port.isdigit() or int(port) > 65535:
@@ -467,6 +492,15 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
     max_leases_per_user = Int(_AGENT.max_leases_per_user, min=1,
                               help="Leases one user (not an admin) may hold at once.",
                               ).tag(config=True)
+    max_bytes_per_user = Union(
+        [Int(min=1), Unicode()], default_value=_AGENT.max_bytes_per_user, allow_none=True,
+        help="GPU memory one user (not an admin) may reserve at once, requests summed over "
+        "devices, as a size such as 160Gi or bytes. Default: no cap.",
+    ).tag(config=True, expect="a memory size such as 160Gi")
+    max_gpus_per_user = Int(_AGENT.max_gpus_per_user, min=1, allow_none=True,
+                            help="GPUs one user (not an admin) may reserve at once, a share "
+                            "counting as its part of a GPU (as Run:ai and KAI quotas count). "
+                            "Default: no cap.").tag(config=True)
     admin_group = Unicode(None, allow_none=True,
                           help="Members of this group see and manage all leases.",
                           ).tag(config=True)
@@ -513,7 +547,8 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         **{flag: f"ServeApp.{flag.replace('-', '_')}" for flag in (
             "simulate", "fallback-simulate", "poll-interval", "reclaim-grace", "migrate-grace",
             "orphan-grace", "restore-grace", "kill-window", "headroom", "context-size",
-            "max-workloads-per-gpu", "max-leases-per-user", "admin-group", "tcp", "token-file",
+            "max-workloads-per-gpu", "max-leases-per-user", "max-bytes-per-user",
+            "max-gpus-per-user", "admin-group", "tcp", "token-file",
             "log-level", "kubelet-socket", "gpu-resource", "kubelet-interval", "container-logs",
             "reservation-namespace", "freeze-lock-timeout", "freeze-attempts", "freeze-budget",
             "freeze-budget-share", "freezer", "thaw-wait")},
@@ -540,11 +575,13 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         """AgentConfig from these settings: every field is a trait of the same name."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(AgentConfig)}
         return AgentConfig(**{**values, "context_size": _size(self.context_size, "--context-size"),
-                              "freeze_budget": _size(self.freeze_budget, "--freeze-budget")})
+                              "freeze_budget": _size(self.freeze_budget, "--freeze-budget"),
+                              "max_bytes_per_user": _size(self.max_bytes_per_user,
+                                                          "--max-bytes-per-user")})
 
     def execute(self) -> int:
         # Imported here: status and run should start fast and need none of this.
-        from node_agent.api import listen_unix, make_app
+        from node_agent.api import listen_tcp, listen_unix, make_app
         from node_agent.devices import BackendUnavailable, open_backend
         from node_agent.devices.freezing import open_freezer
         from node_agent.ledger import Ledger
@@ -579,7 +616,11 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
                 print("gpufrac-agent: --tcp needs --token-file: TCP is never served without a "
                       "token", file=sys.stderr)
                 return 2
-            token = Path(self.token_file).read_text().strip()
+            token, problem = read_token_file(self.token_file)
+            if problem:
+                print(f"gpufrac-agent: refusing --token-file {self.token_file}: {problem}",
+                      file=sys.stderr)
+                return 2
             if len(token) < 16:
                 print("gpufrac-agent: --token-file: the token must be at least 16 characters",
                       file=sys.stderr)
@@ -613,7 +654,7 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             app = make_app(agent, admin_gid, token)
             server = listen_unix(app, socket_path)
             if tcp:
-                server.listen(tcp[1], tcp[0])
+                listen_tcp(server, *tcp)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,10 +6,12 @@ moment comes back to a ledger that is either before or after each change, never 
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import sqlite3
 import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -84,9 +86,16 @@ CREATE TABLE IF NOT EXISTS kills (
     cause TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS kills_by_lease ON kills (lease_id, at);
+CREATE INDEX IF NOT EXISTS directives_by_created ON directives (created);
 """
 
 # Columns added after the first release: (name, SQL type), added to older ledgers on open.
+# At most this many directives are kept per lease (the oldest go first), besides the TTL: one
+# lease's churn must not cost anyone else's reads, nor memory without end.
+DIRECTIVES_PER_LEASE = 64
+# Notices where only the latest counts: a new one replaces the lease's earlier one of its kind.
+COALESCED = frozenset({"resized", "bursting"})
+
 _ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("registered", "REAL"),
                   ("compute_request", "REAL"), ("compute_limit", "REAL"), ("devices", "INTEGER"),
                   ("parked_at", "REAL"), ("reach", "TEXT"), ("planned_by", "TEXT"),
@@ -252,6 +261,13 @@ class Ledger:
         self._add_columns()
         self.leases: dict[str, Lease] = {}
         self._depth = 0
+        # Directives in memory, each list in seq order, by lease and by (owner uid, client name):
+        # a reader touches only its own. ``_expiry`` holds (a lower bound of its oldest's
+        # created, lease id) for each lease in ``_by_lease``, so the TTL costs what it drops.
+        self._by_lease: dict[str, list[Directive]] = {}
+        self._by_client: dict[tuple[int, str], list[Directive]] = {}
+        self._expiry: list[tuple[float, str]] = []
+        self._last_seq = 0
         self._reload()
 
     def close(self) -> None:
@@ -300,21 +316,81 @@ class Ledger:
                 frozen_at=r["frozen_at"], frozen_bytes=r["frozen_bytes"] or 0,
                 frozen_on=tuple(json.loads(r["frozen_on"] or "[]")), fallback=r["fallback"] or "",
             )
+        self._load_directives()
 
-    def directives_after(self, seq: int, client: str | None = None,
-                         lease_id: str | None = None) -> list[Directive]:
-        query = "SELECT seq, client, lease_id, owner_uid, kind, body, created FROM directives WHERE seq > ?"
-        args: list[Any] = [seq]
-        if client is not None:
-            query += " AND client = ?"
-            args.append(client)
+    def _load_directives(self) -> None:
+        """Directives from SQLite into memory; at start-up those past the TTL, superseded or
+        over the per-lease bound (a ledger from an older agent) are deleted."""
+        self._by_lease, self._by_client, self._expiry = {}, {}, []
+        cutoff = time.time() - self.directive_ttl
+        dropped: list[Directive] = []
+        for s, c, lid, uid, kind, body, created in self._db.execute(
+            "SELECT seq, client, lease_id, owner_uid, kind, body, created FROM directives"
+            " WHERE created >= ? ORDER BY seq", (cutoff,)
+        ):
+            dropped += self._keep(Directive(s, c, lid, uid, kind, json.loads(body), created))
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'directives'").fetchone()
+        self._last_seq = int(row[0]) if row else 0
+        if self._depth == 0:  # not after a rollback: there memory already matches the file
+            with self.transaction():
+                self._db.execute("DELETE FROM directives WHERE created < ?", (cutoff,))
+                self._db.executemany("DELETE FROM directives WHERE seq = ?",
+                                     [(d.seq,) for d in dropped])
+
+    def _keep(self, d: Directive) -> list[Directive]:
+        """Add ``d`` in memory; returns those it displaced: the lease's earlier notice of a
+        coalesced kind, and the oldest past DIRECTIVES_PER_LEASE."""
+        queue = self._by_lease.get(d.lease_id)
+        if queue is None:
+            queue = self._by_lease[d.lease_id] = []
+            heapq.heappush(self._expiry, (d.created, d.lease_id))
+        dropped = [old for old in queue if old.kind == d.kind] if d.kind in COALESCED else []
+        for old in dropped:
+            self._forget(old)
+        queue.append(d)
+        self._by_client.setdefault((d.owner_uid, d.client), []).append(d)
+        over = queue[:-DIRECTIVES_PER_LEASE]
+        for old in over:
+            self._forget(old)
+        return dropped + over
+
+    def _forget(self, d: Directive) -> None:
+        _remove(self._by_lease[d.lease_id], d)
+        key = (d.owner_uid, d.client)
+        _remove(self._by_client[key], d)
+        if not self._by_client[key]:
+            del self._by_client[key]
+
+    def _expire(self, now: float) -> list[Directive]:
+        """Drop from memory the directives past the TTL; returns them."""
+        cutoff = now - self.directive_ttl
+        gone: list[Directive] = []
+        while self._expiry and self._expiry[0][0] < cutoff:
+            _, lease_id = heapq.heappop(self._expiry)
+            queue = self._by_lease[lease_id]
+            old = [d for d in queue if d.created < cutoff]
+            for d in old:
+                self._forget(d)
+            gone += old
+            if queue:
+                heapq.heappush(self._expiry, (min(d.created for d in queue), lease_id))
+            else:
+                del self._by_lease[lease_id]
+        return gone
+
+    def directives_after(self, seq: int, client: str | None = None, lease_id: str | None = None,
+                         owner_uid: int | None = None) -> list[Directive]:
+        """Kept directives after ``seq``, oldest first: of a lease, of a client name (of one
+        owner's leases with ``owner_uid``), or all. By lease, or by owner and client, it costs
+        what that reader's own directives do, whatever others have."""
         if lease_id is not None:
-            query += " AND lease_id = ?"
-            args.append(lease_id)
-        return [
-            Directive(s, c, lid, uid, kind, json.loads(body), created)
-            for s, c, lid, uid, kind, body, created in self._db.execute(query + " ORDER BY seq", args)
-        ]
+            queue = self._by_lease.get(lease_id, [])
+        elif client is not None and owner_uid is not None:
+            queue = self._by_client.get((owner_uid, client), [])
+        else:
+            queue = sorted((d for q in self._by_lease.values() for d in q), key=_seq)
+        return [d for d in queue[bisect_right(queue, seq, key=_seq):]
+                if client in (None, d.client) and owner_uid in (None, d.owner_uid)]
 
     def kill_times(self, lease_id: str, cause: str | None = None) -> list[float]:
         """When the agent killed the lease's processes (for ``cause`` only, if given)."""
@@ -326,8 +402,7 @@ class Ledger:
         return [float(at) for (at,) in self._db.execute(query + " ORDER BY at", args)]
 
     def last_seq(self) -> int:
-        row = self._db.execute("SELECT MAX(seq) FROM directives").fetchone()
-        return int(row[0] or 0)
+        return self._last_seq
 
     # --- writing -------------------------------------------------------------------
     @contextmanager
@@ -439,6 +514,8 @@ class Ledger:
                              (lease_id, at, cause))
 
     def add_directive(self, lease: Lease, kind: str, body: dict[str, Any]) -> Directive:
+        """Write a directive; the lease's superseded ones, its oldest past the bound and any
+        past the TTL go in the same transaction (on a rollback memory is reloaded)."""
         now = time.time()
         with self.transaction():
             cursor = self._db.execute(
@@ -446,8 +523,20 @@ class Ledger:
                 " VALUES (?,?,?,?,?,?)",
                 (lease.client, lease.id, lease.owner_uid, kind, json.dumps(body), now),
             )
-            self._db.execute(
-                "DELETE FROM directives WHERE created < ?", (now - self.directive_ttl,)
-            )
-        return Directive(int(cursor.lastrowid or 0), lease.client, lease.id, lease.owner_uid,
-                         kind, body, now)
+            d = Directive(int(cursor.lastrowid or 0), lease.client, lease.id, lease.owner_uid,
+                          kind, body, now)
+            gone = self._keep(d) + self._expire(now)
+            self._db.executemany("DELETE FROM directives WHERE seq = ?", [(old.seq,) for old in gone])
+            self._last_seq = max(self._last_seq, d.seq)
+        return d
+
+
+def _seq(d: Directive) -> int:
+    return d.seq
+
+
+def _remove(queue: list[Directive], d: Directive) -> None:
+    """Remove ``d`` from a list in seq order, found by bisection."""
+    i = bisect_left(queue, d.seq, key=_seq)
+    if i < len(queue) and queue[i] is d:
+        del queue[i]

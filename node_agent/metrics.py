@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from node_agent.ledger import STATES
-from node_agent.stats import CHECKPOINT_TRIGGERS, OFFLOAD_REASONS, UNPARKED, AgentStats
+from node_agent.stats import CHECKPOINT_TRIGGERS, OFFLOAD_REASONS, UNPARKED, AgentStats, clamp
 
 if TYPE_CHECKING:
     from node_agent.ledger import Lease
@@ -111,7 +111,7 @@ class AgentCollector(Collector):
                 if attr == "compute_usage":
                     value /= 100  # sampled in percent
                 for uuid in lease.physical:
-                    family.add_metric(lease_labels[lease.id] + on(uuid), value)
+                    family.add_metric(lease_labels[lease.id] + on(uuid), clamp(value))
             yield family
 
         states = StateSetMetricFamily(
@@ -125,7 +125,7 @@ class AgentCollector(Collector):
         actions = CounterMetricFamily("gpufrac_actions", "Directives and kills issued by the agent.",
                                       labels=["action"])
         for action in ("migrations", "shrinks", "kills"):
-            actions.add_metric([action], agent.counters[action])
+            actions.add_metric([action], clamp(agent.counters[action]))
         yield actions
         yield GaugeMetricFamily("gpufrac_poll_seconds", "Duration of the last poll of the GPUs.",
                                 value=agent.tick_seconds)
@@ -159,7 +159,8 @@ def _gpu_shares(agent: Agent, gpu_labels: dict[str, list[str]]) -> Iterator[Metr
     ):
         family = GaugeMetricFamily(name, help_text, labels=GPU_LABELS)
         for uuid, labels in gpu_labels.items():
-            family.add_metric(labels, values[uuid])
+            # Clamped: a sum over leases is no bound a single lease's figure keeps.
+            family.add_metric(labels, clamp(values[uuid]))
         yield family
 
 
@@ -167,7 +168,7 @@ def _counter(name: str, help_text: str, counts: Mapping[str, int], known: tuple[
              host: str) -> CounterMetricFamily:
     family = CounterMetricFamily(name, help_text, labels=["cause", "hostname"])
     for key in dict.fromkeys((*known, *sorted(counts))):
-        family.add_metric([key, host], counts.get(key, 0))
+        family.add_metric([key, host], clamp(counts.get(key, 0)))
     return family
 
 

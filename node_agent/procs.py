@@ -107,6 +107,12 @@ def _innermost_pid(pid: int) -> int | None:
     return int(ids[-1]) if ids else None
 
 
+# Where each process of another PID namespace is here: (namespace, its pid there) -> (pid
+# here, start time). Built by one scan of /proc, and scanned again only when a pid asked for is
+# not in it: a registration costs a few reads, not one per process of the node.
+_elsewhere: dict[tuple[str, int], tuple[int, int]] = {}
+
+
 def as_seen_here(caller: int, pid: int) -> int | None:
     """Process ``pid`` of the PID namespace ``caller`` runs in, as the agent numbers it; None
     when no such process is visible here.
@@ -119,12 +125,50 @@ def as_seen_here(caller: int, pid: int) -> int | None:
         return None  # gone, or not ours to read: which process it means cannot be told
     if theirs == pid_namespace("self"):
         return pid
+    if _innermost_pid(caller) == pid:
+        return caller  # a kernel registers itself: no search at all
+    found = _remembered(theirs, pid)
+    if found is None:
+        _scan_elsewhere()
+        found = _remembered(theirs, pid)
+    return found
+
+
+def _remembered(namespace: str, pid: int) -> int | None:
+    """The pid here of process ``pid`` of ``namespace`` as the last scan found it, if that
+    process (the same start time: not a reused pid) still runs."""
+    known = _elsewhere.get((namespace, pid))
+    if known is None:
+        return None
+    here, start_time = known
+    st = stat(here)
+    if st is None or st.start_time != start_time:
+        del _elsewhere[(namespace, pid)]
+        return None
+    return here
+
+
+def _scan_elsewhere() -> None:
+    """Read where every process of another PID namespace is (see ``_elsewhere``)."""
+    ours = pid_namespace("self")
+    found: dict[tuple[str, int], tuple[int, int]] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            here = int(entry.name)
-            if pid_namespace(here) == theirs and _innermost_pid(here) == pid:
-                return here
-    return None
+        if not entry.name.isdigit():
+            continue
+        here = int(entry.name)
+        namespace = pid_namespace(here)
+        if namespace is None or namespace == ours:
+            continue
+        # Start time before and after: a pid that changed hands in between is left out.
+        before = stat(here)
+        inner = _innermost_pid(here)
+        if before is None or inner is None or pid_namespace(here) != namespace:
+            continue
+        after = stat(here)
+        if after is not None and after.start_time == before.start_time:
+            found[(namespace, inner)] = (here, before.start_time)
+    _elsewhere.clear()
+    _elsewhere.update(found)
 
 
 def _real_uid(pid: int) -> int | None:

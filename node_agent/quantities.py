@@ -16,8 +16,12 @@ _UNITS = {
     "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*$")
+# ASCII only: Python's \d, int() and float() also take other scripts' digits and underscores.
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?)?B?\s*$", re.ASCII)
+_NUMBER_CHARS = frozenset("0123456789.eE+-")
 _MAX_BYTES = 2**50
+# The most any count or byte figure the agent stores or shows may be: a signed 64-bit integer.
+MAX_COUNT = 2**63 - 1
 _MAX_TEXT = 32
 _EXPECTED = "a fraction 0 < f <= 1 of one GPU, or a memory size like 2500M, 4G, 4Gi or bytes"
 
@@ -72,8 +76,14 @@ def parse_quantity(value: object, field: str) -> Quantity:
     # Checked first: converting a number of a million digits takes the process seconds.
     if len(text) > _MAX_TEXT:
         raise QuantityError(field, f"expected at most {_MAX_TEXT} characters, got {len(text)}")
+    # float() takes "1_000" and "٤", which no spec (KAI's, Kubernetes') writes: what is
+    # stored must read back as the same quantity anywhere.
+    if not text.isascii() or "_" in text:
+        raise QuantityError(field, f"expected ASCII digits only (no underscores or other "
+                                   f"scripts' digits): {_EXPECTED}, got {text!r}")
     try:
-        number = float(text)
+        # Only plain decimal numbers: float() would also take "nan", "inf" and "infinity".
+        number = float(text) if set(text) <= _NUMBER_CHARS else math.nan
     except ValueError:
         number = math.nan
     if not math.isnan(number):
@@ -101,7 +111,8 @@ def parse_quantity(value: object, field: str) -> Quantity:
 def parse_kai_gpu_memory(value: object, field: str = "gpu-memory") -> Quantity:
     """KAI's ``gpu-memory`` annotation: a whole number of MiB."""
     text = str(value).strip()
-    if not text.isdigit() or int(text) <= 0:
+    # isdigit() alone takes "٤" and "²" (which int() then refuses).
+    if not (text.isascii() and text.isdigit()) or len(text) > _MAX_TEXT or int(text) <= 0:
         raise QuantityError(field, f"expected a whole number of MiB above 0, got {value!r}")
     # In our units it is bytes: "4096" MiB would read as 4096 bytes on the wire.
     return Quantity(nbytes=int(text) * MiB, spec=str(int(text) * MiB))
@@ -123,7 +134,8 @@ def check_share(request: Quantity, limit: Quantity, total: int) -> tuple[int, in
 
 def format_bytes(n: int) -> str:
     """Human-readable binary size: ``1.5 GiB``."""
-    value = float(n)
+    # Clamped: float() of an integer past 1e308 raises, and a view must not fail on one.
+    value = float(max(-MAX_COUNT, min(n, MAX_COUNT)))
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
@@ -133,7 +145,8 @@ def format_bytes(n: int) -> str:
 
 def format_duration(seconds: float) -> str:
     """``45 s``, ``3 min 5 s``, ``2 h 4 min``: a span as people read it."""
-    total = max(0, round(seconds))
+    # nan and inf would make round() raise; no span here is longer than a few days.
+    total = round(min(seconds, 1e12)) if seconds > 0 else 0
     if total < 60:
         return f"{total} s"
     minutes, secs = divmod(total, 60)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -19,6 +21,7 @@ from node_agent.kubelet import cgroups
 from node_agent.kubelet.claims import WholeGpus
 from node_agent.ledger import CLUSTER, KUBELET, Directive, Lease, Ledger
 from node_agent.quantities import (
+    MAX_COUNT,
     MiB,
     Quantity,
     QuantityError,
@@ -115,6 +118,11 @@ class AgentConfig:
     poll_interval: float = 1.0
     # Leases one (non-admin) user may hold at once.
     max_leases_per_user: int = 64
+    # Memory (bytes, requests summed over devices) and GPUs (requests as shares of a GPU, as
+    # Run:ai and KAI count a project's quota) one (non-admin) user's leases may reserve at
+    # once, parked ones included (None: no cap).
+    max_bytes_per_user: int | None = None
+    max_gpus_per_user: int | None = None
     # The node scheduler (Run:ai's): spread burstable notebooks and move them back for room.
     node_scheduler: bool = True
     # How many leases one GPU may run at once (None: not enforced).
@@ -231,7 +239,11 @@ class Agent:
         self._bursting_said: dict[str, float] = {}
         # lease id -> (pid, start time) of what its processes started that uses a GPU
         self._children: dict[str, list[tuple[int, int]]] = {}
-        self._directive_added = asyncio.Event()
+        # Replaced by each directive, so that a tick sees one was made (see _state).
+        self._directive_added = object()
+        # Long-polls waiting, by what they wait for: ("lease", id, kind) or ("client", owner
+        # uid, name, kind). A directive wakes only those it concerns.
+        self._listeners: dict[tuple[object, ...], set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {"kills": 0, "shrinks": 0, "migrations": 0, "ticks": 0,
                                          "freezes": 0, "thaws": 0}
@@ -613,8 +625,8 @@ class Agent:
         self._wake()
         with self.ledger.transaction():
             self.ledger.update(lease.id, logical=logical, physical=physical,
-                               reason=self._waiting_reason(moves) if moves else "placed")
-            self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
+                               reason=self._waiting_reason(moves, lease.owner_uid) if moves else "placed")
+            self._start_moves(moves, f"free {self._labels(physical)}", lease)
 
     # --- views -----------------------------------------------------------------------
     def _context(self, gpu: GpuInfo) -> int:
@@ -714,6 +726,7 @@ class Agent:
         if not 1 <= ask.devices <= max(1, len(healthy)):
             raise Refused("devices", f"expected 1 to {len(healthy)} GPUs, got {ask.devices}")
         req, lim = self._resolve_share(ask.request, ask.limit)
+        self._check_quota(caller, req, ask.devices)
         compute_request, compute_limit = _compute_share(
             (None, None), ask.compute_request, ask.compute_limit)
         self._check_gpus(ask)
@@ -735,7 +748,7 @@ class Agent:
             kernel_id=ask.kernel_id, name=ask.name, request=req, limit=lim,
             request_spec=str(ask.request), limit_spec=str(ask.limit), logical=logical,
             physical=physical, state="pending" if moves or frozen else "active", created=now,
-            updated=now, reason=self._waiting_reason(moves) if moves else (
+            updated=now, reason=self._waiting_reason(moves, caller.uid) if moves else (
                 f"waiting for {len(frozen)} notebook(s) on {self._labels(physical)} to be frozen "
                 "(their kernels keep everything in host memory and thaw when this job ends)"
                 if frozen else "placed"),
@@ -744,13 +757,44 @@ class Agent:
         )
         with self.ledger.transaction():
             self.ledger.insert(lease)
-            self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
+            self._start_moves(moves, f"free {self._labels(physical)}", lease)
             for notebook_id in frozen:
                 self._make_way(self.ledger.leases[notebook_id], lease)
         log.info("lease %s (%s, uid %d): request %s on %s, physical %s, %d move(s), %d freeze(s)",
                  lease.id, ask.kind, caller.uid, format_bytes(req), logical, physical, len(moves),
                  len(frozen))
         return self.ledger.leases[lease.id]
+
+    def _check_quota(self, caller: Caller, req: int, devices: int, owner: int | None = None,
+                     exclude: str | None = None) -> None:
+        """Refuse (OverQuota) a share of ``req`` bytes on each of ``devices`` GPUs that would
+        take ``owner``'s leases (the caller's; ``exclude`` not counted: it is being resized)
+        past --max-bytes-per-user or --max-gpus-per-user. Admins are not capped."""
+        cfg = self.config
+        if caller.admin or (cfg.max_bytes_per_user is None and cfg.max_gpus_per_user is None):
+            return
+        uid = caller.uid if owner is None else owner
+        mine = [lease for lease in self.ledger.leases.values()
+                if lease.owner_uid == uid and lease.id != exclude]
+        held = sum(lease.request * lease.devices for lease in mine)
+        asked = req * devices
+        if cfg.max_bytes_per_user is not None and held + asked > cfg.max_bytes_per_user:
+            raise OverQuota("request", (
+                f"max_bytes_per_user: you reserve {format_bytes(held)} in {len(mine)} other "
+                f"lease(s); {format_bytes(asked)} more would pass the "
+                f"{format_bytes(cfg.max_bytes_per_user)} one user may reserve on this node "
+                "(--max-bytes-per-user); ask for less or release some (`gpufrac-agent status`)"))
+        if cfg.max_gpus_per_user is not None:
+            # A share counts as its part of a GPU (the smallest, as fractions resolve).
+            usable = self._smallest_usable()
+            gpus = sum(lease.request * lease.devices / usable for lease in mine)
+            more = asked / usable
+            if gpus + more > cfg.max_gpus_per_user + 1e-9:
+                raise OverQuota("devices" if devices > 1 else "request", (
+                    f"max_gpus_per_user: you reserve {gpus:.2f} GPU(s) in {len(mine)} other "
+                    f"lease(s); {more:.2f} more would pass the {cfg.max_gpus_per_user} one user "
+                    "may reserve on this node (--max-gpus-per-user); ask for less or release "
+                    "some (`gpufrac-agent status`)"))
 
     def _room_by_freezing(self, ask: CreateLease, req: int) -> policy.FreezePlan | None:
         """Where a job that finds no room (and no moves that make it) runs once the notebooks
@@ -770,7 +814,7 @@ class Agent:
         """Freeze ``notebook`` so that ``job`` can run where it runs; where freezing cannot be
         used, its client is asked to park it (a checkpoint, and a restart without a GPU)."""
         where = self._labels(g for g in notebook.physical if g in job.physical)
-        whose = self._describe(job) if job.owner_uid == notebook.owner_uid else "another user's job"
+        whose = self._whose(job, notebook.owner_uid)
         whole = job.request >= min((g.memory_usable for g in self.gpus
                                     if g.uuid in job.physical), default=0)
         needs = f"{whose} needs {where} whole" if whole else f"{whose} needs room on {where}"
@@ -892,23 +936,48 @@ class Agent:
 
     @staticmethod
     def _describe(lease: Lease) -> str:
-        """``job "python train.py" (l-…)``: what a person recognises, and the id to look up."""
+        """``job "python train.py" (l-…)``: what a person recognises, and the id to look up.
+        For the lease's own user only: to another it is ``another user's job`` (`_whose`)."""
         name = lease.name if len(lease.name) <= 40 else lease.name[:39] + "…"
-        return f'{lease.kind} "{name}" ({lease.id})' if name else f"{lease.kind} {lease.id}"
+        # Quoted as JSON: a quote or a newline in a name cannot end the sentence around it.
+        quoted = json.dumps(name, ensure_ascii=False)
+        return f"{lease.kind} {quoted} ({lease.id})" if name else f"{lease.kind} {lease.id}"
+
+    def _whose(self, lease: Lease, reader_uid: int) -> str:
+        """``lease`` as the user ``reader_uid`` may read of it: their own by name and id,
+        another user's without either (text one user chose is never prose to another)."""
+        if lease.owner_uid == reader_uid:
+            return self._describe(lease)
+        return f"another user's {lease.kind}"
 
     def _labels(self, uuids: Iterable[str]) -> str:
         return ", ".join(self.gpu_label(u) for u in uuids)
 
-    def _waiting_reason(self, moves: list[policy.Move]) -> str:
-        return f"waiting for {len(moves)} notebook(s) to move: " + ", ".join(
-            f"{m.lease_id} from {self._labels(m.from_gpus)}" for m in moves
-        )
+    def _waiting_reason(self, moves: list[policy.Move], owner_uid: int) -> str:
+        """What a lease of ``owner_uid`` waits for, for its user: their own notebooks by name and id, other
+        users' counted per GPU (neither ids nor names of theirs)."""
+        parts: list[str] = []
+        others: Counter[str] = Counter()
+        for move in moves:
+            moved = self.ledger.leases.get(move.lease_id)
+            where = self._labels(move.from_gpus)
+            if moved is not None and moved.owner_uid == owner_uid:
+                parts.append(f"{self._describe(moved)} from {where}")
+            else:
+                others[where] += 1
+        parts += [f"another user's notebook from {where}" if n == 1
+                  else f"{n} other users' notebooks from {where}" for where, n in others.items()]
+        return f"waiting for {len(moves)} notebook(s) to move: " + ", ".join(parts)
 
-    def _start_moves(self, moves: list[policy.Move], why: str) -> None:
+    def _start_moves(self, moves: list[policy.Move], why: str, cause: Lease | None = None
+                     ) -> None:
+        """Move each of ``moves`` to ``why`` (``for`` ``cause``, named as its user may read)."""
         deadline = time.time() + self.config.migrate_grace
         for move in moves:
             lease = self.ledger.leases[move.lease_id]
-            reason = f"moved from {self._labels(move.from_gpus)} to {self._labels(move.to_gpus)} to {why}"
+            whom = "" if cause is None else f" for {self._whose(cause, lease.owner_uid)}"
+            reason = (f"moved from {self._labels(move.from_gpus)} to {self._labels(move.to_gpus)} "
+                      f"to {why}{whom}")
             lease = self.ledger.update(
                 lease.id, state="migrating", target=move.to_gpus, deadline=deadline, reason=reason
             )
@@ -930,6 +999,7 @@ class Agent:
             if limit.bytes_of(usable) < request.bytes_of(usable):
                 limit = request
         req, lim = self._resolve_share(request, limit)
+        self._check_quota(caller, req, lease.devices, lease.owner_uid, exclude=lease.id)
         others = self.planning_view(exclude=lease.id)
         compute_request, compute_limit = _compute_share(
             (lease.compute_request, lease.compute_limit), change.compute_request,
@@ -953,7 +1023,7 @@ class Agent:
             # It stays; whatever must make room moves, and it is told nothing (there is
             # nothing for it to do).
             with self.ledger.transaction():
-                self._start_moves(moves, f"make room for {self._describe(lease)}")
+                self._start_moves(moves, "make room", lease)
                 lease = self.ledger.update(
                     lease.id, **changes, logical=logical,
                     reason="request changed; it stays where it runs"
@@ -963,7 +1033,7 @@ class Agent:
         reason = (f"moved from {self._labels(lease.physical)} to {self._labels(physical)} "
                   f"because its request changed to {format_bytes(req)}")
         with self.ledger.transaction():
-            self._start_moves(moves, f"make room for {self._describe(lease)}")
+            self._start_moves(moves, "make room", lease)
             deadline = time.time() + self.config.migrate_grace
             lease = self.ledger.update(lease.id, **changes, logical=logical, target=physical,
                                        state="migrating", deadline=deadline, reason=reason)
@@ -1015,7 +1085,9 @@ class Agent:
         for other in self.ledger.leases.values():
             if other.id != lease.id and any(p == (pid, ident.start_time) for p in other.pids):
                 # One process, one lease: otherwise its memory counts twice.
-                raise Conflict("pid", f"process {asked} is already registered to lease {other.id}")
+                held = other.id if caller.admin or other.owner_uid == caller.uid else (
+                    "of another user")
+                raise Conflict("pid", f"process {asked} is already registered to lease {held}")
         pids = tuple(p for p in lease.pids if p[0] != pid and procs.is_alive(*p))
         ended = {p for p, _ in lease.pids} - {p for p, _ in pids} - {pid}
         now = time.time()
@@ -1054,7 +1126,8 @@ class Agent:
         self._wake()
         lease = self.lease(caller, lease_id)
         if lease.physical:  # a lease with no GPU (parked) holds no device memory
-            self._reported[lease.id] = used
+            # Bounded here too (the API refuses more): the ledger and /metrics store it.
+            self._reported[lease.id] = max(0, min(used, MAX_COUNT))
 
     def observe(self, caller: Caller, lease_id: str, seen: Observation) -> None:
         """A checkpoint or an offload a lease's kernel made, counted for /metrics."""
@@ -1180,8 +1253,8 @@ class Agent:
             return self._unparked(lease, logical, physical, how)
         with self.ledger.transaction():
             lease = self.ledger.update(lease.id, state="pending", logical=logical,
-                                       physical=physical, reason=self._waiting_reason(moves))
-            self._start_moves(moves, f"free {self._labels(physical)} for {self._describe(lease)}")
+                                       physical=physical, reason=self._waiting_reason(moves, lease.owner_uid))
+            self._start_moves(moves, f"free {self._labels(physical)}", lease)
         return lease
 
     def _unparked(self, lease: Lease, logical: tuple[str, ...], physical: tuple[str, ...],
@@ -1862,8 +1935,10 @@ class Agent:
         d = self.ledger.add_directive(
             lease, kind, {"reason": reason, "kernel_id": lease.kernel_id, **body}
         )
-        self._directive_added.set()
-        self._directive_added = asyncio.Event()
+        self._directive_added = object()
+        for key in (("lease", d.lease_id, kind), ("client", d.owner_uid, d.client, kind)):
+            for event in self._listeners.get(key, ()):
+                event.set()
         return d
 
     async def wait_directives(
@@ -1875,19 +1950,32 @@ class Agent:
         if after < 0:  # "from now on": a new listener need not replay history
             return [], self.ledger.last_seq()
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_WAIT)
-        while True:
-            event = self._directive_added
-            # A client name is anyone's to write on a lease, so by name a caller hears only of
-            # its own leases (an admin too); an admin follows another user's lease by its id.
-            own = [
-                d for d in self.ledger.directives_after(after, client, lease_id)
-                if d.owner_uid == caller.uid or (caller.admin and lease_id is not None)
-            ]
-            found = [d for d in own if d.kind in kinds]
-            remaining = deadline - time.monotonic()
-            if found or remaining <= 0:
-                # Past what the caller may see but did not ask for, so it is not read again.
-                last = own[-1].seq if own else max(after, 0)
-                return found, last
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), remaining)
+        # A client name is anyone's to write on a lease, so by name a caller hears only of its
+        # own leases (an admin too); an admin follows another user's lease by its id.
+        scope: tuple[object, ...] = (("lease", lease_id) if lease_id is not None
+                                     else ("client", caller.uid, client))
+        keys = [(*scope, kind) for kind in dict.fromkeys(kinds)]
+        event = asyncio.Event()
+        for key in keys:
+            self._listeners.setdefault(key, set()).add(event)
+        try:
+            while True:
+                event.clear()
+                own = self.ledger.directives_after(
+                    after, client=client if lease_id is None else None, lease_id=lease_id,
+                    owner_uid=None if lease_id is not None and caller.admin else caller.uid)
+                # Past what the caller may see but did not ask for, so it is not read again,
+                # by this wait nor by the next.
+                after = max(own[-1].seq if own else after, 0)
+                found = [d for d in own if d.kind in kinds]
+                remaining = deadline - time.monotonic()
+                if found or remaining <= 0:
+                    return found, after
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+        finally:
+            for key in keys:
+                waiting = self._listeners[key]
+                waiting.discard(event)
+                if not waiting:
+                    del self._listeners[key]

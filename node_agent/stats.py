@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from node_agent.quantities import MAX_COUNT
+
 # Seconds from a `migrate` directive to `migrated`: an idle kernel moves in about a second, a
 # busy one waits out its cell or the grace (--migrate-grace, 120 s by default).
 MOVE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -58,6 +60,19 @@ class Observation:
     seconds: float = 0.0
 
 
+def clamp(value: float) -> float:
+    """``value`` within 0..2^63-1 (nan: 0): what the API let through must still never make a
+    tally that /metrics cannot export (float() of 10**400 raises)."""
+    if value != value or value <= 0:  # nan != nan
+        return 0
+    return min(value, MAX_COUNT)
+
+
+def add(counts: Counter[str], key: str, value: float) -> None:
+    """``counts[key] += value``, clamped at 2^63-1."""
+    counts[key] = int(min(counts[key] + int(clamp(value)), MAX_COUNT))
+
+
 @dataclass
 class Histogram:
     """Counts per bucket (not cumulative) and the sum, as a Prometheus histogram needs."""
@@ -71,9 +86,10 @@ class Histogram:
             self.counts = [0] * (len(self.bounds) + 1)  # the last is +Inf
 
     def observe(self, value: float) -> None:
+        value = clamp(value)
         # bisect_left: a value equal to a bound belongs to that bucket (le is "<=").
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+        self.total = min(self.total + value, float(MAX_COUNT))
 
     def cumulative(self) -> list[tuple[str, float]]:
         """(le, count) pairs, ``+Inf`` last, as HistogramMetricFamily takes them."""
@@ -170,7 +186,7 @@ class AgentStats:
         if seen.kind == "checkpoint":
             self.checkpoint_seconds[seen.why].observe(seen.seconds)
             self.checkpoint_bytes[seen.why].observe(seen.nbytes)
-            self.checkpoint_written[seen.why] += seen.written
+            add(self.checkpoint_written, seen.why, seen.written)
         else:
-            self.offloads[seen.why] += 1
-            self.offloaded_bytes[seen.why] += seen.nbytes
+            add(self.offloads, seen.why, 1)
+            add(self.offloaded_bytes, seen.why, seen.nbytes)

@@ -72,6 +72,8 @@ class CheckpointResult:
     groups_written: int = 0  # groups pickled anew: unchanged ones cost nothing
     buffers_bytes: int = 0  # out-of-band buffers (arrays, columns) the checkpoint holds
     durable: bool = False  # written and synced (else a snapshot on its way to the disk)
+    # Counts this kernel's committed states: a restore of a lower one goes back in time.
+    generation: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -151,6 +153,9 @@ class Checkpointer:
         # Groups a budgeted restore left on disk: every checkpoint keeps them until they are
         # loaded (``load_deferred``) or their names are bound anew.
         self.deferred: list[dict[str, Any]] = []
+        # The newest generation known (committed here, loaded, on disk, or the server's): the
+        # next state written is one more, so generations only grow whatever was restored.
+        self.generation = 0
 
     @property
     def state_path(self) -> Path:
@@ -212,14 +217,17 @@ class Checkpointer:
         durable = self.writer.durable
         cell: int | None
         when: float | None
+        generation: int | None
         if durable is not None:
             cell, when = durable.cell, durable.time
+            generation = getattr(durable.result, "generation", None)
         else:
             header = self.read_header()
             cell = header.get("execution_count") if header else None
             when = header.get("time") if header else None
+            generation = header_generation(header) if header else None
         return {"durable_cell": cell, "durable_time": when, "writing": self.writer.writing(),
-                "error": self.writer.error}
+                "error": self.writer.error, "durable_generation": generation}
 
     def _committed(self, job: snapshot.Job, stale: list[str]) -> None:
         """The writer made ``job`` durable (its thread); ``stale`` blobs are deleted next."""
@@ -292,6 +300,9 @@ class Checkpointer:
         lost: dict[str, str] = {name: "a module object that is not importable"
                                 for name in selection.skipped}
         staging = store.StagingDir(folder.path)
+        if saved is None:
+            # What is on disk may be newer than anything this process knows of.
+            self.generation = max(self.generation, _disk_generation(folder))
         blobs = pickling.BlobWriter(staging, self.cache, guard=self._guard,
                                     trusted=saved.blobs.keys() if saved else _durable(folder))
         try:
@@ -349,6 +360,9 @@ class Checkpointer:
         records = [g.record for g in groups.values()] + carried
         referenced = referenced_blobs(records, packs)
         referenced[rest["rng"]] = len(rng_data)
+        # Each new state is one generation on (a superseded one leaves a gap): the writer
+        # commits states in the order taken, so committed generations only grow.
+        self.generation += 1
         header: dict[str, Any] = {
             **rest,
             "names": sorted(name for record in records for name in record["names"]),
@@ -358,6 +372,7 @@ class Checkpointer:
                                   for b, n in r.get("tensors", {}).items()}.values()),
             "buffers_bytes": sum({b: n for r in records for b, n in r.get("buffers", [])}.values()),
             "time": now, "execution_count": execution_count, "pid": os.getpid(),
+            "generation": self.generation,
         }
         data = MAGIC + _trailer(header)
         digest = tensor_io.digest(data)
@@ -415,6 +430,7 @@ class Checkpointer:
             bytes_written=blobs.bytes_written, blobs_written=blobs.blobs_written,
             execution_count=execution_count, group_bytes_written=blobs.group_bytes_written,
             groups_written=pickled, buffers_bytes=header["buffers_bytes"],
+            generation=header_generation(header),
         )
 
     def _save_group(
@@ -565,6 +581,7 @@ class Checkpointer:
         except FileNotFoundError as exc:
             raise CheckpointError(f"there is no checkpoint in {self.root}") from exc
         _check_format(header, self.root, "nothing was loaded")
+        self.generation = max(self.generation, header_generation(header))
         groups = [g for g in header.get("groups", []) if isinstance(g, dict)]
         deferred = defer(groups, budget, measure) if budget is not None else []
         target, lost, restored_tensors, moved_to_cpu = self._load_groups(
@@ -624,6 +641,33 @@ class Checkpointer:
         if isinstance(seen, dict) and seen.get("state") == tensor_io.digest(data):
             header.update(time=seen.get("time"), execution_count=seen.get("execution_count"))
         return header
+
+
+def header_generation(header: Mapping[str, Any]) -> int:
+    """The generation a state's header names (0: none, written before generations)."""
+    found = header.get("generation")
+    return found if isinstance(found, int) and not isinstance(found, bool) and found > 0 else 0
+
+
+def _disk_generation(folder: store.CheckpointDir) -> int:
+    """The generation of the state committed in ``folder`` (0: none, or unreadable)."""
+    try:
+        header, _ = _read_trailer(io.BytesIO(folder.read_bytes(store.STATE_FILE)), folder.path)
+    except (OSError, ValueError, CheckpointError, store.UnsafeCheckpointError):
+        return 0
+    return header_generation(header) if isinstance(header, dict) else 0
+
+
+def committed_generation(root: Path) -> int | None:
+    """The generation of the checkpoint committed in ``root``, read through checked
+    descriptors without unpickling anything; None when there is none or it is not ours."""
+    try:
+        with store.CheckpointDir.open(Path(root)) as folder:
+            if not folder.exists(store.STATE_FILE):
+                return None
+            return _disk_generation(folder)
+    except (OSError, store.UnsafeCheckpointError):
+        return None
 
 
 def _check_format(header: Mapping[str, Any], root: Path, outcome: str) -> None:

@@ -54,6 +54,10 @@ class KernelEnv:
     # The server's file remembering the user's %gpu request here (``--reset`` removes it).
     remembered_request: Path | None = None
     problems: tuple[str, ...] = field(default_factory=tuple)
+    # Why this kernel takes no checkpoints (its folder is not the user's alone), or None.
+    checkpoints_off: str | None = None
+    # The newest checkpoint generation of this kernel the server saw (0: none).
+    checkpoint_generation: int = 0
 
     @property
     def has_lease(self) -> bool:
@@ -155,6 +159,8 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     checkpoint_dir = Path(raw_dir).expanduser() if raw_dir else default_checkpoint_dir(kernel_id)
     raw_reason = env.get(contract.RESTART_REASON, "").strip()
     restore = env.get(contract.RESTORE, "").strip().lower() not in ("", "0", "false", "no")
+    checkpoints_off = env.get(contract.NO_CHECKPOINTS, "").strip()[:1000] or None
+    generation = _int(env, contract.CHECKPOINT_GENERATION, problems) or 0
     return KernelEnv(
         lease_id=env.get(contract.LEASE_ID, "").strip() or None,
         agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
@@ -168,8 +174,9 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         context=_int(env, contract.CONTEXT, problems) or 0,
         simulated=env.get(contract.SIMULATED, "") == "1",
         checkpoint_dir=checkpoint_dir,
-        checkpoint_dir_stable=bool(raw_dir or kernel_id),
-        checkpoint_dir_given=bool(raw_dir),
+        # Without checkpoints nothing is written to (or woken in) a folder others can write.
+        checkpoint_dir_stable=bool(raw_dir or kernel_id) and not checkpoints_off,
+        checkpoint_dir_given=bool(raw_dir) and not checkpoints_off,
         restore=restore,
         parked=env.get(contract.PARKED, "") == "1",
         restart_reason=parse_restart_reason(raw_reason) if raw_reason else None,
@@ -177,4 +184,6 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         remembered_request=(Path(env[contract.REMEMBERED_REQUEST])
                             if env.get(contract.REMEMBERED_REQUEST, "").strip() else None),
         problems=tuple(problems),
+        checkpoints_off=checkpoints_off,
+        checkpoint_generation=max(generation, 0),
     )

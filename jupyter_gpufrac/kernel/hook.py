@@ -30,7 +30,12 @@ from jupyter_gpufrac.kernel import (
     store,
     torch_adapter,
 )
-from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
+from jupyter_gpufrac.kernel.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointResult,
+    header_generation,
+)
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from jupyter_gpufrac.kernel.import_hook import after_import
 from jupyter_gpufrac.kernel.observations import ObservationSender
@@ -76,6 +81,8 @@ class GpuFracHook:
         self.limit = environment.limit
         self.share_source: dict[str, str | None] = dict(environment.share_source)
         self.checkpointer = Checkpointer(environment.checkpoint_dir)
+        # Generations go on from the newest the server saw, whatever a restore loads.
+        self.checkpointer.generation = environment.checkpoint_generation
         self.state = ladder.LadderState()
         self.cap: int | None = None
         self.torch_seen = False
@@ -96,7 +103,7 @@ class GpuFracHook:
         self._import_hooks: list[Callable[[], None]] = []
         self.tensorflow_capped: list[str] = []
         self._cells_path = environment.checkpoint_dir / store.CELLS_FILE
-        self._previous_cells = self._read_previous_cells()
+        self._previous_cells = {} if environment.checkpoints_off else self._read_previous_cells()
         # Checkpoints and offloads, told to the agent for its metrics (with a lease only).
         self.observations: ObservationSender | None = None
         if environment.lease_id:
@@ -437,6 +444,8 @@ class GpuFracHook:
     def _write_cells(self, *, running: dict[str, Any] | None) -> None:
         # Names alone, without values: after a kill we can still say what the checkpoint missed,
         # and which cell was running when the process went away.
+        if self.env.checkpoints_off:
+            return  # nothing goes into a folder that is not the user's alone
         selection = namespace.select(self.ip.user_ns, self._hidden())
         data = {"execution_count": self._execution_count(), "time": time.time(),
                 "names": sorted([*selection.values, *selection.modules]), "running": running}
@@ -459,6 +468,8 @@ class GpuFracHook:
     def checkpoint(self, *, full: bool = False, trigger: str = "manual") -> CheckpointResult:
         """Checkpoint the notebook namespace now (raises CheckpointError for people);
         ``trigger`` says why, for the agent's metrics: cell, server, park or manual."""
+        if self.env.checkpoints_off:
+            raise CheckpointError(f"checkpoints are off for this kernel: {self.env.checkpoints_off}")
         self._settle_rng()
         extra = self._checkpoint_extra()
         # Durable when it returns (the server restarts the kernel from it): a snapshot still
@@ -499,7 +510,12 @@ class GpuFracHook:
             # Everything lands in host memory (the park moved GPU tensors there first).
             room, measure = int(psutil.virtual_memory().available * HOST_ROOM_SHARE), "bytes"
         cpu_fallback = False
+        # The newest generation known before loading: the server's, or this process's own.
+        newest = max(self.env.checkpoint_generation, self.checkpointer.generation)
         try:
+            if self.env.checkpoints_off:
+                raise CheckpointError(f"checkpoints are off for this kernel: "
+                                      f"{self.env.checkpoints_off}")
             try:
                 loaded = self.checkpointer.load(self.ip.user_ns, budget=room, measure=measure)
             except CheckpointError as exc:
@@ -541,6 +557,18 @@ class GpuFracHook:
                 cpu_reason=("they did not fit in this kernel's GPU memory limit"
                             if cpu_fallback else "this kernel has no CUDA device"),
             )
+            found = header_generation(loaded.header)
+            report["generation"] = found
+            if newest and found < newest:
+                # Loaded, but never as if it were the latest: its folder was replaced or
+                # renamed (by someone who can write above it), or restored from a backup.
+                older = (f"this checkpoint is older than the last one this server saw "
+                         f"(generation {found} < {newest}): its folder was replaced or renamed "
+                         f"since, so these variables are as they were then, not as after your "
+                         f"last cells")
+                log.warning("gpufrac: %s", older)
+                report.update(older=older, ok=False)
+                text = f"Warning: {older}.\n{text}"
         report["message"] = text
         self.restore_report = report  # the server asks for it (server_channel)
         return report
@@ -781,6 +809,8 @@ class GpuFracHook:
             # The last durable checkpoint (what a restart restores) and the one being written.
             "checkpoint": self.checkpointer.status(),
             "restore": self.restore_report,
+            # Why this kernel takes no checkpoints (its folder is not the user's alone).
+            "checkpoints_off": self.env.checkpoints_off,
             "agent_available": None if self.watcher is None else self.watcher.available,
             "agent_error": None if self.watcher is None else self.watcher.last_error,
             "pid": os.getpid(),

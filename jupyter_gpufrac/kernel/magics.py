@@ -219,6 +219,8 @@ class GpuMagic:
                 f"{messages.fmt_bytes(s['cap'])}")
 
     def _checkpoint_line(self, s: dict[str, Any]) -> str:
+        if s.get("checkpoints_off"):
+            return f"  checkpoint: off, a crash or a move loses the variables ({s['checkpoints_off']})"
         last = s["last_checkpoint"]
         where = s["checkpoint_dir"]
         state = s.get("checkpoint") or {}
@@ -264,6 +266,8 @@ class GpuMagic:
 
     def _disk_line(self) -> str:
         """What this kernel's and all the user's kernels' checkpoints here take on disk."""
+        if self.hook.env.checkpoints_off:
+            return "  checkpoints on disk: none (checkpoints are off)"
         try:
             folder = Path(self.hook.env.checkpoint_dir)
             # stat calls only (a bounded walk): %gpu stays quick however much is on disk.

@@ -163,6 +163,51 @@ def _mkdir_private(name: str | Path, dir_fd: int | None) -> bool:
     return True
 
 
+def open_private_dir(path: Path, *, create: bool = False) -> int:
+    """A descriptor of folder ``path``, checked ours alone (0700 when ``create`` makes it,
+    with its parents); raises UnsafeCheckpointError, FileNotFoundError."""
+    path = Path(path)
+    created = False
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        created = _mkdir_private(path, None)
+    fd = _open_checked(path, _DIR_FLAGS, None, path, directory=True)
+    if created:
+        # mkdir's mode is filtered by the umask; say exactly what we want.
+        try:
+            os.fchmod(fd, 0o700)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why folder ``path`` must not hold our files, with the fix, for people; None when it is
+    ours alone or missing. Only the last component is looked at (not followed if a link)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path} cannot be checked ({exc.strerror}); fix its permissions"
+    uid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        return (f"{path} is a symbolic link, which could lead anywhere; fix: remove the link "
+                f"(`rm {path}`) and let the server create the folder")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a folder; fix: remove it and let the server create the folder"
+    if st.st_uid != uid:
+        return (f"{path} belongs to another user (uid {st.st_uid}), not to you (uid {uid}); "
+                "fix: remove it, another user owns it (ask them or an administrator to), and "
+                "let the server create it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{path} is writable by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}), so another user could replace what is in "
+                f"it; fix: `chmod 700 {path}`")
+    return None
+
+
 class CheckpointDir:
     """A checked checkpoint directory and its blob folder, held open.
 
@@ -177,36 +222,33 @@ class CheckpointDir:
         self.blobs_fd = blobs_fd
 
     @classmethod
-    def open(cls, path: Path, *, create: bool = False) -> CheckpointDir:
+    def open(cls, path: Path, *, create: bool = False, blobs: bool = True) -> CheckpointDir:
         """Open and check ``path`` and its blob folder; ``create`` makes missing ones 0700.
+        Without ``blobs`` only ``path`` (a folder of small files: no blob may be named).
 
         Raises UnsafeCheckpointError for a directory that is a link, not ours or writable by
         others, FileNotFoundError for a missing one.
         """
         path = Path(path)
-        created = False
-        if create:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            created = _mkdir_private(path, None)
-        root = _open_checked(path, _DIR_FLAGS, None, path, directory=True)
+        root = open_private_dir(path, create=create)
+        if not blobs:
+            return cls(path, root, -1)
         try:
-            if created:
-                # mkdir's mode is filtered by the umask; say exactly what we want.
-                os.fchmod(root, 0o700)
             blobs_created = create and _mkdir_private(BLOB_DIR, root)
-            blobs = _open_checked(BLOB_DIR, _DIR_FLAGS, root, path / BLOB_DIR, directory=True)
+            blobs_fd = _open_checked(BLOB_DIR, _DIR_FLAGS, root, path / BLOB_DIR, directory=True)
             if blobs_created:
-                os.fchmod(blobs, 0o700)
+                os.fchmod(blobs_fd, 0o700)
         except BaseException:
             os.close(root)
             raise
-        return cls(path, root, blobs)
+        return cls(path, root, blobs_fd)
 
     def dup(self) -> CheckpointDir:
         """The same directories under descriptors of their own (for another thread to close)."""
         root = os.dup(self.root_fd)
         try:
-            return CheckpointDir(self.path, root, os.dup(self.blobs_fd))
+            return CheckpointDir(self.path, root,
+                                 os.dup(self.blobs_fd) if self.blobs_fd >= 0 else -1)
         except BaseException:
             os.close(root)
             raise
@@ -214,8 +256,9 @@ class CheckpointDir:
     def close(self) -> None:
         """Close both descriptors."""
         for fd in (self.blobs_fd, self.root_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self.root_fd = self.blobs_fd = -1
 
     def __enter__(self) -> CheckpointDir:
@@ -467,15 +510,18 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def read_file(root: Path, name: str) -> bytes:
-    """File ``name`` of checkpoint directory ``root``, refused unless both are ours alone."""
-    with CheckpointDir.open(root) as folder:
+def read_file(root: Path, name: str, *, blobs: bool = True) -> bytes:
+    """File ``name`` of checkpoint directory ``root``, refused unless both are ours alone
+    (``blobs``: ``root`` has a blob folder, checked too)."""
+    with CheckpointDir.open(root, blobs=blobs) as folder:
         return folder.read_bytes(name)
 
 
-def write_file(root: Path, name: str, data: bytes, *, durable: bool = True) -> None:
-    """Replace file ``name`` of ``root`` (created owner-only if missing) atomically."""
-    with CheckpointDir.open(root, create=True) as folder:
+def write_file(root: Path, name: str, data: bytes, *, durable: bool = True,
+               blobs: bool = True) -> None:
+    """Replace file ``name`` of ``root`` (created owner-only if missing) atomically, under an
+    exclusive temporary name, never through a link (``blobs``: make the blob folder too)."""
+    with CheckpointDir.open(root, create=True, blobs=blobs) as folder:
         folder.write_bytes_atomic(name, data, durable=durable)
 
 

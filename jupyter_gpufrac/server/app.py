@@ -34,7 +34,12 @@ from jupyter_gpufrac.server.handlers import handlers, own_leases
 from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from jupyter_gpufrac.server.launch import lease_gpus
-from jupyter_gpufrac.server.settings import KernelSettings, agent_command, default_checkpoint_root
+from jupyter_gpufrac.server.settings import (
+    KernelSettings,
+    agent_command,
+    checkpoint_folder_problem,
+    default_checkpoint_root,
+)
 from jupyter_gpufrac.server.spares import SparePool, default_enabled
 from node_agent.quantities import QuantityError, parse_quantity
 
@@ -291,6 +296,22 @@ class GpuFrac(ExtensionApp):
                                    f"({self.default_request}), got {self.default_limit}")
                 return
 
+    def check_folders(self) -> None:
+        """The data and checkpoint folders must be the user's alone (a shared home or project
+        folder may hold one another user made): else kernels start without checkpoints, and
+        the log and the panel's config problems say which folder and how to fix it. Unlike
+        other config problems this one does not withhold GPU leases."""
+        problem = checkpoint_folder_problem(self.checkpoint_dir)
+        self.kernel_settings.folder_problem = problem
+        if problem is None:
+            return
+        text = (f"checkpoints are off: {problem}, then restart the server; until then kernels "
+                "start without checkpoints (a crash, a move or a park loses their variables) "
+                "and no %gpu request is remembered")
+        if text not in self.config_problems:
+            self.config_problems.append(text)
+        self.log.error("jupyter_gpufrac: %s", text)
+
     # -- wiring ------------------------------------------------------------------------
 
     def initialize_settings(self) -> None:
@@ -331,7 +352,9 @@ class GpuFrac(ExtensionApp):
             agent_command=agent_command(self.agent_socket, self.agent_state_dir),
             config_problems=tuple(self.config_problems),
             checkpoint_keep_seconds=self.checkpoint_keep_seconds,
+            log=self.log,
         )
+        self.check_folders()
         self._disk: tuple[float, Usage] | None = None
         self.settings["gpufrac_app"] = self
         self.log.info(
@@ -442,6 +465,8 @@ class GpuFrac(ExtensionApp):
 
     async def sweep_checkpoints(self) -> list[retention.Removed]:
         """One sweep of the checkpoint folder, its I/O off the event loop; never raises."""
+        if self.kernel_settings.folder_problem:
+            return []  # not the user's alone: nothing in it is touched
         km = self.kernels.kernel_manager
         running = set(km.list_kernel_ids()) if km is not None else set()
         try:
@@ -491,6 +516,7 @@ class GpuFrac(ExtensionApp):
         report = None if kernel is None else await restore_report(kernel, RESTORE_REPORT_WAIT_S)
         gpu = self.kernels.get(kernel_id)
         if gpu is not None and report is not None:
+            gpu.saw_generation(report.get("generation"))
             await gpu.restored()
         where = gpu.where() if gpu is not None else {}
         cause = str(reason.get("message") or "Restarted").rstrip(".")
@@ -522,6 +548,10 @@ class GpuFrac(ExtensionApp):
     async def _look_at_leases(self) -> None:
         kernels = self.kernels.items()
         await self._refresh_notebooks()
+        # Each kernel's newest checkpoint generation, learned while it runs: a restore after
+        # a crash then knows what the folder held before anyone could rename it.
+        await asyncio.to_thread(_look_at_checkpoints,
+                                [gpu for _, gpu in kernels if gpu.hooked and not gpu.closed])
         if self.agent_error is None:
             for kernel_id, gpu in kernels:
                 if gpu.lease is None and gpu.launches and not gpu.closed:
@@ -687,3 +717,13 @@ class GpuFrac(ExtensionApp):
                               lease["id"], lease.get("kernel_id"), server_pid)
             except AgentError as err:
                 self.log.info("gpufrac: stale lease %s not released: %s", lease["id"], err)
+
+
+def _look_at_checkpoints(gpus: list[KernelGpu]) -> None:
+    """:meth:`KernelGpu.look_at_checkpoint` of each (in a thread: file I/O); never raises."""
+    for gpu in gpus:
+        try:
+            gpu.look_at_checkpoint()
+        except Exception:  # one unreadable folder must not stop the lease watch
+            gpu.log.debug("gpufrac: kernel %s: checkpoint not read", gpu.kernel_id,
+                          exc_info=True)

@@ -177,7 +177,8 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
     deferred = {str(k): int(v) for k, v in (raw_deferred or {}).items()}
     interrupted = report.get("interrupted_cell")
     error = report.get("error")
-    parts: list[str] = []
+    older = report.get("older")
+    parts: list[str] = [str(older)[:1000]] if older else []
     if error:
         parts.append(f"no variables were restored: {error}")
     else:
@@ -194,12 +195,13 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
     if interrupted:
         parts.append(f"cell {interrupted} was cut off: re-run it")
     ok = (bool(report.get("ok")) and not error and not lost and not interrupted
-          and not deferred)
+          and not deferred and not older)
     return {
         "ok": ok, "restored": restored, "lost": lost, "lost_reasons": lost_reasons,
         "deferred": deferred,
         "interrupted_cell": str(interrupted) if interrupted else None,
         "checkpoint_cell": report.get("checkpoint_cell"), "error": str(error) if error else None,
+        "older": str(older)[:1000] if older else None,
         "time": float(report.get("time") or time.time()),
         "message": "; ".join(parts) + ".",
     }

@@ -6,9 +6,12 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.kernel import store
+from jupyter_gpufrac.kernel.checkpoint import committed_generation
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
 from jupyter_gpufrac.server.launch import checkpoint_dir_of, lease_gpus, resolve_share
 from jupyter_gpufrac.server.podinfo import cluster_gpus, reachable_gpus, read_podinfo
@@ -88,6 +91,12 @@ class KernelGpu:
         # When the kernel last could not be parked (its tensors did not fit in host memory,
         # its checkpoint failed): it is not tried again for a while.
         self.park_refused = 0.0
+        # The newest checkpoint generation of this kernel the server saw, kept across its
+        # restarts: a restore of an older one says so (a folder renamed or replaced).
+        self.checkpoint_generation = 0
+        self._state_seen: tuple[int, int, int] | None = None
+        # Why this kernel's launches take no checkpoints (a folder others can write), or None.
+        self.checkpoints_off: str | None = None
 
     # -- for people --------------------------------------------------------------------
 
@@ -135,6 +144,28 @@ class KernelGpu:
             "message": "its process was killed or crashed (not by jupyter-gpufrac)",
             "from_gpu": gpu, "to_gpu": gpu,
         }
+
+    def saw_generation(self, generation: object) -> None:
+        """The kernel has (or had) a committed checkpoint of ``generation``: remember the newest."""
+        if (isinstance(generation, int) and not isinstance(generation, bool)
+                and generation > self.checkpoint_generation):
+            self.checkpoint_generation = generation
+
+    def look_at_checkpoint(self) -> None:
+        """Learn the generation of the kernel's committed checkpoint from its header (file I/O:
+        call it in a thread); read again only when the state file changed since."""
+        settings = self.settings()
+        if settings.folder_problem or self.checkpoints_off:
+            return
+        folder = checkpoint_dir_of(settings.checkpoint_root, self.kernel_id)
+        try:
+            st = os.stat(os.path.join(folder, store.STATE_FILE), follow_symlinks=False)
+        except OSError:
+            return
+        seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if seen != self._state_seen:
+            self._state_seen = seen
+            self.saw_generation(committed_generation(Path(folder)))
 
     async def restored(self) -> None:
         """The kernel of this launch answered with its restore report: it started."""
@@ -241,6 +272,8 @@ class KernelGpu:
     def wake(self) -> bool:
         """Wake the kernel's directive thread (the agent addressed its lease): it reads the
         lease's directives at once. False when no kernel listens (dead, or starting)."""
+        if self.checkpoints_off:
+            return False  # its folder is not the user's alone: the kernel listens on none
         return wake(wake_path(checkpoint_dir_of(self.settings().checkpoint_root,
                                                 self.kernel_id)))
 

@@ -6,9 +6,11 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.podinfo import PodShare
 from node_agent.caps import framework_caps
 from node_agent.quantities import Quantity, QuantityError, parse_kai_gpu_memory, parse_quantity
@@ -193,6 +195,8 @@ def build_kernel_env(
     hide_gpus: bool,
     share_source: Mapping[str, str | None] | None = None,
     remembered_request: str | None = None,
+    checkpoints_off: str | None = None,
+    checkpoint_generation: int = 0,
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -206,6 +210,11 @@ def build_kernel_env(
     env[contract.CHECKPOINT_DIR] = checkpoint_dir
     if remembered_request:
         env[contract.REMEMBERED_REQUEST] = remembered_request
+    if checkpoints_off:
+        env[contract.NO_CHECKPOINTS] = checkpoints_off
+    if checkpoint_generation:
+        # The newest checkpoint the server saw: a restore of an older one says so.
+        env[contract.CHECKPOINT_GENERATION] = str(int(checkpoint_generation))
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -250,12 +259,12 @@ def checkpoint_dir_of(root: str, kernel_id: str) -> str:
 
 
 def kernel_checkpoint_dir(root: str, kernel_id: str) -> str:
-    """The kernel's own checkpoint directory, created 0700 (checkpoints are unpickled)."""
-    os.makedirs(root, mode=0o700, exist_ok=True)
+    """The kernel's own checkpoint directory, created 0700 (checkpoints are unpickled).
+
+    Both folders are opened without following a link and checked ours alone; raises
+    UnsafeCheckpointError or OSError (the caller starts the kernel without checkpoints).
+    """
+    os.close(store.open_private_dir(Path(root), create=True))
     path = checkpoint_dir_of(root, kernel_id)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    # makedirs honours the umask and leaves an existing directory alone: enforce 0700.
-    for directory in (root, path):
-        if os.stat(directory).st_mode & 0o077:
-            os.chmod(directory, 0o700)
+    store.ensure_private_dir(Path(path))
     return path

@@ -14,9 +14,11 @@ from jupyter_client.provisioning import LocalProvisioner
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import clear_marker
+from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import (
     build_kernel_env,
+    checkpoint_dir_of,
     is_ipykernel,
     kernel_arguments,
     kernel_checkpoint_dir,
@@ -26,6 +28,8 @@ from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
 from jupyter_gpufrac.server.spares import SpareKey, SparePool
 
 EXTENSION_NAME = "jupyter_gpufrac"
+# In the provisioner's saved info: the newest checkpoint generation the server saw.
+GENERATION_INFO = "gpufrac_checkpoint_generation"
 
 
 class GpuFracProvisioner(LocalProvisioner):
@@ -113,9 +117,12 @@ class GpuFracProvisioner(LocalProvisioner):
         spec = self.kernel_spec
         argv = list(getattr(spec, "argv", []) or [])
         load_ext = is_ipykernel(argv, str(getattr(spec, "language", "") or ""))
-        checkpoint_dir = kernel_checkpoint_dir(settings.checkpoint_root, kernel_id)
-        # A kernel launched under this id is not shut down (whatever marked it before).
-        clear_marker(pathlib.Path(checkpoint_dir))
+        checkpoint_dir = self._checkpoint_dir(settings, kernel_id)
+        if gpu.checkpoints_off is None:
+            # A kernel launched under this id is not shut down (whatever marked it before).
+            clear_marker(pathlib.Path(checkpoint_dir))
+            # At a restart, before the launch: the newest state this server can know of.
+            await asyncio.to_thread(gpu.look_at_checkpoint)
         kwargs["extra_arguments"] = kernel_arguments(kwargs.get("extra_arguments"), load_ext)
         kwargs["env"] = build_kernel_env(
             kwargs.get("env") or os.environ,
@@ -129,9 +136,35 @@ class GpuFracProvisioner(LocalProvisioner):
             hide_gpus=hide_gpus,
             share_source=gpu.share_source,
             remembered_request=settings.remembered_request_path,
+            checkpoints_off=gpu.checkpoints_off,
+            checkpoint_generation=gpu.checkpoint_generation,
         )
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result
+
+    def _checkpoint_dir(self, settings: KernelSettings, kernel_id: str) -> str:
+        """The kernel's checkpoint folder, made and checked; where it cannot be used the kernel
+        starts without checkpoints (``gpu.checkpoints_off`` says why), never fails to start."""
+        gpu = self.gpu
+        gpu.checkpoints_off = settings.folder_problem
+        if gpu.checkpoints_off is None:
+            try:
+                return kernel_checkpoint_dir(settings.checkpoint_root, kernel_id)
+            except (OSError, store.UnsafeCheckpointError) as exc:
+                gpu.checkpoints_off = str(exc)
+                self.log.error("kernel %s: starts without checkpoints: %s", kernel_id, exc)
+        return checkpoint_dir_of(settings.checkpoint_root, kernel_id)
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        """jupyter_client's saved state, with the newest checkpoint generation seen."""
+        info: dict[str, Any] = await super().get_provisioner_info()
+        info[GENERATION_INFO] = self.gpu.checkpoint_generation
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        """Restore :meth:`get_provisioner_info`'s state."""
+        await super().load_provisioner_info(provisioner_info)
+        self.gpu.saw_generation(provisioner_info.get(GENERATION_INFO))
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
         """Start the kernel in a pre-warmed spare process when this launch restores (a move or
@@ -220,7 +253,7 @@ class GpuFracProvisioner(LocalProvisioner):
         if not restart:
             await self.gpu.close()
             settings = self.settings()
-            if not settings.server_stopping:
+            if not settings.server_stopping and self.gpu.checkpoints_off is None:
                 await asyncio.to_thread(mark_shut_down, settings.checkpoint_root,
                                         str(self.kernel_id), settings.checkpoint_keep_seconds,
                                         self.log)

@@ -119,6 +119,8 @@ def kernel_model(
         "share_source": gpu.share_source if gpu is not None else None,
         # What this kernel's and all the user's kernels' checkpoints take on disk.
         "checkpoint_disk": checkpoint_disk,
+        # Why this kernel takes no checkpoints (a folder another user can write), or None.
+        "checkpoints_off": gpu.checkpoints_off if gpu is not None else None,
         "events": events,
     }
 

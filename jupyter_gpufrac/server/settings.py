@@ -9,11 +9,14 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.events import KernelEventLog
+from node_agent.quantities import QuantityError, parse_quantity
 
 
 @dataclass
@@ -37,32 +40,75 @@ class KernelSettings:
     # Set as the server stops: the kernels it shuts down then were not shut down by their users.
     server_stopping: bool = False
 
+    # Why the checkpoint folders may not be used (a folder another user can write): kernels
+    # then start without checkpoints, and are told so. None: they are fine.
+    folder_problem: str | None = None
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger(__name__))
+
     @property
     def remembered_request_path(self) -> str:
         """The user's remembered ``%gpu request`` for this server's environment."""
+        return os.path.join(self.checkpoint_root, self.remembered_request_name)
+
+    @property
+    def remembered_request_name(self) -> str:
+        """The file name of :attr:`remembered_request_path` in the checkpoint root."""
         key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
-        return os.path.join(self.checkpoint_root,
-                            contract.LAST_REQUEST_FILE.format(environment=key))
+        return contract.LAST_REQUEST_FILE.format(environment=key)
 
     def last_request(self) -> dict[str, Any] | None:
         """The user's last ``%gpu request`` here (request/limit specs), remembered across
-        kernels and server restarts in this environment."""
+        kernels and server restarts in this environment; None when there is none, or it is
+        not the user's alone or not a request the agent would take (said in the log)."""
+        if self.folder_problem:
+            return None
         path = self.remembered_request_path
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
+            data = json.loads(store.read_file(Path(self.checkpoint_root),
+                                              self.remembered_request_name, blobs=False))
+        except FileNotFoundError:
             return None
-        return data if isinstance(data, dict) and data.get("request") else None
+        except (OSError, ValueError, store.UnsafeCheckpointError) as exc:
+            self.log.warning("gpufrac: ignoring the remembered %%gpu request %s: %s", path, exc)
+            return None
+        problem = _request_problem(data)
+        if problem is not None:
+            self.log.warning("gpufrac: ignoring the remembered %%gpu request %s: %s", path,
+                             problem)
+            return None
+        return {"request": data["request"], "limit": data.get("limit")}
 
     def remember_request(self, request: str, limit: str | None) -> None:
-        """Store a ``%gpu request`` so the user's next kernel asks for the same."""
-        os.makedirs(self.checkpoint_root, mode=0o700, exist_ok=True)
-        path = self.remembered_request_path
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"request": request, "limit": limit}, f)
-        os.replace(tmp, path)
+        """Store a ``%gpu request`` so the user's next kernel asks for the same: through the
+        checked folder's descriptor, under an exclusive temporary name, never via a link."""
+        if self.folder_problem:
+            self.log.warning("gpufrac: the %%gpu request is not remembered: %s",
+                             self.folder_problem)
+            return
+        data = json.dumps({"request": request, "limit": limit}).encode()
+        try:
+            store.write_file(Path(self.checkpoint_root), self.remembered_request_name, data,
+                             blobs=False)
+        except (OSError, store.UnsafeCheckpointError) as exc:
+            self.log.warning("gpufrac: the %%gpu request is not remembered: %s", exc)
+
+
+def _request_problem(data: object) -> str | None:
+    """What is wrong with a remembered request as read (None: a request and limit the agent
+    parses)."""
+    if not isinstance(data, dict):
+        return f"expected a JSON object, got {type(data).__name__}"
+    for key in ("request", "limit"):
+        value = data.get(key)
+        if value is None and key == "limit":
+            continue
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            return f"{key}: expected a quantity, got {value!r}"[:200]
+        try:
+            parse_quantity(value, key)
+        except QuantityError as err:
+            return str(err)[:200]
+    return None
 
 
 def default_checkpoint_root() -> str:
@@ -85,7 +131,27 @@ def standalone_settings(log: logging.Logger) -> KernelSettings:
         checkpoint_root=default_checkpoint_root(),
         events=KernelEventLog(None, log),
         agent_command=agent_command(socket_path, None),
+        log=log,
     )
+
+
+def checkpoint_folder_problem(checkpoint_root: str) -> str | None:
+    """Why the checkpoint root (and the gpufrac data folder above it, when it is the default
+    one's) may not be used, with the fix; None when they are the user's alone. Missing ones
+    are created 0700."""
+    root = Path(checkpoint_root)
+    data_root = Path(default_checkpoint_root()).parent
+    folders = [data_root, root] if root.parent == data_root else [root]
+    for folder in folders:
+        # A component above the last that is a link (a home on another disk) is the user's.
+        problem = store.folder_problem(folder)
+        if problem is not None:
+            return problem
+        try:
+            os.close(store.open_private_dir(folder, create=True))
+        except (OSError, store.UnsafeCheckpointError) as exc:
+            return f"{folder} cannot be used ({exc})"
+    return None
 
 
 def agent_command(socket_path: str | None, state_dir: str | None) -> str:

@@ -297,6 +297,7 @@ def test_tcp_with_token(start_agent: Callable[..., AgentProcess], shared_tmp: An
 
     token_file = shared_tmp / "token"
     token_file.write_text("s3cret-token-of-some-length\n")
+    token_file.chmod(0o600)  # serve refuses a token file others may read
     port = free_port()
     agent = start_agent("--tcp", f"127.0.0.1:{port}", "--token-file", str(token_file))
     agent.client().create_lease(client="t", request="0.25")

@@ -1,0 +1,82 @@
+"""Registering pids from another PID namespace: found without a scan of /proc per call."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from harness.agent import wait_for
+from node_agent import procs
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="a new PID namespace needs root")
+
+
+@pytest.fixture
+def pod() -> Iterator[tuple[int, int]]:
+    """A shell in a new PID namespace (its pid 1) with a child there (its pid 2): their pids
+    here (the shell's, the child's)."""
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", "sleep 60 & wait"],
+                             stderr=subprocess.DEVNULL)
+
+    def children(pid: int) -> list[int]:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                return [int(p) for p in f.read().split()]
+        except OSError:
+            return []
+
+    shell = wait_for(lambda: children(outer.pid), 10, "the namespace's shell")[0]
+    sleep = wait_for(lambda: children(shell), 10, "the shell's child")[0]
+    yield shell, sleep
+    with contextlib.suppress(ProcessLookupError):  # gone once its child is
+        os.kill(shell, 9)  # init of its namespace: the child goes with it
+    outer.wait()
+
+
+def test_a_pid_of_another_namespace_is_found_without_a_scan_per_call(
+    pod: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shell, sleep = pod
+    scans = 0
+    scandir = os.scandir
+
+    def counted(path: Any) -> Any:
+        nonlocal scans
+        scans += path == "/proc"
+        return scandir(path)
+
+    monkeypatch.setattr(procs.os, "scandir", counted)
+    assert procs.as_seen_here(shell, 1) == shell
+    started = time.perf_counter()
+    for _ in range(50):
+        assert procs.as_seen_here(shell, 2) == sleep
+    took = time.perf_counter() - started
+    assert scans <= 1, f"{scans} scans of /proc for 50 registrations"
+    assert took < 0.5
+    # Not a pid of that namespace: None, and the searching never finds one of another.
+    assert procs.as_seen_here(shell, 7777) is None
+    assert procs.as_seen_here(shell, os.getpid()) in (None, shell, sleep)
+    # The process exits: what was remembered of it is not answered any more.
+    os.kill(sleep, 9)
+    wait_for(lambda: procs.stat(sleep) is None, 10, "the child to exit and be reaped")
+    assert procs.as_seen_here(shell, 2) is None
+
+
+def test_a_remembered_pid_reused_by_another_process_is_not_answered(
+    pod: tuple[int, int]
+) -> None:
+    shell, sleep = pod
+    assert procs.as_seen_here(shell, 2) == sleep
+    key = next(k for k, v in procs._elsewhere.items() if v[0] == sleep)
+    # As if pid `sleep` now were another process: its start time differs from the one seen.
+    procs._elsewhere[key] = (sleep, procs._elsewhere[key][1] + 1)
+    assert procs._remembered(*key) is None
+    assert procs.as_seen_here(shell, 2) == sleep  # found again, by a new scan
