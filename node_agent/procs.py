@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import signal
@@ -45,8 +46,9 @@ def _meminfo(field: bytes) -> int | None:
     return None
 
 
+@functools.cache
 def memory_total() -> int:
-    """The host's RAM in bytes."""
+    """The host's RAM in bytes (read once: every node view asks for the freeze budget)."""
     return _meminfo(b"MemTotal") or os.sysconf("SC_PHYS_PAGES") * PAGE_SIZE
 
 
