@@ -376,6 +376,7 @@ def test_a_checkpoint_asked_before_the_first_cell_keeps_the_restored_generators(
     ckdir = tmp_path / "ck"
     with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(ckdir)}) as k:
         assert k.run("import random\nrandom.seed(7)\nfirst = random.random()").status == "ok"
+        wait_written(k)  # written in the background: the kill at the end must not come first
     undisturbed = random.Random(7)
     undisturbed.random()
     expected = undisturbed.random()
