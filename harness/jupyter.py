@@ -156,6 +156,8 @@ class Reply:
     error: str
     # text/plain of execute_result and display_data, in order
     results: list[str] = field(default_factory=list)
+    # The cell's number as the notebook shows it ([n]), from the execute_reply.
+    execution_count: int | None = None
 
 
 class Notebook:
@@ -258,6 +260,7 @@ class Notebook:
         """Collect a cell's output until its reply and the kernel's return to idle."""
         deadline = time.monotonic() + timeout
         stdout, error, status, idle = [], "", "", False
+        count: int | None = None
         results: list[str] = []
         seen: list[str] = []  # what came for this cell, named when it never finishes
         while not (status and idle):
@@ -277,12 +280,13 @@ class Notebook:
                 error = f"{content['ename']}: {content['evalue']}"
             elif kind == "execute_reply":
                 status = content["status"]
+                count = content.get("execution_count")
                 if status == "error" and not error:
                     error = f"{content.get('ename')}: {content.get('evalue')}"
             elif kind == "status" and content["execution_state"] == "idle":
                 idle = True
         self._kept.pop(msg_id, None)
-        return Reply(status, "".join(stdout), error, results)
+        return Reply(status, "".join(stdout), error, results, count)
 
     def run(self, code: str, timeout: float = 120) -> Reply:
         return self.wait(self.send(code), timeout)

@@ -31,6 +31,11 @@ PARKED = "GPUFRAC_PARKED"
 SHARE_SOURCE = "GPUFRAC_SHARE_SOURCE"
 # The file holding the user's remembered %gpu request for this environment (--reset removes it).
 REMEMBERED_REQUEST = "GPUFRAC_REMEMBERED_REQUEST"
+# The share a new kernel gets when nothing else names one (c.GpuFrac), JSON {"request": SPEC,
+# "limit": SPEC or null}: what `%gpu request --reset` leaves new notebooks with.
+DEFAULT_SHARE = "GPUFRAC_DEFAULT_SHARE"
+# Why the server started this kernel without a GPU lease, for people (unset with a lease).
+NO_LEASE_REASON = "GPUFRAC_NO_LEASE_REASON"
 
 # The server's own environment on Kubernetes (the pod spec sets them; docs/kubernetes.md): the
 # folder of the downward API's files (annotations, name, namespace, uid), the container's name
@@ -50,7 +55,7 @@ CHECKPOINT_GENERATION = "GPUFRAC_CHECKPOINT_GENERATION"
 LAUNCH_VARIABLES = (
     LEASE_ID, KERNEL_ID, REQUEST, LIMIT, GPU_UUID, GPU_INDEX, GPU_NAME, GPU_TOTAL, CONTEXT,
     SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, PARKED, SHARE_SOURCE, REMEMBERED_REQUEST,
-    NO_CHECKPOINTS, CHECKPOINT_GENERATION, *FRAMEWORK_CAPS,
+    DEFAULT_SHARE, NO_LEASE_REASON, NO_CHECKPOINTS, CHECKPOINT_GENERATION, *FRAMEWORK_CAPS,
 )
 
 # The IPython extension the kernel loads.

@@ -1189,7 +1189,7 @@ class Agent:
         self._notebook_only(lease)
         if lease.state not in ("active", "shrinking"):
             raise Conflict("lease", f"lease is {lease.state}: {_NOT_NOW[lease.state]}")
-        self._directive(lease, "park", "its kernel asked to give its GPU back (`%gpu park`)",
+        self._directive(lease, "park", "parked at its user's request (`%gpu park`)",
                         gpu=lease.physical[0], request=lease.request, limit=lease.limit)
         return lease
 

@@ -53,6 +53,12 @@ class KernelEnv:
     share_source: dict[str, str | None] = field(default_factory=dict)
     # The server's file remembering the user's %gpu request here (``--reset`` removes it).
     remembered_request: Path | None = None
+    # The share new kernels get when nothing else names one ({"request": "0.25", "limit": ...}).
+    default_share: dict[str, str | None] = field(default_factory=dict)
+    # Why the server started this kernel without a lease, in its words (None: it said nothing).
+    no_lease_why: str | None = None
+    # The gpufrac provisioner launched this kernel (it always sets GPUFRAC_KERNEL_ID).
+    launched_by_provisioner: bool = False
     problems: tuple[str, ...] = field(default_factory=tuple)
     # Why this kernel takes no checkpoints (its folder is not the user's alone), or None.
     checkpoints_off: str | None = None
@@ -68,6 +74,12 @@ class KernelEnv:
         """Why there is no lease, for ``%gpu``."""
         if self.has_lease:
             return ""
+        if self.no_lease_why:
+            return self.no_lease_why
+        if self.launched_by_provisioner:
+            return ("The Jupyter server started this kernel without a GPU lease and did not say "
+                    "why (its log may): no GPU memory is reserved for it and nothing limits or "
+                    "moves it.")
         return (
             "GPUFRAC_LEASE_ID is not set: this kernel was not started by the gpufrac kernel "
             "provisioner (start it from a Jupyter server with jupyter-gpufrac enabled and a "
@@ -126,7 +138,9 @@ def default_checkpoint_dir(kernel_id: str | None, home: Path | None = None) -> P
     return base / (kernel_id or f"pid-{os.getpid()}")
 
 
-def _share_source(raw: str, problems: list[str]) -> dict[str, str | None]:
+def _share_source(raw: str, problems: list[str],
+                  variable: str = contract.SHARE_SOURCE) -> dict[str, str | None]:
+    """``{"request": text, "limit": text or None}`` from ``variable``'s JSON."""
     if not raw.strip():
         return {}
     try:
@@ -135,7 +149,7 @@ def _share_source(raw: str, problems: list[str]) -> dict[str, str | None]:
         data = None
     if not isinstance(data, dict) or not all(
             isinstance(data.get(k), str | None) for k in ("request", "limit")):
-        problems.append(f"{contract.SHARE_SOURCE} is not the expected JSON: {raw[:80]!r}")
+        problems.append(f"{variable} is not the expected JSON: {raw[:80]!r}")
         return {}
     return {"request": data.get("request"), "limit": data.get("limit")}
 
@@ -183,6 +197,10 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         share_source=_share_source(env.get(contract.SHARE_SOURCE, ""), problems),
         remembered_request=(Path(env[contract.REMEMBERED_REQUEST])
                             if env.get(contract.REMEMBERED_REQUEST, "").strip() else None),
+        default_share=_share_source(env.get(contract.DEFAULT_SHARE, ""), problems,
+                                    contract.DEFAULT_SHARE),
+        no_lease_why=env.get(contract.NO_LEASE_REASON, "").strip()[:2000] or None,
+        launched_by_provisioner=bool(env.get(contract.KERNEL_ID, "").strip()),
         problems=tuple(problems),
         checkpoints_off=checkpoints_off,
         checkpoint_generation=max(generation, 0),

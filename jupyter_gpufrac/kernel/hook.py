@@ -21,6 +21,7 @@ from IPython.core.error import UsageError
 from jupyter_gpufrac.kernel import env as kenv
 from jupyter_gpufrac.kernel import (
     frameworks,
+    history,
     ladder,
     messages,
     namespace,
@@ -54,6 +55,8 @@ UNPARK_POLL_MAX_S = 2.0
 # A kernel that exits waits this long for the checkpoint being written (jupyter_client kills a
 # kernel that has not exited 5 s after it was asked to shut down).
 EXIT_FLUSH_S = 4.0
+# A restore that lost nothing is told at the first cell only this soon after it (seconds).
+RESTORE_NEWS_S = 30.0
 
 
 def cell_label(execution_count: int | None, source: str) -> str:
@@ -88,12 +91,15 @@ class GpuFracHook:
         self.torch_seen = False
         self.offloaded: list[offload.Offloaded] = []
         self.restore_report: dict[str, Any] | None = None
-        self.pending_message: str | None = None
+        self._restore_reason: kenv.RestartReason | None = None
+        # The restore at start is told with the first cell, if it is still news then.
+        self._restore_untold = False
         # Restored at extension load: IPython hides every name present then (user_ns_hidden);
         # these are the user's, so they are unhidden before anything else runs.
         self._restored_names: list[str] = []
         self._rng_after_restore: dict[str, Any] | None = None
         self._running: dict[str, Any] | None = None  # the cell running now, as cells.json says
+        self._running_source: tuple[str, str] | None = None  # its source (parsed, raw)
         self.checkpoint_error: str | None = None
         self.watcher: DirectiveWatcher | None = None
         self.poll_timeout = poll_timeout
@@ -288,9 +294,10 @@ class GpuFracHook:
             self._tell_checkpoint_failure()
         with self._lock:
             lines = []
-            if self.pending_message:
-                lines.append(self.pending_message)
-                self.pending_message = None
+            if self._restore_untold:
+                self._restore_untold = False
+                if self._restore_is_news():
+                    lines.append(self.restore_text())
             lines += self.state.notices
             self.state.notices.clear()
         if lines:
@@ -299,8 +306,11 @@ class GpuFracHook:
             count = getattr(self.ip, "execution_count", None)
             # IPython counts the cell before pre_run_cell: the running one is one less.
             number = count - 1 if isinstance(count, int) and count > 0 else None
+            raw = str(getattr(info, "raw_cell", "") or "")
+            parsed = str(getattr(info, "transformed_cell", None) or raw)
             self._running = {"execution_count": number, "time": time.time(),
-                             "cell": cell_label(number, str(getattr(info, "raw_cell", "") or ""))}
+                             "cell": cell_label(number, raw)}
+            self._running_source = (parsed.rstrip("\n"), raw.rstrip("\n"))
             self._write_cells(running=self._running)
 
     def post_run_cell(self, result: Any = None) -> None:
@@ -448,7 +458,9 @@ class GpuFracHook:
             return  # nothing goes into a folder that is not the user's alone
         selection = namespace.select(self.ip.user_ns, self._hidden())
         data = {"execution_count": self._execution_count(), "time": time.time(),
-                "names": sorted([*selection.values, *selection.modules]), "running": running}
+                "names": sorted([*selection.values, *selection.modules]), "running": running,
+                **history.record(self.ip, self._running_source if running else None,
+                                 selection.values)}
         # Our own small files go only into a directory that is ours alone (created if needed).
         try:
             store.write_file(self.env.checkpoint_dir, store.CELLS_FILE, json.dumps(data).encode(),
@@ -530,13 +542,13 @@ class GpuFracHook:
                 cpu_fallback = True
         except CheckpointError as exc:
             report["error"] = str(exc)
-            text = messages.restore_message(reason, restored=[], lost={}, checkpoint_time=None,
-                                            interrupted_cell=interrupted, error=str(exc))
         else:
             known = set(loaded.restored) | set(loaded.lost) | set(loaded.modules) | set(
                 loaded.deferred)
             newer = sorted(set(previous.get("names", [])) - known)
-            last_cell = previous.get("execution_count")
+            began = running.get("execution_count") if isinstance(running, dict) else None
+            # A cut-off cell did not run: the last that ran is the one before it.
+            last_cell = began - 1 if isinstance(began, int) else previous.get("execution_count")
             self._readopt_offloaded(loaded.header.get("offloaded", []))
             self._restored_names = [*loaded.restored, *loaded.modules]
             self._rng_after_restore = loaded.rng_state or None
@@ -547,13 +559,7 @@ class GpuFracHook:
                 moved_to_cpu_bytes=loaded.moved_to_cpu_bytes, rng=loaded.rng,
                 deferred=loaded.deferred, room=room,
                 ok=not loaded.lost and not newer and interrupted is None and not loaded.deferred,
-            )
-            text = messages.restore_message(
-                reason, restored=report["restored"], lost=loaded.lost,
-                checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
                 last_cell=last_cell if isinstance(last_cell, int) else None,
-                newer_names=newer, moved_to_cpu_bytes=loaded.moved_to_cpu_bytes,
-                interrupted_cell=interrupted, deferred=loaded.deferred, room=room,
                 cpu_reason=("they did not fit in this kernel's GPU memory limit"
                             if cpu_fallback else "this kernel has no CUDA device"),
             )
@@ -568,10 +574,31 @@ class GpuFracHook:
                          f"last cells")
                 log.warning("gpufrac: %s", older)
                 report.update(older=older, ok=False)
-                text = f"Warning: {older}.\n{text}"
-        report["message"] = text
+        self._restore_reason = reason
         self.restore_report = report  # the server asks for it (server_channel)
+        report["message"] = self.restore_text(report["time"])
         return report
+
+    def restore_text(self, now: float | None = None) -> str:
+        """The last restore for people, its ages counted to ``now`` (when it is shown)."""
+        r = self.restore_report
+        if r is None:
+            return ""
+        text = messages.restore_message(
+            self._restore_reason, restored=r["restored"], lost=r["lost_reasons"],
+            checkpoint_time=r["checkpoint_time"], checkpoint_cell=r["checkpoint_cell"],
+            last_cell=r.get("last_cell"), newer_names=r["newer_names"],
+            moved_to_cpu_bytes=r["moved_to_cpu_bytes"], interrupted_cell=r["interrupted_cell"],
+            error=r["error"], deferred=r["deferred"], room=r["room"], now=now,
+            **({"cpu_reason": r["cpu_reason"]} if r.get("cpu_reason") else {}))
+        return f"Warning: {r['older']}.\n{text}" if r.get("older") else text
+
+    def _restore_is_news(self) -> bool:
+        """Whether the first cell after a restore should start with its report: always when
+        something did not come back (the user must know before relying on it), else only
+        soon after (a cell that waited for the move); later, `%gpu` and the panel tell it."""
+        report = self.restore_report or {}
+        return not report.get("ok") or time.time() - float(report.get("time") or 0) <= RESTORE_NEWS_S
 
     def _room(self) -> int | None:
         """What this kernel may load without setting off a reclaim (None: no limit known).
@@ -592,9 +619,13 @@ class GpuFracHook:
     def restore_at_start(self) -> None:
         """GPUFRAC_RESTORE: bring the variables back and keep the message for the first cell."""
         report = self.restore(self.env.restart_reason, at_start=True)
-        # Output at load time reaches the kernel's log, not a cell: show it with the first cell.
+        # The notebook's cell numbers go on from the old process's (its In/Out with them).
+        last = history.last_number(self._previous_cells, report.get("checkpoint_cell"))
+        if last is not None:
+            history.continue_after(self.ip, self._previous_cells, last, set(report["restored"]))
+        # Output at load time reaches the kernel's log, not a cell: tell it with the first cell.
         print(report["message"], flush=True)
-        self.pending_message = report["message"]
+        self._restore_untold = True
         # The restored state is the last good one from now on; the cut-off cell is reported once.
         self._write_cells(running=None)
 
@@ -750,6 +781,15 @@ class GpuFracHook:
         """``GPU 1`` (or its UUID): where this kernel runs, for people."""
         return (f"GPU {self.env.gpu_index}" if self.env.gpu_index is not None
                 else self.env.gpu_uuid or "its GPU")
+
+    def gpu_names(self, uuids: list[str]) -> list[str]:
+        """``GPU 0`` for each UUID, as the panel names them (a GPU the agent does not list
+        keeps its UUID)."""
+        index: dict[str, Any] = {}
+        with contextlib.suppress(Exception):  # names only
+            index = {g.get("uuid"): g.get("index")
+                     for g in make_client(self.env.agent_socket, timeout=2.0).node()["gpus"]}
+        return [f"GPU {index[u]}" if index.get(u) is not None else u for u in uuids]
 
     # -- agent -------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shlex
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, NoReturn
 from IPython.core.error import UsageError
 
 from jupyter_gpufrac import checkpoint_disk, contract
-from jupyter_gpufrac.kernel import messages, torch_adapter
+from jupyter_gpufrac.kernel import messages, store, torch_adapter
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
 from node_agent.caps import mps_running
@@ -131,10 +132,7 @@ class GpuMagic:
             lines.append("gpufrac: no GPU lease. " + env.no_lease_reason())
         else:
             total = env.gpu_total
-            gpu = env.gpu_name or "GPU"
-            where = f"{gpu} (index {env.gpu_index}, {env.gpu_uuid})" if env.gpu_uuid else gpu
-            lines.append(f"gpufrac: lease {env.lease_id} on {where}"
-                         + (" [simulated]" if env.simulated else ""))
+            lines.append(f"gpufrac: lease {env.lease_id} on {self._gpu_text()}")
             came = hook.share_source
             lines.append(f"  request: {messages.fmt_share(hook.request, total)} guaranteed"
                          + (f" (from {came['request']})" if came.get("request") else ""))
@@ -163,11 +161,22 @@ class GpuMagic:
         lines.append(self._disk_line())
         if hook.restore_report:
             lines.append("  last restore:")
-            lines += ["    " + x for x in str(hook.restore_report.get("message", "")).splitlines()]
+            lines += ["    " + x for x in hook.restore_text().splitlines()]
         for problem in env.problems:
             lines.append(f"  environment problem: {problem}")
         lines += self._node_lines()
         return "\n".join(lines)
+
+    def _gpu_text(self) -> str:
+        """``GPU 1 (NVIDIA H100 80GB HBM3, simulated; GPU-5eed…)``: the GPU as the panel names
+        it, its model, and "simulated" once."""
+        env = self.hook.env
+        model = (env.gpu_name or "").removesuffix(" (simulated)")
+        about = [model] if model else []
+        if env.simulated or (env.gpu_name or "").endswith(" (simulated)"):
+            about.append("simulated")
+        details = ", ".join(about) + (f"; {env.gpu_uuid}" if env.gpu_uuid else "")
+        return f"{self.hook.gpu_label()} ({details})" if details else self.hook.gpu_label()
 
     def _state_text(self, usage: int | None, lease: dict[str, Any] | None) -> str:
         hook = self.hook
@@ -298,8 +307,8 @@ class GpuMagic:
         except QuantityError as exc:
             raise UsageError(str(exc)) from None
         if not env.has_lease or not env.lease_id:
-            raise UsageError("%gpu request: this kernel has no GPU lease to change. "
-                             + env.no_lease_reason())
+            self.remember_without_lease(args.request, args.limit)
+            return
         if not args.no_checkpoint:
             try:
                 hook.checkpoint()
@@ -314,33 +323,63 @@ class GpuMagic:
             )
         except AgentError as exc:
             raise UsageError(f"%gpu request: the agent refused: {exc}") from None
+        kept = f" {messages.REMEMBERED[0].upper()}{messages.REMEMBERED[1:]}." \
+            if self._remembered() else ""
         if lease.get("state") == "migrating":
-            targets = ", ".join(lease.get("target_gpus") or []) or "another GPU"
-            print(f"gpufrac: the new share does not fit on this GPU; the agent is moving this "
-                  f"kernel to {targets}. The server restarts it there and its variables come "
-                  "back from the checkpoint just taken.")
+            targets = ", ".join(hook.gpu_names(lease.get("target_gpus") or [])) or "another GPU"
+            print(f"gpufrac: the new share does not fit on {hook.gpu_label()}; the agent is "
+                  f"moving this kernel to {targets}. The server restarts it there, and its "
+                  f"variables come back from the checkpoint just taken.{kept}")
             return
         hook.request = int(lease.get("request", hook.request or 0))
         hook.limit = int(lease.get("limit", hook.limit or 0))
         hook.share_source = {"request": contract.SOURCE_MAGIC, "limit": contract.SOURCE_MAGIC}
         hook.apply_cap()
-        print(f"gpufrac: request is now {messages.fmt_share(hook.request, env.gpu_total)}, "
-              f"limit {messages.fmt_share(hook.limit, env.gpu_total)}.")
+        now = messages.share_now(hook.gpu_label(), hook.request, hook.limit, env.gpu_total)
+        print(f"gpufrac: {now}.{kept}")
+
+    def _remembered(self) -> bool:
+        """Whether the server keeps this kernel's `%gpu request` for new notebooks (it does
+        where it named the file, in a folder that is the user's alone)."""
+        env = self.hook.env
+        return env.remembered_request is not None and env.checkpoints_off is None
+
+    def remember_without_lease(self, request: str, limit: str | None) -> None:
+        """``%gpu request`` in a kernel the server started without a lease: the share of new
+        notebooks here, and the one the server asks for when it gives this kernel a GPU."""
+        env = self.hook.env
+        path = env.remembered_request
+        if path is None or not self._remembered():
+            raise UsageError("%gpu request: this kernel has no GPU lease to change. "
+                             + env.no_lease_reason())
+        try:
+            store.write_file(path.parent, path.name,
+                             json.dumps({"request": request, "limit": limit}).encode(),
+                             blobs=False)
+        except (OSError, store.UnsafeCheckpointError) as exc:
+            raise UsageError(f"%gpu request: could not keep it ({exc})") from None
+        print(f"gpufrac: {messages.share_spec({'request': request, 'limit': limit})} "
+              f"{messages.REMEMBERED}. This kernel has no GPU lease yet: it gets one with this "
+              "share as soon as the agent has room.")
 
     def forget_request(self) -> None:
         """``%gpu request --reset``: new kernels here take their kernelspec's or the default."""
-        path = self.hook.env.remembered_request
+        env = self.hook.env
+        path = env.remembered_request
         if path is None:
             raise UsageError("%gpu request --reset: this kernel was not started by a Jupyter "
                              "server with jupyter-gpufrac, so nothing is remembered for it")
+        default = (f"the default share ({messages.share_spec(env.default_share)})"
+                   if env.default_share else "the server's default share")
+        then = (f"new notebooks in this environment get {default} unless their kernelspec "
+                "names one; " + ("this kernel keeps its own." if env.has_lease else
+                                 "this kernel, which has no GPU lease yet, asks for it too."))
         try:
             path.unlink()
         except FileNotFoundError:
-            print("gpufrac: no remembered request here; new kernels take their kernelspec's "
-                  "share or the server's default.")
+            print(f"gpufrac: no request is remembered here: {then}")
             return
-        print("gpufrac: forgot your remembered request; new kernels here take their "
-              "kernelspec's share or the server's default (this kernel keeps its own).")
+        print(f"gpufrac: forgot your remembered request: {then}")
 
     def do_checkpoint(self, args: argparse.Namespace) -> None:
         try:
@@ -416,10 +455,9 @@ class GpuMagic:
             make_client(env.agent_socket).park_request(env.lease_id)
         except AgentError as exc:
             raise UsageError(f"%gpu park: the agent refused: {exc}") from None
-        print("gpufrac: parking once this cell ends: the server checkpoints this kernel and "
-              "restarts it without a GPU, keeping its variables (unless another cell starts "
-              "within seconds: then it keeps its GPU). The next cell gets a GPU first, then "
-              "runs.")
+        print("gpufrac: parking once this cell ends, as you asked. The kernel gives its GPU "
+              "back and keeps its variables. If another cell starts within seconds, it keeps "
+              "its GPU instead. The next cell gets a GPU first, then runs.")
 
     def do_unpark(self, args: argparse.Namespace) -> None:
         # A parked kernel got its GPU back before this cell ran (see GpuFracHook.unpark).

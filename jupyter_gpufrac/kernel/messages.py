@@ -27,6 +27,21 @@ def fmt_share(nbytes: int | None, total: int | None) -> str:
     return fmt_bytes(nbytes)
 
 
+def share_now(gpu: str, request: int | None, limit: int | None, total: int | None) -> str:
+    """``now 0.5 of GPU 0: 8.0 GiB guaranteed, up to 12.0 GiB``: a share just granted."""
+    part = f"{request / total:.2g} of {gpu}" if request is not None and total else gpu
+    return (f"now {part}: {fmt_bytes(request)} guaranteed, up to {fmt_bytes(limit)}")
+
+
+def share_spec(share: Mapping[str, str | None]) -> str:
+    """``request 0.25, limit 1``: a share as specs (fractions of a GPU or sizes)."""
+    text = f"request {share.get('request') or '?'}"
+    return text + (f", limit {share['limit']}" if share.get("limit") else "")
+
+
+REMEMBERED = ("kept for new notebooks in this environment; `%gpu request --reset` forgets it")
+
+
 def plural(count: int, noun: str) -> str:
     """``1 variable``, ``2 variables``."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
@@ -134,9 +149,12 @@ def restore_message(
                          "re-run the cells that create them.")
         if newer_names:
             lines.append(f"Defined after the checkpoint, so lost: {names_list(sorted(newer_names))}.")
-        if checkpoint_cell and last_cell and last_cell > checkpoint_cell:
+        if checkpoint_cell and last_cell and last_cell > checkpoint_cell + 1:
             lines.append(f"Cells [{checkpoint_cell + 1}] to [{last_cell}] ran after the "
                          "checkpoint: re-run them if you need their effects.")
+        elif checkpoint_cell and last_cell == checkpoint_cell + 1:
+            lines.append(f"Cell [{last_cell}] ran after the checkpoint: re-run it if you need "
+                         "its effects.")
         if moved_to_cpu_bytes:
             lines.append(f"{fmt_bytes(moved_to_cpu_bytes)} of tensors that were on the GPU are on "
                          f"the CPU now, because {cpu_reason}; move them back with .cuda() "
@@ -154,20 +172,23 @@ def waiting_for_gpu(reason: str | None) -> str:
 
 def thawed(gpu: str, seconds: float) -> str:
     """The line a cell of a frozen kernel starts with once it is thawed."""
-    return (f"gpufrac: back on {gpu} in {seconds:.2f} s: the process was frozen in host memory "
-            "and thawed, with every variable, open file and thread as it was.")
+    return (f"gpufrac: back on {gpu} in {seconds:.2f} s. The process waited frozen in host "
+            "memory; every variable, open file and thread is as it was.")
 
 
 def unparked(gpu: str, seconds: float, back: Sequence[str], back_bytes: int,
              still_away: Sequence[str]) -> str:
-    """The one line a cell of a parked kernel starts with once the kernel has a GPU again."""
-    line = f"gpufrac: back on {gpu} in {seconds:.2f} s"
+    """What a cell of a parked kernel starts with once the kernel has a GPU again: short
+    sentences, the GPU first."""
+    text = f"gpufrac: back on {gpu} in {seconds:.2f} s."
     if back:
-        line += f"; {plural(len(back), 'variable')} ({fmt_bytes(back_bytes)}) moved back onto it"
+        text += f" {plural(len(back), 'variable')} ({fmt_bytes(back_bytes)}) moved back onto it."
     if still_away:
-        line += (f"; {names_list(sorted(still_away))} stay in host memory (no room under the "
-                 "cap): `%gpu reload` moves them once there is")
-    return line + "."
+        one = len(still_away) == 1
+        text += (f" {names_list(sorted(still_away))} {'stays' if one else 'stay'} in host "
+                 "memory: there is no room under the cap. `%gpu reload` moves "
+                 f"{'it' if one else 'them'} back once there is.")
+    return text
 
 
 # Messages of GPU memory failures that are not PyTorch's OutOfMemoryError, and who failed.

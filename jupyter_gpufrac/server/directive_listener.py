@@ -40,6 +40,16 @@ def restart_cause(directive: dict[str, Any]) -> str:
     return contract.CAUSE_MIGRATED
 
 
+def purpose(reason: str, moves: str) -> str:
+    """The agent's reason for a move without its own "moved from GPU 1 to GPU 0" (the sentence
+    says where, in the tense it needs): " to free GPU 1 for a job", or empty."""
+    text = reason.strip().rstrip(".")
+    head = f"moved {moves}"
+    if text.lower().startswith(head.lower()):
+        text = text[len(head):].strip()
+    return f" {text}" if text else ""
+
+
 def sentence(text: str) -> str:
     """An agent's reason ("moved from GPU 1 to GPU 0 to free …") as the start of a sentence."""
     text = text.strip().rstrip(".")
@@ -201,11 +211,14 @@ class DirectiveListener:
         idle = await wait_until_idle(kernel, clock)
         if not idle:
             # Nothing moves yet: the running cell gets its grace period, and the user a countdown.
+            # No count of seconds in the words: they would be stale at once (the event's
+            # deadline is for a countdown); the clock time stays true.
+            by = datetime.fromtimestamp(now + grace).strftime("%H:%M:%S")
             self.events.emit(
                 kernel_id, "move_pending",
-                f"Will move {moves} in {grace:.0f} s ({reason or 'asked by the GPU agent'}); the "
-                "running cell may finish until then, otherwise it is cut off and the kernel "
-                "restarts from the state after the last completed cell.",
+                f"To move {moves}{purpose(reason, moves)} once the running cell ends. If it has "
+                f"not ended by {by}, it is cut off, and the kernel restarts from the state after "
+                "the last completed cell.",
                 deadline=now + grace, **where,
             )
             idle = await wait_until_idle(kernel, clock + grace)
@@ -221,8 +234,8 @@ class DirectiveListener:
             # (no cell left at [*]) and the kernel hook records it as cut off, unsaved.
             await self._interrupt(kernel_id, kernel)
         else:
-            self.events.emit(kernel_id, "migrating", f"Moving {moves}: checkpointing, then "
-                             f"restarting there ({reason or 'asked by the GPU agent'}).", **where)
+            self.events.emit(kernel_id, "migrating", f"Moving {moves}{purpose(reason, moves)}: "
+                             "checkpointing, then restarting there.", **where)
             saved, why = await checkpoint(kernel, timeout=max(time_left - grace, 5.0))
             if not saved:
                 # The checkpoint after the last completed cell is still there to restore.

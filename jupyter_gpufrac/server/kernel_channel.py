@@ -183,7 +183,7 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
         parts.append(f"no variables were restored: {error}")
     else:
         total = len(restored) + len(lost) + len(deferred)
-        parts.append(f"{len(restored)} of {total} variables restored")
+        parts.append(f"restored {len(restored)} of {total} variables")
         if deferred:
             shown = [f"{name} ({format_bytes(size)})" for name, size in sorted(deferred.items())]
             parts.append(f"kept on disk until there is room on the GPU: {', '.join(shown)} "
@@ -191,9 +191,9 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
         if lost:
             shown = [f"{name} ({lost_reasons[name]})" if name in lost_reasons else name
                      for name in lost]
-            parts.append(f"lost: {', '.join(shown)}")
+            parts.append(f"not restored: {', '.join(shown)}")
     if interrupted:
-        parts.append(f"cell {interrupted} was cut off: re-run it")
+        parts.append(f"the running cell {interrupted} was cut off: re-run it")
     ok = (bool(report.get("ok")) and not error and not lost and not interrupted
           and not deferred and not older)
     return {

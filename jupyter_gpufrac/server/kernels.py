@@ -72,6 +72,8 @@ class KernelGpu:
         self.asked_share: tuple[str, str | None] | None = None
         # Where the share came from, for people: {"request": "kernelspec", "limit": ...}.
         self.share_source: dict[str, str | None] | None = None
+        # The request the last lease asked for (what the agent may have had no room for).
+        self.asked_request: Quantity | None = None
         self.pid: int | None = None
         self.launches = 0
         self.last_launch_reason: dict[str, Any] | None = None
@@ -242,12 +244,31 @@ class KernelGpu:
                 ) from err
             else:
                 hide_gpus = True
-                self.no_gpu_reason = (f"The GPU agent gave this kernel no GPU: {err.message}. "
-                                      "It gets one as soon as there is room.")
+                self.no_gpu_reason = self._no_room(err.message)
         self._moving = lease is not None and lease.get("state") == "migrating"
         self.lease = lease
         self.last_launch_reason = reason if lease is not None else None
         return hide_gpus
+
+    def _no_room(self, why: str) -> str:
+        """Why the agent gave no lease, naming the request and where it came from: a request
+        remembered from another notebook is said to be one, with how to change it."""
+        asked, source = self.asked_request, (self.share_source or {}).get("request")
+        why = _text(why)
+        if asked is None:
+            return (f"The GPU agent gave this kernel no GPU lease: {why}. It gets one as soon "
+                    "as there is room.")
+        totals = [int(g["memory_total"]) for g in self.gpus.values() if g.get("memory_total")]
+        what = str(asked)
+        if asked.fraction is not None and totals:
+            what += f" ({format_bytes(asked.bytes_of(max(totals)))})"
+        if source == contract.SOURCE_REMEMBERED:
+            return (f"The agent had no room for your remembered request of {what}: {why}. Your "
+                    "last `%gpu request` in this environment is kept for new notebooks; "
+                    "`%gpu request --reset` or a smaller `%gpu request` in this notebook changes "
+                    "it, and this notebook gets a GPU as soon as there is room for its share.")
+        return (f"The agent had no room for this kernel's request of {what} (from {source}): "
+                f"{why}. It gets a GPU as soon as there is room.")
 
     async def _park(self, link: AgentLink, lease: dict[str, Any], reason: dict[str, Any]
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -382,6 +403,7 @@ class KernelGpu:
         limit = share.effective_limit(min(totals) if totals else None)
         self.share_source = {"request": share.request_source,
                              "limit": share.limit_source if limit is not None else None}
+        self.asked_request = share.request
         self.log.info(
             "kernel %s: asking for request %s (%s), limit %s (%s)", self.kernel_id,
             share.request.spec, share.request_source, limit.spec if limit else None,

@@ -197,6 +197,8 @@ def build_kernel_env(
     remembered_request: str | None = None,
     checkpoints_off: str | None = None,
     checkpoint_generation: int = 0,
+    default_share: Mapping[str, str | None] | None = None,
+    no_lease_reason: str | None = None,
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -210,6 +212,8 @@ def build_kernel_env(
     env[contract.CHECKPOINT_DIR] = checkpoint_dir
     if remembered_request:
         env[contract.REMEMBERED_REQUEST] = remembered_request
+    if default_share is not None:
+        env[contract.DEFAULT_SHARE] = json.dumps(dict(default_share), sort_keys=True)
     if checkpoints_off:
         env[contract.NO_CHECKPOINTS] = checkpoints_off
     if checkpoint_generation:
@@ -218,6 +222,8 @@ def build_kernel_env(
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
+        if no_lease_reason:
+            env[contract.NO_LEASE_REASON] = no_lease_reason
         return env
     uuids = lease_gpus(lease)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)

@@ -17,6 +17,7 @@ from jupyter_gpufrac.checkpoint_disk import clear_marker
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import (
+    DEFAULT_REQUEST,
     build_kernel_env,
     checkpoint_dir_of,
     is_ipykernel,
@@ -136,6 +137,9 @@ class GpuFracProvisioner(LocalProvisioner):
             hide_gpus=hide_gpus,
             share_source=gpu.share_source,
             remembered_request=settings.remembered_request_path,
+            default_share={"request": settings.default_request or DEFAULT_REQUEST,
+                           "limit": settings.default_limit or None},
+            no_lease_reason=gpu.no_gpu_reason,
             checkpoints_off=gpu.checkpoints_off,
             checkpoint_generation=gpu.checkpoint_generation,
         )

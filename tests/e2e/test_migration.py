@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -68,6 +69,7 @@ def test_job_moves_a_notebook_and_its_state_survives(
     server_pid = server.process.pid
     first, second = server.open_notebook("first.ipynb"), server.open_notebook("second.ipynb")
     before = {nb.kernel_id: where(nb.ok(STATE)) for nb in (first, second)}
+    numbers = {nb.kernel_id: nb.run("1 + 1").execution_count for nb in (first, second)}
     # Spread: each notebook has a GPU of its own.
     assert {gpu for _, gpu in before.values()} == {
         gpu["uuid"] for gpu in server.get("/api/gpufrac/node")["gpus"]
@@ -100,11 +102,15 @@ def test_job_moves_a_notebook_and_its_state_survives(
     # Nothing of the user's was lost (interpreter bookkeeping such as __warningregistry__ aside).
     assert restored["lost"] == []
     assert {"shared", "data", "t", "holder", "model", "opt", "weight_sum"} <= set(restored["restored"])
-    assert "free GPU" in restored["message"] and "variables restored" in restored["message"]
+    assert "free GPU" in restored["message"]
+    assert re.search(r"; restored (\d+) of \1 variables\.", restored["message"]), restored["message"]
     assert status["state"] == "restored" and status["gpu"]["uuid"] != freed
 
-    # Same kernel id, same websocket: the page never reconnected.
-    output = mover.ok(CHECK)
+    # Same kernel id, same websocket: the page never reconnected; its cell numbers go on.
+    reply = mover.run(CHECK)
+    assert reply.status == "ok", reply.error
+    assert reply.execution_count == numbers[mover.kernel_id] + 1
+    output = reply.stdout
     pid, gpu = where(output)
     # The generators continue exactly: the draws of a notebook that never moved.
     python_rng = random.Random(1)
@@ -150,7 +156,7 @@ def test_busy_notebook_moves_after_the_grace_period_from_its_last_checkpoint(
             job.kill()
     assert status["gpu"]["uuid"] != gpu
     message = status["events"][-1]["message"]
-    assert "cell [2] unsaved = 'after' was cut off: re-run it" in message, message
+    assert "the running cell [2] unsaved = 'after' was cut off: re-run it" in message, message
     assert "lost" not in message, message
     output = nb.ok("print(saved, 'unsaved' in globals())")
     assert "before False" in output
@@ -186,15 +192,19 @@ def test_larger_request_moves_the_notebook(node: tuple[AgentProcess, Server]) ->
 
 
 def test_gpu_request_errors_and_the_next_kernel_remembers(node: tuple[AgentProcess, Server]) -> None:
-    _, server = node
+    agent, server = node
     nb = server.open_notebook("magic.ipynb")
     reply = nb.run("%gpu request lots")
     assert reply.status == "error" and "UsageError" in reply.error
     assert "request" in reply.error and "fraction" in reply.error
     reply = nb.run("%gpu request 0.5 --limit 0.25")
     assert reply.status == "error" and "limit" in reply.error and "at least the request" in reply.error
-    # A change that fits where the kernel is: in place, and the user's next kernel asks the same.
-    assert "request is now" in nb.ok("%gpu request 0.3 --limit 0.5 --no-checkpoint")
+    # A change that fits where the kernel is: in place, and the user's next kernel asks the same,
+    # as the answer says.
+    changed = nb.ok("%gpu request 0.3 --limit 0.5 --no-checkpoint")
+    assert "now 0.3 of GPU " in changed and ": 614.4 MiB guaranteed, up to 1.0 GiB." in changed
+    assert "Kept for new notebooks in this environment; `%gpu request --reset` forgets it." \
+        in changed
     lease = server.kernel_status(nb.kernel_id)["lease"]
     assert (lease["request_spec"], lease["limit_spec"]) == ("0.3", "0.5")
     assert "(from %gpu request)" in nb.ok("%gpu")
@@ -213,10 +223,32 @@ def test_gpu_request_errors_and_the_next_kernel_remembers(node: tuple[AgentProce
     assert status["share_source"] == {"request": source, "limit": source}
     assert f"(from {source})" in after.ok("%gpu")
     # --reset forgets it: the next kernel takes the server's default again.
-    assert "forgot your remembered request" in after.ok("%gpu request --reset")
+    assert ("forgot your remembered request: new notebooks in this environment get the default "
+            "share (request 0.25, limit 1) unless their kernelspec names one; this kernel keeps "
+            "its own.") in after.ok("%gpu request --reset")
     assert not path.exists()
     fresh = server.open_notebook("fresh.ipynb")
     assert server.kernel_status(fresh.kernel_id)["share_source"]["request"] == "c.GpuFrac"
-    for notebook in (nb, after, fresh):
+
+    # A remembered request no GPU has room for: the new kernel says that is why it has none
+    # (not that the provisioner did not start it), and --reset there gets it a GPU.
+    # Three notebooks (0.85) fill one GPU as the agent plans; 0.2 more goes on the other.
+    filler = agent.client().create_lease(client="test", kind="notebook", request="0.2")
+    path.write_text(json.dumps({"request": "0.9", "limit": None}))
+    full = server.open_notebook("full.ipynb")
+    status = server.kernel_status(full.kernel_id)
+    assert status["lease"] is None
+    said = "The agent had no room for your remembered request of 0.9 (1.8 GiB): no GPU has room"
+    assert said in status["reason"], status
+    shown = full.ok("%gpu")
+    assert shown.startswith(f"gpufrac: no GPU lease. {said}"), shown
+    assert "`%gpu request --reset` or a smaller `%gpu request`" in shown
+    assert "provisioner" not in shown
+    assert "this kernel, which has no GPU lease yet, asks for it too." in full.ok(
+        "%gpu request --reset")
+    wait_for(lambda: server.kernel_status(full.kernel_id)["lease"] is not None, 30,
+             "a GPU for the kernel once the remembered request is forgotten", interval=0.2)
+    agent.client().release(filler["id"])
+    for notebook in (nb, after, fresh, full):
         notebook.close()
         server.api(f"/api/kernels/{notebook.kernel_id}", "DELETE")

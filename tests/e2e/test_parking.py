@@ -75,8 +75,10 @@ def test_an_idle_kernel_gives_its_gpu_back_and_its_next_cell_gets_one_first(
             nb = server.open_notebook("park.ipynb")
             first_pid = int(nb.ok(STATE).split()[1])
             # What an undisturbed kernel would draw next, for the comparison after the park.
-            expected = nb.ok("state = random.getstate(); print(random.random()); "
-                             "random.setstate(state)").strip()
+            drawn = nb.run("state = random.getstate(); print(random.random()); "
+                           "random.setstate(state)")
+            assert drawn.status == "ok" and isinstance(drawn.execution_count, int), drawn
+            expected = drawn.stdout.strip()
             lease = parked(server, agent, nb)
             assert lease["physical_gpus"] == [] and lease["usage"] == 0
             assert lease["request"] > 0  # what it will need again
@@ -92,8 +94,12 @@ def test_an_idle_kernel_gives_its_gpu_back_and_its_next_cell_gets_one_first(
             whole = job(agent, 2, "true")
             assert whole.wait(90) == 0, whole.stderr.read() if whole.stderr else ""
             assert "migrating" not in server.events(nb.kernel_id)
-            # The next cell gets a GPU first, then runs with every variable and the same draws.
-            out = nb.ok(CHECK)
+            # The next cell gets a GPU first, then runs with every variable and the same draws,
+            # numbered after the last (thawed, or restarted from the checkpoint).
+            reply = nb.run(CHECK)
+            assert reply.status == "ok", reply.error
+            assert reply.execution_count == drawn.execution_count + 1
+            out = reply.stdout
             assert "gpufrac: back on GPU" in out, out
             draw = next(line.split()[1] for line in out.splitlines() if line.startswith("DRAW"))
             assert draw == expected
@@ -101,7 +107,7 @@ def test_an_idle_kernel_gives_its_gpu_back_and_its_next_cell_gets_one_first(
             active = lease_of(agent, nb.kernel_id)
             assert active["state"] == "active" and words[3] == ",".join(active["physical_gpus"])
             if freeze:  # the very process, thawed
-                assert int(words[1]) == first_pid and "frozen in host memory and thawed" in out
+                assert int(words[1]) == first_pid and "waited frozen in host memory" in out
             else:  # a process that had not touched CUDA
                 assert int(words[1]) != first_pid
             wait_for(lambda: "unparked" in server.events(nb.kernel_id), 30, "the unparked event",
@@ -125,8 +131,12 @@ def test_a_cell_waits_for_a_gpu_visibly_can_be_cancelled_and_runs_once_there_is_
             nb = server.open_notebook("wait.ipynb")
             nb.ok(STATE)
             out = nb.ok("%gpu park")
-            assert "parking once this cell ends" in out
+            assert "parking once this cell ends, as you asked." in out
             parked(server, agent, nb)
+            # The user's own park, told as one (not as an idle kernel's).
+            told = wait_for(lambda: [e["message"] for e in server.kernel_status(nb.kernel_id)[
+                "events"] if e["event"] == "parked"], 30, "the parked event", interval=0.2)
+            assert told[-1].startswith("Parked at its user's request (`%gpu park`)"), told
             holder = job(agent, 2, sys.executable, "-c", "import time; time.sleep(600)")
             wait_for(lambda: any(x.get("kind") != "notebook" and x["state"] == "active"
                                  for x in agent.client().leases()), 60, "the job to start")

@@ -78,8 +78,9 @@ def test_borrower_is_shrunk_then_killed_and_restored(node: tuple[AgentProcess, S
     # The generator could not be saved; the running cell is named as cut off, and nothing
     # claims a full restore.
     assert report["lost"] == ["g"] and report["ok"] is False, report
-    assert "lost: g (TypeError: cannot pickle 'generator' object)" in report["message"]
-    assert "cell [2] big = torch.ones(1000 * 2**20 // 4) was cut off: re-run it" in report["message"]
+    assert "not restored: g (TypeError: cannot pickle 'generator' object)" in report["message"]
+    assert ("the running cell [2] big = torch.ones(1000 * 2**20 // 4) was cut off: re-run it"
+            in report["message"])
     assert status["state"] == "restore-incomplete"
 
     # The same page goes on: the first cell says what happened, the checkpointed state is back.

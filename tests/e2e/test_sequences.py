@@ -228,7 +228,7 @@ class Sequence:
             pids = self.lease()["pids"]
             assert self.lease()["frozen"] and self.status()["protection"] == "frozen in host memory"
             back = self.subject.ok("pass")
-            assert "frozen in host memory and thawed" in back, back
+            assert "waited frozen in host memory" in back, back
             assert self.lease()["pids"] == pids and not self.lease()["frozen"]
             assert (self.status()["restore"] or {}).get("time", 0) < since, "nothing restored"
             self.settle_share()
@@ -310,7 +310,7 @@ class Sequence:
 
     def do_resize(self) -> None:
         """``%gpu request`` from a cell that fits: applied in place."""
-        assert "request is now" in self.subject.ok("%gpu request 0.3 --limit 0.9")
+        assert "guaranteed, up to" in self.subject.ok("%gpu request 0.3 --limit 0.9")
         self.subject.ok("%gpu request 0.3 --limit 1")
 
     def do_resize_move(self) -> None:
@@ -326,7 +326,7 @@ class Sequence:
         finally:
             self.agent.client().release(job["id"])
         assert event["ok"] is True and self.status()["gpu"]["uuid"] != source, event
-        assert "request is now" in self.subject.ok("%gpu request 0.3 --limit 1")
+        assert "guaranteed, up to" in self.subject.ok("%gpu request 0.3 --limit 1")
 
     def do_pod_takes_gpu(self) -> None:
         """The kubelet lists a pod given the subject's GPU whole: the subject moves off with

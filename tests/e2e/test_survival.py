@@ -71,6 +71,8 @@ def test_killed_twice_comes_back_whole_both_times(tmp_path: Path) -> None:
         nb.ok(STATE)
         for round_ in (1, 2):
             pid = kernel_pid(nb)
+            last = nb.run("'the last cell before the kill'").execution_count
+            assert isinstance(last, int)
             os.kill(pid, signal.SIGKILL)
             wait_for(lambda n=round_: len(restores(server, nb.kernel_id)) >= n, 60,
                      f"restore {round_} after SIGKILL", interval=0.2)
@@ -78,7 +80,13 @@ def test_killed_twice_comes_back_whole_both_times(tmp_path: Path) -> None:
             assert event["ok"] is True, event
             assert {"shared", "box", "Counter", "counter", "twice", "random"} <= set(event["restored"])
             assert server.kernel_status(nb.kernel_id)["state"] == "restored"
-            output = nb.ok(CHECK)
+            # The notebook's cell numbers go on, with the history behind them.
+            reply = nb.run(CHECK + "print('BEFORE', In[-2], Out[len(In) - 2])")
+            assert reply.status == "ok", reply.error
+            assert reply.execution_count == last + 1, (reply.execution_count, last)
+            output = reply.stdout
+            assert "BEFORE 'the last cell before the kill' the last cell before the kill" \
+                in output, output
             assert kernel_pid(nb) != pid
             # The generator continues where it was: the same draws as a kernel never killed.
             assert draw(output) == expected.random(), output
@@ -129,6 +137,11 @@ def test_cell_cut_off_by_a_move_ends_and_is_named(tmp_path: Path) -> None:
                 30, "a countdown while the cell runs", interval=0.1,
             )
             assert pending["deadline"] > time.time() and pending["gpu"]["uuid"] == gpu
+            # Said in the future tense, with a clock time that stays true (no frozen "in 30 s").
+            said = pending["reason"]
+            assert said.startswith("To move from GPU ") and " to free GPU " in said, said
+            assert "moved from" not in said and " s (" not in said, said
+            assert "once the running cell ends. If it has not ended by " in said, said
             # The cut-off cell gets its reply: the page shows no [*] forever.
             reply = nb.wait(cell, timeout=60)
             assert reply.status == "error" and "was cut off" in reply.error, reply

@@ -186,7 +186,7 @@ def test_park_freezes_the_kernel_and_its_next_cell_thaws_it_with_everything_kept
         started = time.monotonic()
         out = _check(nb, pid)
         print(f"first cell after the park: {time.monotonic() - started:.2f} s")
-        assert "the process was frozen in host memory and thawed" in out, out
+        assert "The process waited frozen in host memory" in out, out
         back = _lease_of(c, nb.kernel_id)
         assert back["state"] == "active" and not back["frozen"] and back["pids"] == [pid]
         assert back["physical_gpus"] == [lease["physical_gpu"]]

@@ -24,6 +24,8 @@ class CellOutput:
     stderr: str = ""
     error: dict[str, Any] | None = None
     results: list[str] = field(default_factory=list)
+    # The cell's number, as the notebook shows it ([n]); None for a silent request.
+    execution_count: int | None = None
 
     @property
     def traceback(self) -> str:
@@ -74,6 +76,7 @@ class Kernel:
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = self.client.get_shell_msg(timeout=timeout)
         out.status = reply["content"]["status"]
+        out.execution_count = None if silent else reply["content"].get("execution_count")
         if out.error is None and out.status == "error":
             out.error = reply["content"]
         return out

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -119,19 +121,23 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
         "GPUFRAC_LEASE_ID": lease["id"], "GPUFRAC_AGENT_SOCKET": agent.socket,
         "GPUFRAC_KERNEL_ID": "k-e2e", "GPUFRAC_REQUEST": str(lease["request"]),
         "GPUFRAC_LIMIT": str(lease["limit"]), "GPUFRAC_GPU_UUID": lease["physical_gpu"],
-        "GPUFRAC_GPU_INDEX": "1", "GPUFRAC_GPU_NAME": "Simulated 16GiB",
+        "GPUFRAC_GPU_INDEX": "1", "GPUFRAC_GPU_NAME": "GPU 16GiB (simulated)",
         "GPUFRAC_GPU_TOTAL": str(16 * GiB), "GPUFRAC_SIMULATED": "1",
         "GPUFRAC_CHECKPOINT_DIR": str(ckdir),
     }
     with running_kernel(env) as k:
         status = k.run("%gpu").stdout
+        # The GPU as the panel names it; "simulated" once.
+        assert status.splitlines()[0] == (f"gpufrac: lease {lease['id']} on GPU 1 (GPU 16GiB, "
+                                          f"simulated; {lease['physical_gpu']})"), status
         assert f"lease {lease['id']}" in status and "12.0 GiB (0.75 of the GPU)" in status
         assert "<- this kernel" in status  # the node's GPUs, from the agent
         inverted = k.run("%gpu request 0.9 --limit 0.5")
         assert inverted.status == "error" and "limit: must be at least the request" in inverted.text
         resized = k.run("%gpu request 0.5 --limit 0.8")
         assert resized.status == "ok", resized.text
-        assert "request is now 8.0 GiB (0.5 of the GPU)" in resized.stdout
+        assert "now 0.5 of GPU 1: 8.0 GiB guaranteed, up to 12.8 GiB." in resized.stdout
+        assert "kept for new notebooks" not in resized.stdout.lower()  # no server keeps it
 
         assert k.run(CELL_STATE).status == "ok"
         # A job needs a whole GPU: the agent compacts this spread kernel back (migrate). The
@@ -390,3 +396,60 @@ def test_a_checkpoint_asked_before_the_first_cell_keeps_the_restored_generators(
         assert k.ask(contract.ASK_CHECKPOINT)["ok"] is True  # before any cell, as before a move
     with running_kernel(restoring) as k:
         assert k.value("random.random()") == expected
+
+
+def test_a_restored_kernel_goes_on_numbering_its_cells_with_their_history(
+        tmp_path: Path) -> None:
+    """Killed while a cell runs, then restored: the next cell is the one after it, ``In`` holds
+    the old sources (the cut-off cell's too), ``Out`` the outputs that can be restored."""
+    ckdir = tmp_path / "ck"
+    with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(ckdir)}) as k:
+        assert k.run("x = 6 * 7\nx").execution_count == 1
+        assert k.run("items = [1, 2]\nitems").execution_count == 2
+        assert k.run("'seven'").execution_count == 3
+        wait_written(k)  # silent: not a cell of its own
+        k.client.execute("import time\ntime.sleep(120)")
+
+        def running() -> object:
+            with contextlib.suppress(OSError, ValueError):
+                return json.loads(store.read_file(ckdir, store.CELLS_FILE)).get("running")
+            return None
+
+        wait_for(lambda: isinstance(running(), dict), 30, "cell [4] running in cells.json")
+        os.kill(k.pid, signal.SIGKILL)
+    restoring = {"GPUFRAC_CHECKPOINT_DIR": str(ckdir), "GPUFRAC_RESTORE": "1",
+                 "GPUFRAC_RESTART_REASON": json.dumps({"cause": "died", "message": "killed"})}
+    with running_kernel(restoring) as k:
+        first = k.run("print(len(In), repr(In[4]), repr(_i4), repr(_i))")
+        assert first.execution_count == 5, first.text
+        assert "Cell [4] import time was cut off" in first.stdout, first.stdout
+        assert "ran after the checkpoint" not in first.stdout  # [4] was cut off, not run
+        assert first.stdout.rstrip().endswith(
+            "6 'import time\\ntime.sleep(120)' 'import time\\ntime.sleep(120)' "
+            "'import time\\ntime.sleep(120)'")
+        assert k.value("In[1]") == "x = 6 * 7\nx"
+        assert k.value("(Out[1], Out[3], _1, _, __)") == (42, "seven", 42, "seven", [1, 2])
+        assert k.value("Out[2] is items and _oh is Out") is True
+        assert k.run("x + 1").execution_count == 9
+        assert k.value("_9") == 43
+
+
+def test_a_restore_is_told_while_it_is_news_and_its_ages_when_shown(tmp_path: Path) -> None:
+    """A restore that lost nothing is not told at a first cell long after it; `%gpu` tells it
+    with its ages counted as it is shown, not as they were at the restore."""
+    ckdir = tmp_path / "ck"
+    with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(ckdir)}) as k:
+        assert k.run("a = 1").status == "ok"
+        wait_written(k)
+    restoring = {"GPUFRAC_CHECKPOINT_DIR": str(ckdir), "GPUFRAC_RESTORE": "1",
+                 "GPUFRAC_RESTART_REASON": json.dumps({"cause": "migrated", "message": "test"})}
+    with running_kernel(restoring) as k:
+        # As if the first cell came two hours after the restore (of a checkpoint as old).
+        shift = ("r = __import__('jupyter_gpufrac.kernel', fromlist=['x'])._hook.restore_report\n"
+                 "r['time'] -= 7200\nr['checkpoint_time'] -= 7200")
+        assert k.run(shift, silent=True).status == "ok"
+        first = k.run("print('hello')")
+        assert first.stdout == "hello\n", first.stdout
+        status = k.run("%gpu").stdout
+        assert "Restored 1 of 1 variable from the checkpoint taken at" in status, status
+        assert "(2.0 h ago, after cell [1]): a." in status, status

@@ -38,6 +38,7 @@ def test_env_without_lease_and_with_bad_values() -> None:
     parsed = kenv.parse({"GPUFRAC_REQUEST": "lots", "GPUFRAC_RESTART_REASON": "plain words"},
                         connection_file="/run/kernel-abc-123.json")
     assert not parsed.has_lease and "GPUFRAC_LEASE_ID is not set" in parsed.no_lease_reason()
+    assert "not started by the gpufrac kernel provisioner" in parsed.no_lease_reason()
     assert parsed.kernel_id == "abc-123"
     assert parsed.checkpoint_dir.name == "abc-123"
     assert parsed.problems == ("GPUFRAC_REQUEST: expected a whole number of bytes, got 'lots'",)
@@ -121,7 +122,19 @@ def test_restart_messages_say_why_and_what() -> None:
                                    interrupted_cell="[7] for epoch in range(100):")
     assert "Cell [7] for epoch in range(100): was cut off" in cut and "re-run it" in cut
     assert "ended unexpectedly" in messages.restart_cause(kenv.RestartReason("died", ""))
-    assert "Cells [5] to [6]" in text
+    assert "Cells [5] to [6] ran after the checkpoint: re-run them" in text
+    one = messages.restore_message(reason, restored=["a"], lost={}, checkpoint_time=1000.0,
+                                   checkpoint_cell=4, last_cell=5, now=1030.0)
+    assert "Cell [5] ran after the checkpoint: re-run it if you need its effects." in one
+    assert "Cells [" not in one
+
+
+def test_back_on_a_gpu_is_told_in_short_sentences() -> None:
+    text = messages.unparked("GPU 0", 0.81, ["a", "b"], 2**30, ["c"])
+    assert text == ("gpufrac: back on GPU 0 in 0.81 s. 2 variables (1.0 GiB) moved back onto "
+                    "it. c stays in host memory: there is no room under the cap. `%gpu reload` "
+                    "moves it back once there is.")
+    assert messages.thawed("GPU 1", 1.5).startswith("gpufrac: back on GPU 1 in 1.50 s. ")
     oom = messages.restart_cause(kenv.RestartReason("oom_killed", "give 4.0 GiB back"))
     assert "reclaimer" in oom and "give 4.0 GiB back" in oom
     failed = messages.restore_message(None, restored=[], lost={}, checkpoint_time=None,
@@ -178,3 +191,14 @@ def test_compute_is_shown_against_its_share_and_says_whether_it_holds() -> None:
     assert messages.compute_text({**lease, "compute_limit": 0.25}, mps=True).endswith(
         "share 0.25 of the GPU's compute (held by CUDA MPS)")
     assert messages.compute_text({"compute_usage": None}, mps=False) == "not sampled by the driver"
+
+
+def test_no_lease_reason_is_the_servers_and_never_a_guess() -> None:
+    """Only a kernel without the provisioner's environment is said not to be started by it."""
+    told = kenv.parse({"GPUFRAC_KERNEL_ID": "k", "GPUFRAC_NO_LEASE_REASON": "The agent had no room."})
+    assert told.no_lease_reason() == "The agent had no room."
+    silent = kenv.parse({"GPUFRAC_KERNEL_ID": "k"})
+    assert "did not say why" in silent.no_lease_reason()
+    assert "provisioner" not in told.no_lease_reason() + silent.no_lease_reason()
+    default = kenv.parse({"GPUFRAC_DEFAULT_SHARE": '{"request": "0.25", "limit": "1"}'})
+    assert default.default_share == {"request": "0.25", "limit": "1"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from jupyter_client.manager import AsyncKernelManager
 from harness.agent import AgentProcess
 from jupyter_gpufrac.server.launch import EXT_ARGUMENT, build_kernel_env, kernel_arguments
 from jupyter_gpufrac.server.provisioner import GpuFracProvisioner
+from jupyter_gpufrac.server.settings import standalone_settings
 
 LEASE = {
     "id": "l-1", "request": 100, "limit": 200, "state": "active",
@@ -181,8 +183,12 @@ async def test_full_node_starts_the_kernel_without_gpus(isolated: Path, no_lease
         provisioner = km.provisioner
         assert isinstance(provisioner, GpuFracProvisioner)
         assert provisioner.gpu.lease is None
-        assert "gave this kernel no GPU" in (provisioner.gpu.no_gpu_reason or "")
+        reason = provisioner.gpu.no_gpu_reason or ""
+        assert ("The agent had no room for this kernel's request of 0.25 (512.0 MiB) (from "
+                "c.GpuFrac): no GPU has room") in reason, reason
         _, env = process_view(provisioner.pid)
+        # The kernel is told why, in the same words (its %gpu says them).
+        assert env["GPUFRAC_NO_LEASE_REASON"] == reason
         # The GPUs are leased to others: the kernel must not use them.
         assert env["CUDA_VISIBLE_DEVICES"] == ""
         await km.shutdown_kernel(now=True)
@@ -232,3 +238,64 @@ async def test_the_kernels_restarter_hands_itself_to_the_provisioner(
     finally:
         km.stop_restarter()
         await km.shutdown_kernel(now=True)
+
+
+async def _cell(km: AsyncKernelManager, code: str) -> str:
+    """Run one cell in the kernel; what it printed (stdout and stderr)."""
+    client = km.client()
+    client.start_channels()
+    try:
+        await client.wait_for_ready(timeout=60)
+        printed: list[str] = []
+
+        def keep(msg: dict[str, object]) -> None:
+            content = msg["content"]
+            if msg["msg_type"] == "stream" and isinstance(content, dict):
+                printed.append(str(content["text"]))
+
+        await client.execute_interactive(code, output_hook=keep, timeout=60)
+        return "".join(printed)
+    finally:
+        client.stop_channels()
+
+
+async def test_no_room_for_a_remembered_request_is_said_as_such(
+        isolated: Path, no_leases: AgentProcess) -> None:
+    """The remembered request is named as the reason (never the provisioner), and can be
+    changed or forgotten from the kernel that got no GPU."""
+    client = no_leases.client()
+    # One GPU held whole, a third of the other: 0.9 fits nowhere, 0.25 would.
+    fillers = [client.create_lease(client="test", kind="job", request="1"),
+               client.create_lease(client="test", kind="notebook", request="0.3")]
+    settings = standalone_settings(logging.getLogger("test"))
+    remembered = Path(settings.remembered_request_path)
+    remembered.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    remembered.write_text(json.dumps({"request": "0.9", "limit": None}))
+    km = AsyncKernelManager(kernel_name="gpu-python",
+                            kernel_spec_manager=write_kernelspec(isolated, {}))
+    try:
+        await km.start_kernel()
+        provisioner = km.provisioner
+        assert isinstance(provisioner, GpuFracProvisioner) and provisioner.gpu.lease is None
+        said = ("The agent had no room for your remembered request of 0.9 (1.8 GiB): no GPU has "
+                "room")
+        assert (provisioner.gpu.no_gpu_reason or "").startswith(said), provisioner.gpu.no_gpu_reason
+        status = await _cell(km, "%gpu")
+        assert status.startswith(f"gpufrac: no GPU lease. {said}"), status
+        assert "`%gpu request --reset` or a smaller `%gpu request`" in status
+        assert "provisioner" not in status
+        smaller = await _cell(km, "%gpu request 0.25")
+        assert smaller.startswith("gpufrac: request 0.25 kept for new notebooks in this "
+                                  "environment; `%gpu request --reset` forgets it. This kernel "
+                                  "has no GPU lease yet"), smaller
+        assert json.loads(remembered.read_text()) == {"request": "0.25", "limit": None}
+        forgot = await _cell(km, "%gpu request --reset")
+        assert forgot == ("gpufrac: forgot your remembered request: new notebooks in this "
+                          "environment get the default share (request 0.25, limit 1) unless "
+                          "their kernelspec names one; this kernel, which has no GPU lease yet, "
+                          "asks for it too.\n"), forgot
+        assert not remembered.exists()
+    finally:
+        await km.shutdown_kernel(now=True)
+        for lease in fillers:
+            client.release(lease["id"])
