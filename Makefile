@@ -11,9 +11,13 @@ $(BIN)/gpufrac-agent: pyproject.toml
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
-	# JupyterHub's proxy for tests/hub: configurable-http-proxy from npm, kept inside the venv.
-	npm install --prefix $(VENV)/chp --no-audit --no-fund --loglevel=error configurable-http-proxy@5
 	touch $@
+
+# JupyterHub's proxy, which only tests/hub uses: configurable-http-proxy from npm, kept inside
+# the venv. Only `make test` asks for it, so `make lab` and `make demo` need no npm for it.
+CHP := $(VENV)/chp/node_modules/.bin/configurable-http-proxy
+$(CHP): | $(BIN)/gpufrac-agent
+	npm install --prefix $(VENV)/chp --no-audit --no-fund --loglevel=error configurable-http-proxy@5
 
 # Every kernel gets its GPU lease through the provisioner; with no agent running, the
 # server embeds one (NVML when it starts, otherwise a simulated 2-GPU node).
@@ -24,7 +28,7 @@ lab: $(BIN)/gpufrac-agent
 demo: $(BIN)/gpufrac-agent
 	$(BIN)/gpufrac-agent demo
 
-test: $(BIN)/gpufrac-agent
+test: $(BIN)/gpufrac-agent $(CHP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest

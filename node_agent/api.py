@@ -390,7 +390,8 @@ class LeaseRoute(BaseHandler):
 class LeaseHandler(LeaseRoute):
     def get(self, lease_id: str) -> None:
         lease = self.agent.lease(self.caller, lease_id)
-        self.reply({**lease.to_json(), "room": self.agent.room(lease)})
+        self.reply({**lease.to_json(), "room": self.agent.room(lease),
+                    "waiting_for": self.agent.waiting_for(lease, self.caller.uid)})
 
     def patch(self, lease_id: str) -> None:
         change = parse_resize(self.lease_body(lease_id))

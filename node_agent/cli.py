@@ -59,6 +59,7 @@ from node_agent.kubelet.claims import GPU_RESOURCE, RESERVATION_NAMESPACES
 from node_agent.quantities import QuantityError, parse_quantity
 from node_agent.service import AgentConfig
 from node_agent.status import render_status, status_document
+from node_agent.waiting import waiting_key, waiting_words
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -717,17 +718,57 @@ class _Stopped(Exception):
         self.signum = signum
 
 
+# While waiting, a changing line is shown again this often (seconds): on a terminal in place,
+# elsewhere as a new line, since a log has room for one only every few seconds.
+_REDRAW = 1.0
+_REPEAT = 5.0
+
+
 class _Progress:
     """Progress lines on stderr, stamped with the seconds since `run` started."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.tty = sys.stderr.isatty()
         self._key = ""
         self._said = 0.0
+        self._live = False  # a line shown in place on the terminal, not yet ended
+        self._rows = 1  # the terminal rows it took, wrapped: all are rewritten
+
+    def _stamped(self, text: str) -> str:
+        return f"gpufrac-agent run: [{time.monotonic() - self.started:4.1f}s] {text}"
+
+    def done(self) -> None:
+        """End the line shown in place, so that what follows starts on a line of its own."""
+        if self._live:
+            print(file=sys.stderr, flush=True)
+            self._live = False
 
     def say(self, text: str) -> None:
-        print(f"gpufrac-agent run: [{time.monotonic() - self.started:4.1f}s] {text}",
-              file=sys.stderr, flush=True)
+        self.done()
+        print(self._stamped(text), file=sys.stderr, flush=True)
+
+    def show(self, key: str, text: str) -> None:
+        """A line that changes as time passes (a countdown), and its ``key`` when something
+        else changes: on a terminal rewritten in place every second, elsewhere a new line at
+        each change of ``key`` and every few seconds."""
+        if not self.tty:
+            self.note(key, text, every=_REPEAT)
+            return
+        now = time.monotonic()
+        if key == self._key and now - self._said < _REDRAW:
+            return
+        self._key, self._said = key, now
+        line = self._stamped(text)
+        # Back to the first of the rows the last one wrapped onto, cleared to the end.
+        up = f"\x1b[{self._rows - 1}A" if self._live and self._rows > 1 else ""
+        sys.stderr.write(f"\r{up}\x1b[J{line}")
+        sys.stderr.flush()
+        width = 0
+        with contextlib.suppress(OSError):  # no size known: taken as one row
+            width = os.get_terminal_size(sys.stderr.fileno()).columns
+        self._rows = math.ceil(len(line) / width) if width else 1
+        self._live = True
 
     def note(self, key: str, text: str, every: float | None = None) -> None:
         """Say ``text`` when ``key`` changes, and again every ``every`` s while it does not."""
@@ -756,6 +797,9 @@ class _Lease:
         self.id: str | None = None
         self.progress = _Progress()
         self.deadline = time.monotonic() + options.timeout
+        # What the lease waited for when last asked, in words (the agent's reason, or its
+        # leases that make room): said again if --timeout passes.
+        self.waiting = ""
 
     def through_restarts(self, call: Callable[[], T], what: str) -> T:
         """``call()``, waiting out an agent that is down or restarting until the deadline."""
@@ -826,11 +870,20 @@ class _Lease:
             if lease is not None:
                 down = 0.0
                 if lease["state"] == "active":
+                    self.progress.done()
                     return lease
-                self.progress.note(lease["reason"], lease["reason"])
+                making_room = lease.get("waiting_for") or []
+                self.waiting = (waiting_words(making_room, time.time()) if making_room
+                                else str(lease["reason"]))
+                self.progress.show(waiting_key(making_room) if making_room else self.waiting,
+                                   self.waiting)
             now = time.monotonic()
             if now >= self.deadline:
-                raise TimeoutError(f"lease {self.id} not granted within {self.options.timeout:g}s")
+                self.progress.done()
+                raise TimeoutError(
+                    f"lease {self.id} not granted within {self.options.timeout:g}s"
+                    + (f"; it was {self.waiting}" if self.waiting else "")
+                    + ". Give it longer with --timeout; `gpufrac-agent status` shows the node")
             time.sleep(min(delay, self.deadline - now))
             delay = 0.1 if lease is not None else min(delay * 2, _MAX_DELAY)
 
@@ -906,7 +959,13 @@ class RunApp(GpuFracAgent):
 
     The lease is asked for (waiting through agent restarts up to --timeout), the command runs
     with CUDA_VISIBLE_DEVICES and the caps of the lease, and the lease is given back when it
-    ends; run exits with the command's status."""
+    ends. While notebooks are moved, frozen or parked to make room, a progress line names
+    them with the seconds left until each move is done at the latest.
+
+    Exit status: the command's once it ran; 1 when it never ran because no lease was granted
+    (the agent refused it at once, saying why: nothing it may move, freeze or park makes
+    room, or the share cannot fit any GPU; or --timeout passed, saying what it waited for;
+    or no agent answered); 2 for a usage error; 128+N when signal N stopped it first."""
     examples = """
 gpufrac-agent run --gpus 1 -- python train.py
 gpufrac-agent run --request 0.25 --limit 0.5 --compute 0.3 -- python infer.py
@@ -985,6 +1044,7 @@ gpufrac-agent run --request 0.25 --limit 0.5 --compute 0.3 -- python infer.py
             job.progress.say(f"stopped by {stop}; giving the lease back")
             return 128 + stop.signum
         except (AgentError, TimeoutError) as exc:
+            job.progress.done()
             print(f"gpufrac-agent run: {exc}", file=sys.stderr)
             if isinstance(exc, (AgentUnavailable, UnsafeSocket)):
                 print(self.socket_note(), file=sys.stderr)

@@ -62,6 +62,7 @@ CREATE TABLE IF NOT EXISTS leases (
     frozen_bytes INTEGER,
     frozen_on TEXT,
     fallback TEXT,
+    waits_for TEXT,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -100,7 +101,7 @@ _ADDED_COLUMNS = (("restore_until", "REAL"), ("orphan_deadline", "REAL"), ("regi
                   ("compute_request", "REAL"), ("compute_limit", "REAL"), ("devices", "INTEGER"),
                   ("parked_at", "REAL"), ("reach", "TEXT"), ("planned_by", "TEXT"),
                   ("pod", "TEXT"), ("frozen_at", "REAL"), ("frozen_bytes", "INTEGER"),
-                  ("frozen_on", "TEXT"), ("fallback", "TEXT"))
+                  ("frozen_on", "TEXT"), ("fallback", "TEXT"), ("waits_for", "TEXT"))
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ class Lease:
     # Why the last freeze of it could not be used, and so a checkpoint and restart stood in
     # ("": none did).
     fallback: str = ""
+    # While pending: the leases (ids) the agent is moving, freezing or parking to make room for
+    # it, as its plan chose them.
+    waits_for: tuple[str, ...] = ()
 
     @property
     def frozen(self) -> bool:
@@ -315,6 +319,7 @@ class Ledger:
                 pod=tuple(json.loads(r["pod"] or "[]")),
                 frozen_at=r["frozen_at"], frozen_bytes=r["frozen_bytes"] or 0,
                 frozen_on=tuple(json.loads(r["frozen_on"] or "[]")), fallback=r["fallback"] or "",
+                waits_for=tuple(json.loads(r["waits_for"] or "[]")),
             )
         self._load_directives()
 
@@ -435,8 +440,8 @@ class Ledger:
                 " request_spec, limit_spec, logical, physical, target, state, reason, deadline,"
                 " restore_until, orphan_deadline, registered, compute_request, compute_limit,"
                 " devices, parked_at, reach, planned_by, pod, frozen_at, frozen_bytes, frozen_on,"
-                " fallback, created, updated)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " fallback, waits_for, created, updated)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     lease.id, lease.kind, lease.owner_uid, lease.client, lease.kernel_id,
                     lease.name, lease.request, lease.limit, lease.request_spec, lease.limit_spec,
@@ -446,7 +451,7 @@ class Ledger:
                     lease.compute_limit, lease.devices, lease.parked_at,
                     json.dumps(lease.reach), lease.planned_by, json.dumps(lease.pod),
                     lease.frozen_at, lease.frozen_bytes, json.dumps(lease.frozen_on),
-                    lease.fallback, lease.created, lease.updated,
+                    lease.fallback, json.dumps(lease.waits_for), lease.created, lease.updated,
                 ),
             )
             self.leases[lease.id] = lease
@@ -460,7 +465,7 @@ class Ledger:
         "compute_request": "compute_request", "compute_limit": "compute_limit",
         "registered": "registered", "parked_at": "parked_at", "pod": "pod",
         "frozen_at": "frozen_at", "frozen_bytes": "frozen_bytes", "frozen_on": "frozen_on",
-        "fallback": "fallback",
+        "fallback": "fallback", "waits_for": "waits_for",
     }
 
     def update(self, lease_id: str, **changes: Any) -> Lease:

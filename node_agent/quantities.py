@@ -127,7 +127,9 @@ def check_share(request: Quantity, limit: Quantity, total: int) -> tuple[int, in
         )
     if req > total:
         raise QuantityError(
-            "request", f"{format_bytes(req)} is more than one GPU holds ({format_bytes(total)})"
+            "request", f"{format_bytes(req)} is more than one GPU holds ({format_bytes(total)}), "
+            f"so it could never be placed: ask for at most {format_bytes(total)}, or for a whole "
+            "GPU (1)"
         )
     return req, min(lim, total)
 

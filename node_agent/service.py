@@ -625,7 +625,8 @@ class Agent:
         self._wake()
         with self.ledger.transaction():
             self.ledger.update(lease.id, logical=logical, physical=physical,
-                               reason=self._waiting_reason(moves, lease.owner_uid) if moves else "placed")
+                               reason=self._waiting_reason(moves, lease.owner_uid) if moves else "placed",
+                               waits_for=tuple(m.lease_id for m in moves))
             self._start_moves(moves, f"free {self._labels(physical)}", lease)
 
     # --- views -----------------------------------------------------------------------
@@ -739,21 +740,27 @@ class Agent:
         except Conflict as exc:
             plan = self._room_by_freezing(ask, req) if exc.field == "request" else None
             if plan is None:
+                if ask.kind == policy.JOB and exc.field == "request":
+                    raise Conflict("request", self._no_way(ask, req, caller.uid)) from exc
                 raise
             logical = physical = plan.gpus
             moves, frozen = [], plan.frozen
+        # Room the plan counts as made may still be held by leases on their way out.
+        leaving = () if moves or frozen else self._leaving(physical, req)
         now = time.time()
         lease = Lease(
             id="l-" + secrets.token_hex(6), kind=ask.kind, owner_uid=caller.uid, client=ask.client,
             kernel_id=ask.kernel_id, name=ask.name, request=req, limit=lim,
             request_spec=str(ask.request), limit_spec=str(ask.limit), logical=logical,
-            physical=physical, state="pending" if moves or frozen else "active", created=now,
-            updated=now, reason=self._waiting_reason(moves, caller.uid) if moves else (
+            physical=physical, state="pending" if moves or frozen or leaving else "active",
+            created=now, updated=now, reason=self._waiting_reason(moves, caller.uid) if moves else (
                 f"waiting for {len(frozen)} notebook(s) on {self._labels(physical)} to be frozen "
                 "(their kernels keep everything in host memory and thaw when this job ends)"
-                if frozen else "placed"),
+                if frozen else f"waiting for {len(leaving)} lease(s) still on "
+                f"{self._labels(physical)} to finish leaving it" if leaving else "placed"),
             compute_request=compute_request, compute_limit=compute_limit, devices=ask.devices,
             reach=ask.reach, planned_by=CLUSTER if ask.logical is not None else "",
+            waits_for=tuple(m.lease_id for m in moves) + frozen + leaving,
         )
         with self.ledger.transaction():
             self.ledger.insert(lease)
@@ -764,6 +771,17 @@ class Agent:
                  lease.id, ask.kind, caller.uid, format_bytes(req), logical, physical, len(moves),
                  len(frozen))
         return self.ledger.leases[lease.id]
+
+    def _leaving(self, physical: tuple[str, ...], req: int) -> tuple[str, ...]:
+        """The leases moving or freezing off ``physical`` that a new lease of ``req`` bytes
+        there waits for: none where it fits beside everything that still runs there."""
+        leases = self.ledger.leases.values()
+        capacity = {d.uuid: d.total for d in self.devices()}
+        running = policy.physical_load(lease.placement() for lease in leases)
+        if all(running.get(u, 0) + req <= capacity.get(u, 0) for u in physical):
+            return ()
+        return tuple(lease.id for lease in leases if lease.state in ("migrating", "freezing")
+                     and set(lease.physical) & set(physical))
 
     def _check_quota(self, caller: Caller, req: int, devices: int, owner: int | None = None,
                      exclude: str | None = None) -> None:
@@ -802,13 +820,15 @@ class Agent:
         memory rather than stop it. None for notebooks, the cluster's plans, or no such room."""
         if ask.kind != policy.JOB or ask.logical is not None:
             return None
-        leases = self.ledger.leases
-        # Running notebooks the agent planned (a cluster's plan would still count them).
-        candidates = {lease.id for lease in leases.values() if lease.kind == policy.NOTEBOOK
-                      and lease.state in ("active", "shrinking") and not lease.planned_by}
         devices = [d for d in self.devices() if not ask.reach or d.uuid in ask.reach]
-        return policy.plan_freezes(devices, self.planning_view(), req, ask.devices, candidates,
-                                   self.config.rules)
+        return policy.plan_freezes(devices, self.planning_view(), req, ask.devices,
+                                   self._freezable(), self.config.rules)
+
+    def _freezable(self) -> set[str]:
+        """The leases a job may freeze: running notebooks the agent planned (a cluster's plan
+        would still count them)."""
+        return {lease.id for lease in self.ledger.leases.values() if lease.kind == policy.NOTEBOOK
+                and lease.state in ("active", "shrinking") and not lease.planned_by}
 
     def _make_way(self, notebook: Lease, job: Lease) -> None:
         """Freeze ``notebook`` so that ``job`` can run where it runs; where freezing cannot be
@@ -938,7 +958,11 @@ class Agent:
     def _describe(lease: Lease) -> str:
         """``job "python train.py" (l-…)``: what a person recognises, and the id to look up.
         For the lease's own user only: to another it is ``another user's job`` (`_whose`)."""
-        name = lease.name if len(lease.name) <= 40 else lease.name[:39] + "…"
+        name = lease.name
+        if len(name) > 40:
+            # A notebook's name is its path: its end says which notebook; a job's command
+            # line says what it is at its start.
+            name = "…" + name[-39:] if lease.kind == policy.NOTEBOOK else name[:39] + "…"
         # Quoted as JSON: a quote or a newline in a name cannot end the sentence around it.
         quoted = json.dumps(name, ensure_ascii=False)
         return f"{lease.kind} {quoted} ({lease.id})" if name else f"{lease.kind} {lease.id}"
@@ -968,6 +992,29 @@ class Agent:
         parts += [f"another user's notebook from {where}" if n == 1
                   else f"{n} other users' notebooks from {where}" for where, n in others.items()]
         return f"waiting for {len(moves)} notebook(s) to move: " + ", ".join(parts)
+
+    def waiting_for(self, lease: Lease, reader_uid: int) -> list[dict[str, Any]]:
+        """What a pending ``lease`` waits for, for the user ``reader_uid``: each lease its plan
+        moves, freezes or parks that still runs on its GPUs — who (`_whose`), where, what is
+        done to it (``moving``, ``freezing`` or ``parking``: its client was asked to, once its
+        kernel is idle) and ``deadline``, when a move is cut off at the latest (None: nothing
+        is timed). Empty for a lease that waits for nothing in particular."""
+        if lease.state != "pending":
+            return []
+        out = []
+        for other_id in lease.waits_for:
+            other = self.ledger.leases.get(other_id)
+            here = [g for g in other.physical if g in lease.physical] if other else []
+            if other is None or not here:
+                continue  # released, moved, frozen or parked: its room is made
+            action = {"migrating": "moving", "freezing": "freezing"}.get(other.state, "parking")
+            out.append({
+                "who": self._whose(other, reader_uid), "kind": other.kind,
+                "gpu": self._labels(here), "action": action,
+                "to": self._labels(other.target) if action == "moving" else None,
+                "deadline": other.deadline if action == "moving" else None,
+            })
+        return out
 
     def _start_moves(self, moves: list[policy.Move], why: str, cause: Lease | None = None
                      ) -> None:
@@ -1253,7 +1300,8 @@ class Agent:
             return self._unparked(lease, logical, physical, how)
         with self.ledger.transaction():
             lease = self.ledger.update(lease.id, state="pending", logical=logical,
-                                       physical=physical, reason=self._waiting_reason(moves, lease.owner_uid))
+                                       physical=physical, reason=self._waiting_reason(moves, lease.owner_uid),
+                                       waits_for=tuple(m.lease_id for m in moves))
             self._start_moves(moves, f"free {self._labels(physical)}", lease)
         return lease
 
@@ -1287,24 +1335,40 @@ class Agent:
             # The plan has room, but the notebooks spread over it cannot all move back yet.
             return f"waiting for a GPU: no set of moves makes room for its request of {need} yet"
 
-        def why(s: policy.Shortfall) -> str:
-            label = f"GPU {s.index}"
-            if not s.healthy:
-                return f"{label} is unhealthy"
-            if s.whole is not None:
-                job = self.ledger.leases[s.whole]
-                # Another user's job is named no more than `node` names it: not whose it is.
-                whose = (self._describe(job) if job.owner_uid == lease.owner_uid
-                         else "another user's job")
-                return f"{label} is held whole by {whose}"
-            if s.full:
-                return (f"{label} already runs {rules.max_per_gpu} lease(s), the most this node "
-                        "allows")
-            return f"{label} has {format_bytes(s.free)}"
-
         where = "no GPU has" if lease.devices == 1 else f"fewer than {lease.devices} GPUs have"
         return (f"waiting for a GPU: {where} {need} free for its request: "
-                + (", ".join(why(s) for s in short) or "this node lists no GPU"))
+                + (", ".join(self._shortfall(s, lease.owner_uid, "has") for s in short)
+                   or "this node lists no GPU"))
+
+    def _shortfall(self, s: policy.Shortfall, reader_uid: int, free: str) -> str:
+        """Why GPU ``s`` cannot take a lease, for the user ``reader_uid``; ``free`` says how
+        its free memory is meant (``has``, ``can free only``)."""
+        label = f"GPU {s.index}"
+        if not s.healthy:
+            return f"{label} is unhealthy"
+        if s.whole is not None:
+            # Another user's job is named no more than `node` names it: not whose it is.
+            return f"{label} is held whole by {self._whose(self.ledger.leases[s.whole], reader_uid)}"
+        if s.full:
+            return (f"{label} already runs {self.config.rules.max_per_gpu} lease(s), the most "
+                    "this node allows")
+        return f"{label} {free} {format_bytes(s.free)}"
+
+    def _no_way(self, ask: CreateLease, req: int, owner_uid: int) -> str:
+        """Why nothing the agent may do (move, freeze or park notebooks) makes room for a job
+        now, GPU by GPU as if every notebook it may freeze were frozen, and what its user can
+        do instead: never to wait, since nobody waits for it."""
+        movable = self._freezable()
+        fixed = [p for p in self.planning_view() if p.id not in movable]
+        devices = [d for d in self.devices() if not ask.reach or d.uuid in ask.reach]
+        short = policy.shortfalls(devices, fixed, req, self.config.rules)
+        gpus = "a GPU" if ask.devices == 1 else f"{ask.devices} GPUs"
+        why = ("; ".join(self._shortfall(s, owner_uid, "can free only") for s in short)
+               or "leases it cannot touch now (moving, freezing or thawing) still run there")
+        return (f"nothing this agent may move, freeze or park makes room for {format_bytes(req)} "
+                f"on {gpus}: {why}. "
+                "Jobs, and notebooks the cluster placed, are never moved or frozen. Run it again "
+                "once they end (`gpufrac-agent status` shows them), or ask for less")
 
     # --- freezing ----------------------------------------------------------------------
     def freeze_blocker(self, lease: Lease) -> str | None:

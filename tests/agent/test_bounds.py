@@ -231,6 +231,16 @@ def test_a_users_own_leases_are_named_quoted_and_cut(agent: Agent) -> None:
     assert "\n" not in moved.reason
 
 
+def test_a_long_notebook_path_is_cut_at_its_start_so_its_file_name_stays(agent: Agent) -> None:
+    path = "/home/alice/projects/" + "deep/" * 10 + "train.ipynb"
+    agent.create_lease(ALICE, ask("0.25", limit="1"))
+    spread = agent.create_lease(ALICE, ask("0.25", limit="1", name=path))
+    job = agent.create_lease(ALICE, ask("1", kind=JOB))
+    quoted = json.dumps("…" + path[-39:], ensure_ascii=False)
+    assert f"notebook {quoted} ({spread.id}) from GPU 1" in job.reason
+    assert agent.waiting_for(job, ALICE.uid)[0]["who"] == f"notebook {quoted} ({spread.id})"
+
+
 # --- the real agent, fuzzed ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, str]]:

@@ -27,7 +27,7 @@ def test_demo_places_spreads_compacts_and_freezes() -> None:
     assert "simulated node: 2 GPU(s)" in text
     assert "migrate GPU 1 -> GPU 0" in text
     assert text.count("job: ran on GPU-") == 2
-    assert "waiting for 1 notebook(s) to move" in out.stderr
+    assert 'waiting for 1 notebook to make room: notebook "notebook-b"' in out.stderr
     assert text.count("frozen because job") == 2
     assert text.count("the same process)") == 2
 

@@ -99,6 +99,10 @@ def test_a_job_with_freezing_off_asks_the_notebooks_in_its_way_to_park(
     [park] = _heard(c, cursor)
     assert (park["kind"], park["lease_id"]) == ("park", a["id"])
     assert "freezing could not be used: freezing is turned off" in park["reason"]
+    # What `gpufrac-agent run` shows meanwhile: asked to park, with no deadline to count.
+    assert c.lease(job["id"])["waiting_for"] == [{
+        "who": f"notebook {a['id']}", "kind": "notebook", "gpu": "GPU 0", "action": "parking",
+        "to": None, "deadline": None}]
     c.park(a["id"])  # what its server does once the kernel restarted without a GPU
     wait_for(lambda: c.lease(job["id"])["state"] == "active", what="the job to run")
 
@@ -111,7 +115,10 @@ def test_a_job_is_still_refused_when_no_freeze_could_make_room(
     c.create_lease(client="run", kind="job", request="1Gi")
     with pytest.raises(AgentError) as err:
         c.create_lease(client="run", kind="job")
-    assert err.value.status == 409 and "no GPU has room" in err.value.message
+    assert err.value.status == 409
+    assert err.value.message.startswith("nothing this agent may move, freeze or park makes room "
+                                        "for 2.0 GiB on a GPU: GPU 0 can free only 1.0 GiB")
+    assert "wait" not in err.value.message, "it says what to do, never to wait: nobody waits"
 
 
 def test_park_by_freezing_keeps_the_process_and_the_next_unpark_thaws_it(

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
 import re
+import select
 import shlex
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,11 +26,11 @@ from .conftest import Holder
 
 def _spread_pair(agent: AgentProcess, holders: Callable[..., Holder]) -> tuple[dict, Holder]:
     """Two notebooks bin-packed on GPU 0, spread one per GPU: the one on GPU 1 must move for a
-    whole-GPU job. Returns that one and its process."""
+    whole-GPU job. Returns that one (named ``b.ipynb``, as a server names it) and its process."""
     c = agent.client()
     spread: tuple[dict, Holder] | None = None
-    for _ in range(2):
-        lease = c.create_lease(client="jupyter", request="0.25", limit="1")
+    for name in ("a.ipynb", "b.ipynb"):
+        lease = c.create_lease(client="jupyter", request="0.25", limit="1", name=name)
         h = holders(CUDA_VISIBLE_DEVICES=lease["physical_gpu"])
         lease = c.register_pid(lease["id"], h.pid)
         h.hold(10)
@@ -135,15 +141,104 @@ def test_run_stopped_while_the_agent_is_down_releases_when_it_is_back(
     assert not (tmp_path / "never.txt").exists()
 
 
-def test_run_timeout_gives_the_lease_back(
+def test_run_timeout_gives_the_lease_back_and_says_what_it_waited_for(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], tmp_path: Path
 ) -> None:
     agent = start_agent()
-    _spread_pair(agent, holders)  # its client never moves it (migrate grace: 120 s)
+    spread, _ = _spread_pair(agent, holders)  # its client never moves it (migrate grace: 120 s)
     job = _run(agent, "--timeout", "1", command=_writes(tmp_path / "never.txt"))
     assert job.wait(timeout=30) == 1
-    assert job.stderr is not None and "not granted within 1s" in job.stderr.read()
+    assert job.stderr is not None
+    last = job.stderr.read().splitlines()[-1]
+    assert "not granted within 1s; it was waiting for 1 notebook to make room: notebook " \
+        f'"b.ipynb" ({spread["id"]}) moves from GPU 1 to GPU 0 within' in last
+    assert "--timeout" in last
     assert _job_leases(agent) == []
+
+
+# A return to the start of the line (up the rows it wrapped onto), clearing what follows.
+_REDRAW = re.compile(r"\r(?:\x1b\[(\d+)A)?\x1b\[J")
+
+
+def _frames(shown: str) -> list[str]:
+    """What a terminal showed, one frame per redraw or new line."""
+    return _REDRAW.sub("\n", shown).replace("\r\n", "\n").split("\n")
+
+
+def _pty_read(fd: int, until: Callable[[str], bool]) -> str:
+    """What was written to the terminal ``fd``, once ``until`` holds of it."""
+    seen = ""
+
+    def read() -> str | None:
+        nonlocal seen
+        while select.select([fd], [], [], 0)[0]:
+            seen += os.read(fd, 65536).decode(errors="replace")
+        return seen if until(seen) else None
+
+    return wait_for(read, timeout=30, what="progress on the terminal")
+
+
+def test_run_on_a_terminal_names_the_notebook_it_waits_for_with_a_countdown_then_runs(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], tmp_path: Path
+) -> None:
+    agent = start_agent()
+    spread, spread_proc = _spread_pair(agent, holders)
+    term, tty = pty.openpty()
+    columns = 80  # narrower than the line: it wraps, and is still rewritten in place
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    out = tmp_path / "job.txt"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
+         "--", *_writes(out)], stderr=tty)
+    os.close(tty)
+    try:
+        line = re.compile(r'notebook "b\.ipynb" \((l-\w+)\) moves from GPU 1 to GPU 0 within '
+                          r"(\d+) s$")
+
+        def countdown(shown: str) -> list[int]:
+            return [int(m[2]) for f in _frames(shown)
+                    if (m := line.search(f)) and m[1] == spread["id"]]
+
+        shown = _pty_read(term, lambda seen: len(set(countdown(seen))) >= 2)
+        seconds = countdown(shown)
+        assert seconds == sorted(seconds, reverse=True) and seconds[-1] < seconds[0] <= 120
+        # Each redraw goes back up the rows the frame before it took, and no new line comes
+        # between them.
+        frames = [f for f in _frames(shown) if f]
+        redraws = [int(m[1] or 0) for m in _REDRAW.finditer(shown)]
+        assert len(redraws) == len(frames) >= 2 and "\n" not in shown
+        rows = [-(-len(f) // columns) for f in frames]
+        assert rows[0] >= 2 and redraws[1:] == [r - 1 for r in rows[:-1]]
+        _move(agent, holders, spread, spread_proc)
+        assert job.wait(timeout=60) == 0
+        assert out.read_text() == spread["physical_gpu"]
+    finally:
+        os.close(term)
+    assert _job_leases(agent) == []
+
+
+def test_run_that_nothing_can_make_room_for_fails_at_once_saying_why(
+    start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    agent = start_agent()
+    c = agent.client()
+    held = [c.create_lease(client="t", kind="job", request="1", name=n) for n in ("j0", "j1")]
+    # A --timeout far longer than the test waits: it must not wait at all.
+    never = tmp_path / "never.txt"
+    for args, why in ((("--gpus", "1"), f'GPU 1 is held whole by job "j1" ({held[1]["id"]})'),
+                      (("--request", "2Gi"), "could never be placed: ask for at most 1.0 GiB")):
+        done = subprocess.run(
+            [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", *args,
+             "--timeout", "3600", "--", *_writes(never)],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 1
+        assert why in done.stderr and "wait for" not in done.stderr
+        assert "not granted" not in done.stderr
+    assert {x["id"] for x in _job_leases(agent)} == {x["id"] for x in held}
+    assert not never.exists()
+    documented = subprocess.run([sys.executable, "-m", "node_agent", "run", "--help"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "1 when it never ran because no lease was granted" in " ".join(documented.split())
 
 
 def test_run_says_which_lease_is_left_and_how_to_release_it(

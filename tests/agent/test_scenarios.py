@@ -67,7 +67,9 @@ def test_job_compacts_a_spread_notebook(
 
     assert job.wait(timeout=30) == 0
     assert out.read_text() == gpu1, "the job ran on the freed GPU"
-    assert job.stderr is not None and "waiting for 1 notebook(s) to move" in job.stderr.read()
+    assert job.stderr is not None
+    assert f"waiting for 1 notebook to make room: notebook {moving['id']} moves from" \
+        in job.stderr.read()
     # The other notebook was not touched, and the job's lease is gone.
     assert staying_proc.alive()
     assert c.lease(staying["id"])["physical_gpu"] == staying["physical_gpu"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,41 @@ def test_a_job_waits_for_the_notebook_it_moves_and_starts_once_the_move_is_done(
     moved = agent.migrated(ME, spread.id)
     assert moved.physical == spread.logical
     assert agent.ledger.leases[job.id].state == "active"
+
+
+def test_a_waiting_job_says_which_notebooks_make_room_naming_only_its_users_own(
+    agent: Agent, tmp_path: Path
+) -> None:
+    other = Caller(uid=1001)
+    agent.create_lease(ME, replace(ask("0.25", "1"), name="mine.ipynb"))
+    theirs = agent.create_lease(other, replace(ask("0.25", "1"), name="theirs.ipynb"))
+    assert theirs.physical != theirs.logical, "spread to the other GPU"
+    job = agent.create_lease(ME, ask("1", kind=JOB))
+    assert job.physical == theirs.physical
+    [entry] = agent.waiting_for(job, ME.uid)
+    deadline = agent.ledger.leases[theirs.id].deadline
+    assert entry == {"who": "another user's notebook", "kind": NOTEBOOK, "gpu": "GPU 1",
+                     "action": "moving", "to": "GPU 0", "deadline": deadline}
+    assert deadline is not None
+    # What the plan chose outlives the agent: the ledger keeps it.
+    assert Ledger(tmp_path / "state").leases[job.id].waits_for == (theirs.id,)
+    agent.migrated(other, theirs.id)
+    assert agent.ledger.leases[job.id].state == "active"
+    assert agent.waiting_for(agent.ledger.leases[job.id], ME.uid) == []
+
+
+def test_a_job_asked_while_a_notebook_still_leaves_its_gpu_waits_for_it(agent: Agent) -> None:
+    agent.create_lease(ME, ask("0.25", "1"))
+    spread = agent.create_lease(ME, replace(ask("0.25", "1"), name="b.ipynb"))
+    first = agent.create_lease(ME, ask("1", kind=JOB))
+    agent.release(ME, first.id)  # the move it started goes on
+    assert agent.ledger.leases[spread.id].state == "migrating"
+    second = agent.create_lease(ME, ask("1", kind=JOB))
+    assert second.state == "pending" and second.physical == spread.physical
+    [entry] = agent.waiting_for(second, ME.uid)
+    assert entry["who"] == f'notebook "b.ipynb" ({spread.id})' and entry["action"] == "moving"
+    agent.migrated(ME, spread.id)
+    assert agent.ledger.leases[second.id].state == "active"
 
 
 def kinds(agent: Agent) -> list[tuple[str, dict[str, object]]]:

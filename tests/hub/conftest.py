@@ -117,7 +117,7 @@ def _require_environment() -> None:
         pytest.skip("JupyterHub is not installed: `make .venv/bin/gpufrac-agent` installs the test extra")
     if proxy_command() is None:
         pytest.skip(f"configurable-http-proxy is neither at {VENV_PROXY} nor on PATH: "
-                    "`make .venv/bin/gpufrac-agent` installs it from npm")
+                    "`make .venv/chp/node_modules/.bin/configurable-http-proxy` installs it from npm")
     # The Hub starts every user's server from this environment as that user. A Python kept where
     # other users cannot reach it (pyenv under a 0700 /root) fails with "Permission denied" —
     # a fact of the machine, not of the product: say what grants the least that fixes it.
