@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -195,3 +196,13 @@ def measure(root: Path, limit: int = MAX_ENTRIES) -> Usage:
             usage.folders.append(Folder(name, tree.bytes, tree.last_write,
                                         read_marker(Path(root) / name)))
     return usage
+
+
+def free_disk(root: Path) -> int:
+    """Bytes free on the disk that holds ``root`` (or would: its nearest existing parent)."""
+    for folder in (Path(root), *Path(root).parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:  # not there yet
+            continue
+    return 0

@@ -51,11 +51,15 @@ REACHABLE_GPUS = "GPUFRAC_REACHABLE_GPUS"
 NO_CHECKPOINTS = "GPUFRAC_NO_CHECKPOINTS"
 # The generation of the newest checkpoint of this kernel the server saw (an integer).
 CHECKPOINT_GENERATION = "GPUFRAC_CHECKPOINT_GENERATION"
+# Bytes one kernel's checkpoint, and all of the user's kernels' checkpoints, may take on disk.
+CHECKPOINT_KERNEL_BUDGET = "GPUFRAC_CHECKPOINT_KERNEL_BUDGET"
+CHECKPOINT_USER_BUDGET = "GPUFRAC_CHECKPOINT_USER_BUDGET"
 
 LAUNCH_VARIABLES = (
     LEASE_ID, KERNEL_ID, REQUEST, LIMIT, GPU_UUID, GPU_INDEX, GPU_NAME, GPU_TOTAL, CONTEXT,
     SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, PARKED, SHARE_SOURCE, REMEMBERED_REQUEST,
-    DEFAULT_SHARE, NO_LEASE_REASON, NO_CHECKPOINTS, CHECKPOINT_GENERATION, *FRAMEWORK_CAPS,
+    DEFAULT_SHARE, NO_LEASE_REASON, NO_CHECKPOINTS, CHECKPOINT_GENERATION,
+    CHECKPOINT_KERNEL_BUDGET, CHECKPOINT_USER_BUDGET, *FRAMEWORK_CAPS,
 )
 
 # The IPython extension the kernel loads.
@@ -69,6 +73,11 @@ ASK_RESTORE_REPORT = "restore-report"  # answer: {"ok": true, "report": {...} or
 # "offloaded_bytes": n} or {"ok": false, "error"} (then nothing was moved).
 ASK_PARK = "park"
 ASKS = (ASK_CHECKPOINT, ASK_RESTORE_REPORT, ASK_PARK)
+# The checkpoint's status (Checkpointer.status: the durable cell and time, the write in progress
+# with its progress, the last error), asked on the control channel: the kernel answers it in its
+# control thread, while a cell runs too. Not user activity (the server's untracked types).
+CHECKPOINT_STATUS_REQUEST = "gpufrac_checkpoint_request"
+CHECKPOINT_STATUS_REPLY = "gpufrac_checkpoint_reply"
 # In the server's data folder: the user's last `%gpu request` in one environment (by the
 # server's sys.prefix), the share of their next kernels there: last-request-<key>.json.
 LAST_REQUEST_FILE = "last-request-{environment}.json"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from jupyter_gpufrac.kernel import (
+    budget,
     namespace,
     pickling,
     rng,
@@ -30,6 +31,7 @@ from jupyter_gpufrac.kernel import (
     tensor_io,
     torch_adapter,
 )
+from node_agent.quantities import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,9 @@ class CheckpointResult:
     durable: bool = False  # written and synced (else a snapshot on its way to the disk)
     # Counts this kernel's committed states: a restore of a lower one goes back in time.
     generation: int = 0
+    # Variables left out to stay within the disk budget (name -> bytes), and which budget.
+    unprotected: dict[str, int] = field(default_factory=dict)
+    unprotected_why: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -156,6 +161,8 @@ class Checkpointer:
         # The newest generation known (committed here, loaded, on disk, or the server's): the
         # next state written is one more, so generations only grow whatever was restored.
         self.generation = 0
+        # The disk budgets each checkpoint stays within (None: unbounded).
+        self.limits: budget.DiskLimits | None = None
 
     @property
     def state_path(self) -> Path:
@@ -226,8 +233,17 @@ class Checkpointer:
             cell = header.get("execution_count") if header else None
             when = header.get("time") if header else None
             generation = header_generation(header) if header else None
+        # What the newest snapshot left out (a restore lacks them once it is written); before
+        # any in this process, what the committed one left out.
+        newest = self.taken or self.last
+        if newest is not None:
+            unprotected, why = newest.unprotected, newest.unprotected_why
+        else:
+            found = self.read_header() or {}
+            unprotected, why = dict(found.get("unprotected") or {}), found.get("unprotected_why")
         return {"durable_cell": cell, "durable_time": when, "writing": self.writer.writing(),
-                "error": self.writer.error, "durable_generation": generation}
+                "error": self.writer.error, "durable_generation": generation,
+                "unprotected": unprotected, "unprotected_why": why}
 
     def _committed(self, job: snapshot.Job, stale: list[str]) -> None:
         """The writer made ``job`` durable (its thread); ``stale`` blobs are deleted next."""
@@ -322,6 +338,16 @@ class Checkpointer:
     ) -> snapshot.Job:
         """Snapshot what changed: the job that writes it, and commits the state naming it."""
         saved = self._saved
+        room = self.limits.room() if self.limits is not None else None
+        # A tensor or an array alone larger than the budget is left out before its bytes are
+        # copied: a budget must not cost the copy of what it cannot protect, at every cell.
+        early: dict[str, int] = {}
+        if room is not None:
+            early = {name: size for name, value in selection.values.items()
+                     if (size := budget.least_bytes(value)) > room.bytes}
+            for name, size in early.items():
+                del selection.values[name]
+                lost[name] = _unprotected_reason(size, room)
         session = pickling.FingerprintSession(blobs, ns)
         try:
             taken = session.fingerprint_all(selection.values,
@@ -335,16 +361,25 @@ class Checkpointer:
             groups, pickled, packs = saved.groups, 0, saved.packs
             # And what it could not pickle it still cannot (a fingerprint can be taken of what
             # does not pickle, a generator): it stays reported, or a restore would not say so.
+            # So do the ones that did not fit the budget.
             lost.update((name, why) for name, why in saved.header["lost"].items() if name in prints)
+            unprotected = {name: int(size) for name, size
+                           in saved.header.get("unprotected", {}).items() if name in prints}
+            why = saved.header.get("unprotected_why") if unprotected else None
+            carried = self._carry_deferred(ns)
         else:
-            groups, pickled = self._save_changed(selection.values, prints, blobs, ns, lost)
+            changed, pickled = self._save_changed(selection.values, prints, blobs, ns, lost)
+            carried = self._carry_deferred(ns)
+            groups, unprotected, why = self._within_budget(changed, carried, lost, room)
             packs = pack_groups(list(groups.values()), blobs,
                                 saved.packs.composition if saved else {})
-        carried = self._carry_deferred(ns)
+        if early and room is not None:
+            unprotected, why = {**early, **unprotected}, room.why
         rng_data = pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL)
         rest: dict[str, Any] = {
             "format": FORMAT, "modules": selection.modules, "lost": lost,
             "rng": blobs.pack_blob(rng_data), "matplotlib_backend": _matplotlib_backend(),
+            "unprotected": unprotected, "unprotected_why": why,
             **dict(extra),
         }
         rest_key = json.dumps([rest, carried], sort_keys=True)
@@ -384,6 +419,32 @@ class Checkpointer:
         result = self._result(header, now, execution_count, blobs, pickled)
         return snapshot.Job(execution_count, now, data, digest, frozenset(referenced), staged,
                             result, state_cell=execution_count)
+
+    def _within_budget(
+        self, groups: dict[tuple[str, ...], _Group], carried: list[dict[str, Any]],
+        lost: dict[str, str], room: budget.Room | None,
+    ) -> tuple[dict[tuple[str, ...], _Group], dict[str, int], str | None]:
+        """The groups :func:`budget.protect` keeps under the disk budget (groups that share a
+        storage kept or left out together), and the names left out with their bytes; those
+        are also ``lost``, so a restore says they were not protected."""
+        if room is None:
+            return groups, {}, None
+        records = [g.record for g in groups.values()]
+        units = _sharing(records)
+        sizes = [group_size([records[i] for i in unit], "bytes") for unit in units]
+        left = max(0, room.bytes - group_size(carried, "bytes"))
+        kept = {i for chosen in budget.protect(sizes, left) for i in units[chosen]}
+        unprotected: dict[str, int] = {}
+        for i, record in enumerate(records):
+            if i not in kept:
+                size = group_size([record], "bytes")
+                for name in record["names"]:
+                    unprotected[name] = size
+                    lost[name] = _unprotected_reason(size, room)
+        if not unprotected:
+            return groups, {}, None
+        return ({key: g for i, (key, g) in enumerate(groups.items()) if i in kept},
+                unprotected, room.why)
 
     def _save_changed(
         self, values: Mapping[str, Any], prints: Mapping[str, pickling.Fingerprint | None],
@@ -431,6 +492,8 @@ class Checkpointer:
             execution_count=execution_count, group_bytes_written=blobs.group_bytes_written,
             groups_written=pickled, buffers_bytes=header["buffers_bytes"],
             generation=header_generation(header),
+            unprotected=dict(header.get("unprotected") or {}),
+            unprotected_why=header.get("unprotected_why"),
         )
 
     def _save_group(
@@ -631,16 +694,44 @@ class Checkpointer:
             return None
 
     def _header(self, folder: store.CheckpointDir) -> dict[str, Any]:
-        """The state file's header, with when and after which cell it was last found current."""
-        data = folder.read_bytes(store.STATE_FILE)
-        header, _ = _read_trailer(io.BytesIO(data), self.state_path)
-        try:
-            seen = json.loads(folder.read_bytes(store.SEEN_FILE))
-        except (FileNotFoundError, ValueError):
-            return header
-        if isinstance(seen, dict) and seen.get("state") == tensor_io.digest(data):
-            header.update(time=seen.get("time"), execution_count=seen.get("execution_count"))
+        return _current_header(folder)
+
+
+def _current_header(folder: store.CheckpointDir) -> dict[str, Any]:
+    """The state file's header, with when and after which cell it was last found current."""
+    data = folder.read_bytes(store.STATE_FILE)
+    header, _ = _read_trailer(io.BytesIO(data), folder.path / store.STATE_FILE)
+    try:
+        seen = json.loads(folder.read_bytes(store.SEEN_FILE))
+    except (FileNotFoundError, ValueError):
         return header
+    if isinstance(seen, dict) and seen.get("state") == tensor_io.digest(data):
+        header.update(time=seen.get("time"), execution_count=seen.get("execution_count"))
+    return header
+
+
+def recovery_point(root: Path) -> dict[str, Any] | None:
+    """What a restore of ``root`` would bring back, from its header (nothing unpickled): the
+    cell and time of the committed checkpoint, its generation, and the variables it left out
+    to stay within the disk budget with why; None when there is none or it is not ours."""
+    try:
+        with store.CheckpointDir.open(Path(root)) as folder:
+            if not folder.exists(store.STATE_FILE):
+                return None
+            header = _current_header(folder)
+    except (OSError, ValueError, CheckpointError, store.UnsafeCheckpointError):
+        return None
+    cell, when = header.get("execution_count"), header.get("time")
+    unprotected = header.get("unprotected")
+    return {
+        "durable_cell": cell if isinstance(cell, int) and not isinstance(cell, bool) else None,
+        "durable_time": float(when) if isinstance(when, int | float) else None,
+        "durable_generation": header_generation(header),
+        "unprotected": ({str(k): int(v) for k, v in unprotected.items()
+                         if isinstance(v, int)} if isinstance(unprotected, dict) else {}),
+        "unprotected_why": (str(header["unprotected_why"])[:1000]
+                            if header.get("unprotected_why") else None),
+    }
 
 
 def header_generation(header: Mapping[str, Any]) -> int:
@@ -736,16 +827,27 @@ def group_size(groups: list[dict[str, Any]], measure: str) -> int:
             + buffers)
 
 
+def _unprotected_reason(size: int, room: budget.Room) -> str:
+    """What a restore says of a variable the budget left out."""
+    return f"not protected: it takes {format_bytes(size)}, {room.why}"
+
+
+def _sharing(groups: list[dict[str, Any]]) -> list[list[int]]:
+    """Indexes of ``groups`` in sets that share a tensor storage (a view stays a view of its
+    base only while the two are saved and loaded together)."""
+    holder: dict[str, int] = {}
+    joined = [(i, holder.setdefault(blob, i))
+              for i, group in enumerate(groups) for blob in group.get("tensors", {})]
+    return components(range(len(groups)), joined)
+
+
 def defer(groups: list[dict[str, Any]], budget: int, measure: str) -> list[dict[str, Any]]:
     """The groups to leave on disk so that the rest, counted by ``measure``, fits ``budget``.
 
     Groups that share a tensor storage go together (a view must stay a view of its base); the
     largest go first, so the fewest variables wait.
     """
-    holder: dict[str, int] = {}
-    joined = [(i, holder.setdefault(blob, i))
-              for i, group in enumerate(groups) for blob in group.get("tensors", {})]
-    units = components(range(len(groups)), joined)
+    units = _sharing(groups)
 
     def size(unit: list[int]) -> int:
         return group_size([groups[i] for i in unit], measure)

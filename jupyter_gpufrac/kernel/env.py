@@ -64,6 +64,9 @@ class KernelEnv:
     checkpoints_off: str | None = None
     # The newest checkpoint generation of this kernel the server saw (0: none).
     checkpoint_generation: int = 0
+    # Bytes one checkpoint of this kernel, and all of its user's, may take (None: unbounded).
+    checkpoint_kernel_budget: int | None = None
+    checkpoint_user_budget: int | None = None
 
     @property
     def has_lease(self) -> bool:
@@ -175,6 +178,8 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     restore = env.get(contract.RESTORE, "").strip().lower() not in ("", "0", "false", "no")
     checkpoints_off = env.get(contract.NO_CHECKPOINTS, "").strip()[:1000] or None
     generation = _int(env, contract.CHECKPOINT_GENERATION, problems) or 0
+    kernel_budget = _int(env, contract.CHECKPOINT_KERNEL_BUDGET, problems)
+    user_budget = _int(env, contract.CHECKPOINT_USER_BUDGET, problems)
     return KernelEnv(
         lease_id=env.get(contract.LEASE_ID, "").strip() or None,
         agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
@@ -204,4 +209,6 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         problems=tuple(problems),
         checkpoints_off=checkpoints_off,
         checkpoint_generation=max(generation, 0),
+        checkpoint_kernel_budget=kernel_budget,
+        checkpoint_user_budget=user_budget,
     )

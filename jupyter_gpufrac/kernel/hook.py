@@ -31,6 +31,7 @@ from jupyter_gpufrac.kernel import (
     store,
     torch_adapter,
 )
+from jupyter_gpufrac.kernel.budget import DiskLimits
 from jupyter_gpufrac.kernel.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -86,6 +87,11 @@ class GpuFracHook:
         self.checkpointer = Checkpointer(environment.checkpoint_dir)
         # Generations go on from the newest the server saw, whatever a restore loads.
         self.checkpointer.generation = environment.checkpoint_generation
+        if (environment.checkpoint_kernel_budget is not None
+                or environment.checkpoint_user_budget is not None):
+            self.checkpointer.limits = DiskLimits(
+                environment.checkpoint_dir, environment.checkpoint_kernel_budget,
+                environment.checkpoint_user_budget)
         self.state = ladder.LadderState()
         self.cap: int | None = None
         self.torch_seen = False
@@ -186,7 +192,7 @@ class GpuFracHook:
             self.watcher.stop()
         with contextlib.suppress(ValueError):
             self.ip.input_transformers_post.remove(self._unpark_before_cell)
-        server_channel.unregister()
+        server_channel.unregister(self)
         atexit.unregister(self.flush_checkpoints)
         self.flush_checkpoints()
 

@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 
 from jupyter_gpufrac import checkpoint_disk, contract
 from jupyter_gpufrac.kernel import messages, store, torch_adapter
+from jupyter_gpufrac.kernel.budget import unprotected_line
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
 from node_agent.caps import mps_running
@@ -250,8 +251,12 @@ class GpuMagic:
         lost = (last or {}).get("lost") or {}
         count = messages.plural(len((last or {}).get("names") or []), "variable")
         text = f"  checkpoint: {stamp}{after}, {count}, on disk ({where}){progress}"
+        unprotected = state.get("unprotected") or {}
+        lost = {name: why for name, why in lost.items() if name not in unprotected}
         if lost:
             text += f"; not saved: {', '.join(sorted(lost))}"
+        if unprotected:
+            text += f"\n    {unprotected_line(unprotected, state.get('unprotected_why'))}"
         return text
 
     def _node_lines(self) -> list[str]:

@@ -48,12 +48,25 @@ def register(hook: Any) -> bool:
         # and JupyterLab reports a close of a comm it never saw as an error.
         comm.send(answer(hook, msg.get("content", {}).get("data")))
 
+    def checkpoint_status(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        # In ipykernel's control thread: answered while a cell runs too.
+        hook.ip.kernel.session.send(stream, contract.CHECKPOINT_STATUS_REPLY,
+                                    hook.checkpointer.status(), parent, ident)
+
     manager.register_target(contract.COMM_TARGET, opened)
+    _control_handlers(hook)[contract.CHECKPOINT_STATUS_REQUEST] = checkpoint_status
     return True
 
 
-def unregister() -> None:
+def _control_handlers(hook: Any) -> dict[str, Any]:
+    """ipykernel's handlers of control requests (a throwaway dict outside ipykernel)."""
+    handlers = getattr(getattr(hook.ip, "kernel", None), "control_handlers", None)
+    return handlers if isinstance(handlers, dict) else {}
+
+
+def unregister(hook: Any) -> None:
     """Stop answering (the extension is unloaded)."""
     manager = _manager()
     if manager is not None:
         manager.targets.pop(contract.COMM_TARGET, None)
+    _control_handlers(hook).pop(contract.CHECKPOINT_STATUS_REQUEST, None)

@@ -18,7 +18,8 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Float, Int, List, Unicode, default, validate
 
 from jupyter_gpufrac import contract
-from jupyter_gpufrac.checkpoint_disk import Usage, measure
+from jupyter_gpufrac.checkpoint_disk import Usage, free_disk, measure
+from jupyter_gpufrac.kernel.budget import parse_budget
 from jupyter_gpufrac.server import retention
 from jupyter_gpufrac.server.agent_link import (
     AgentError,
@@ -107,6 +108,22 @@ class GpuFrac(ExtensionApp):
         help="Seconds between sweeps of the checkpoint folder for expired checkpoints (see "
         "checkpoint_keep_seconds); each sweep also marks this server's running kernels' folders "
         "as in use, for other servers of yours sharing the folder. 0: only at server start.",
+    ).tag(config=True)
+
+    checkpoint_kernel_budget = Unicode(
+        "25%",
+        help="The most disk one kernel's checkpoint may take: a share of the space free for "
+        "checkpoints when the server starts (free disk under checkpoint_dir plus what your "
+        "checkpoints there already take), like 25%, or a size like 20GiB, 500M or bytes. A "
+        "checkpoint protects the variables that fit, smallest first, and names the others "
+        "(%gpu, the panel, a restore). 0: nothing is protected.",
+    ).tag(config=True)
+
+    checkpoint_user_budget = Unicode(
+        "50%",
+        help="The most disk all your kernels' checkpoints may take together (shut-down kernels' "
+        "kept ones count too): a share of the space free for checkpoints when the server starts "
+        "(see checkpoint_kernel_budget), like 50%, or a size like 100GiB or bytes.",
     ).tag(config=True)
 
     embedded_agent = Bool(
@@ -237,6 +254,28 @@ class GpuFrac(ExtensionApp):
             )
         return value
 
+    @validate("checkpoint_kernel_budget", "checkpoint_user_budget")
+    def _validate_budget(self, proposal: Any) -> str:
+        value = str(proposal.value).strip()
+        try:
+            parse_budget(value, f"c.GpuFrac.{proposal.trait.name}")
+        except QuantityError as err:
+            return self._bad_setting(proposal, f"{err.field}: {err.message}")
+        return value
+
+    def checkpoint_budgets(self) -> tuple[int, int]:
+        """(per-kernel, per-user) checkpoint budgets in bytes: shares of the space free for
+        checkpoints now, free disk plus what the user's checkpoints already take (file I/O)."""
+        shares = [parse_budget(spec, name) for name, spec in (
+            ("c.GpuFrac.checkpoint_kernel_budget", self.checkpoint_kernel_budget),
+            ("c.GpuFrac.checkpoint_user_budget", self.checkpoint_user_budget))]
+        room = 0
+        if any(share is not None for share, _ in shares):
+            room = free_disk(Path(self.checkpoint_dir)) + measure(Path(self.checkpoint_dir)).total
+        kernel, user = (int(share * room) if share is not None else int(nbytes or 0)
+                        for share, nbytes in shares)
+        return kernel, user
+
     @validate("agent_socket", "checkpoint_dir")
     def _validate_path(self, proposal: Any) -> str:
         value = os.path.expanduser(str(proposal.value).strip())
@@ -317,6 +356,14 @@ class GpuFrac(ExtensionApp):
     def initialize_settings(self) -> None:
         """Events, the agent link and what every kernel's provisioner reads."""
         self.check_limits()
+        km = getattr(self.serverapp, "kernel_manager", None)
+        untracked = getattr(km, "untracked_message_types", None)
+        if km is not None and isinstance(untracked, list):
+            # The server's checkpoint-status questions are not the user's activity (park_after,
+            # "restored until used"), nor a busy kernel in JupyterLab, which reads this list.
+            km.untracked_message_types = [*untracked, *(
+                kind for kind in (contract.CHECKPOINT_STATUS_REQUEST,
+                                  contract.CHECKPOINT_STATUS_REPLY) if kind not in untracked)]
         # An empty string set in config skips validation (it equals the unset value): default.
         self.agent_socket = self.agent_socket or self._default_agent_socket()
         self.checkpoint_dir = self.checkpoint_dir or self._default_checkpoint_dir()
@@ -354,6 +401,8 @@ class GpuFrac(ExtensionApp):
             checkpoint_keep_seconds=self.checkpoint_keep_seconds,
             log=self.log,
         )
+        (self.kernel_settings.checkpoint_kernel_budget,
+         self.kernel_settings.checkpoint_user_budget) = self.checkpoint_budgets()
         self.check_folders()
         self._disk: tuple[float, Usage] | None = None
         self.settings["gpufrac_app"] = self
@@ -491,7 +540,10 @@ class GpuFrac(ExtensionApp):
                 self.log.info("gpufrac: measuring %s: %s", self.checkpoint_dir, err)
                 return None
             cached = self._disk = (now, usage)
-        return cached[1].model(kernel_id, now)
+        settings = self.kernel_settings
+        return {**cached[1].model(kernel_id, now),
+                "kernel_budget": settings.checkpoint_kernel_budget,
+                "user_budget": settings.checkpoint_user_budget}
 
     # -- following kernels -------------------------------------------------------------
 

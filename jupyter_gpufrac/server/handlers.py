@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized
@@ -11,9 +13,18 @@ from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
 from jupyter_gpufrac.server.agent_link import AgentError, AgentUnavailable
+from jupyter_gpufrac.server.kernel_channel import checkpoint_status
 from jupyter_gpufrac.server.rest_models import kernel_model, node_model
 
 AUTH_RESOURCE = "gpufrac"
+# How long the kernel view waits for the kernel's checkpoint status (a control-channel answer
+# takes milliseconds; a kernel that is not there answers nothing).
+CHECKPOINT_STATUS_WAIT_S = 1.0
+# A kernel that did not answer (without the extension, or its threads held) is asked again
+# after this many seconds.
+CHECKPOINT_STATUS_RETRY_S = 30.0
+# Execution states of a kernel with no process to ask.
+GONE = ("dead", "restarting", "autorestarting")
 
 
 class GpuFracHandler(APIHandler):
@@ -74,6 +85,15 @@ class KernelHandler(GpuFracHandler):
             return
         kernel = km.get_kernel(kernel_id)
         gpu = app.kernels.get(kernel_id)
+        status = None
+        if gpu is not None and gpu.hooked:
+            # Two stats, and the header read only when a checkpoint was written since.
+            await asyncio.to_thread(gpu.look_at_checkpoint)
+            if (getattr(kernel, "execution_state", None) not in GONE
+                    and time.monotonic() >= gpu.ask_status_after):
+                status = await checkpoint_status(kernel, CHECKPOINT_STATUS_WAIT_S)
+                if status is None:  # asked again later, not at every poll of the panel
+                    gpu.ask_status_after = time.monotonic() + CHECKPOINT_STATUS_RETRY_S
         lease = gpu.lease if gpu is not None else None
         agent_error = app.agent_error
         if gpu is not None and lease is not None:
@@ -87,7 +107,7 @@ class KernelHandler(GpuFracHandler):
         self.write_json(kernel_model(
             kernel_id, kernel, gpu, lease, app.events.events(kernel_id),
             agent_error=agent_error, notebook=await self._notebook(kernel_id),
-            checkpoint_disk=await app.checkpoint_disk(kernel_id),
+            checkpoint_disk=await app.checkpoint_disk(kernel_id), checkpoint_status=status,
         ))
 
     async def _notebook(self, kernel_id: str) -> str | None:

@@ -142,6 +142,28 @@ async def checkpoint(kernel: Any, timeout: float, *, park: bool = False) -> tupl
     return False, str(answer.get("error") or "the kernel gave no reason")
 
 
+async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | None:
+    """The kernel's checkpoint status (contract.CHECKPOINT_STATUS_REQUEST), asked on the
+    control channel; None when it does not answer within ``timeout`` seconds."""
+    client = kernel.client()
+    client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+    try:
+        request = client.session.msg(contract.CHECKPOINT_STATUS_REQUEST, {})
+        client.control_channel.send(request)
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                reply = await client.control_channel.get_msg(timeout=remaining)
+            except queue.Empty:
+                return None
+            if (reply.get("parent_header") or {}).get("msg_id") == request["header"]["msg_id"]:
+                content = reply.get("content")
+                return content if isinstance(content, dict) else None
+        return None
+    finally:
+        client.stop_channels()
+
+
 async def restore_report(kernel: Any, timeout: float) -> dict[str, Any] | None:
     """What the kernel's last restore brought back (None: it did not say)."""
     try:

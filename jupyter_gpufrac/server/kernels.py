@@ -11,7 +11,7 @@ from typing import Any
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
-from jupyter_gpufrac.kernel.checkpoint import committed_generation
+from jupyter_gpufrac.kernel.checkpoint import recovery_point
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
 from jupyter_gpufrac.server.launch import checkpoint_dir_of, lease_gpus, resolve_share
 from jupyter_gpufrac.server.podinfo import cluster_gpus, reachable_gpus, read_podinfo
@@ -96,7 +96,11 @@ class KernelGpu:
         # The newest checkpoint generation of this kernel the server saw, kept across its
         # restarts: a restore of an older one says so (a folder renamed or replaced).
         self.checkpoint_generation = 0
-        self._state_seen: tuple[int, int, int] | None = None
+        self._state_seen: list[tuple[int, int, int] | None] | None = None
+        # The committed checkpoint as its header says (checkpoint.recovery_point), or None.
+        self.recovery_point: dict[str, Any] | None = None
+        # When the kernel view may ask the kernel for its checkpoint status again (monotonic).
+        self.ask_status_after = 0.0
         # Why this kernel's launches take no checkpoints (a folder others can write), or None.
         self.checkpoints_off: str | None = None
 
@@ -154,20 +158,28 @@ class KernelGpu:
             self.checkpoint_generation = generation
 
     def look_at_checkpoint(self) -> None:
-        """Learn the generation of the kernel's committed checkpoint from its header (file I/O:
-        call it in a thread); read again only when the state file changed since."""
+        """Learn the kernel's recovery point (cell, time, generation, what is not protected)
+        from its committed checkpoint's header (file I/O: call it in a thread); read again
+        only when the state file, or when it was last found current, changed since."""
         settings = self.settings()
         if settings.folder_problem or self.checkpoints_off:
             return
         folder = checkpoint_dir_of(settings.checkpoint_root, self.kernel_id)
-        try:
-            st = os.stat(os.path.join(folder, store.STATE_FILE), follow_symlinks=False)
-        except OSError:
-            return
-        seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+        seen: list[tuple[int, int, int] | None] = []
+        for name in (store.STATE_FILE, store.SEEN_FILE):
+            try:
+                st = os.stat(os.path.join(folder, name), follow_symlinks=False)
+            except OSError:
+                seen.append(None)
+                continue
+            seen.append((st.st_ino, st.st_size, st.st_mtime_ns))
         if seen != self._state_seen:
             self._state_seen = seen
-            self.saw_generation(committed_generation(Path(folder)))
+            # None yet, or removed: a restart would restore nothing (the newest generation seen
+            # is kept, so that a state put back later is known to be older).
+            self.recovery_point = None if seen[0] is None else recovery_point(Path(folder))
+            if self.recovery_point is not None:
+                self.saw_generation(self.recovery_point["durable_generation"])
 
     async def restored(self) -> None:
         """The kernel of this launch answered with its restore report: it started."""

@@ -199,6 +199,7 @@ def build_kernel_env(
     checkpoint_generation: int = 0,
     default_share: Mapping[str, str | None] | None = None,
     no_lease_reason: str | None = None,
+    checkpoint_budgets: tuple[int | None, int | None] = (None, None),
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -219,6 +220,12 @@ def build_kernel_env(
     if checkpoint_generation:
         # The newest checkpoint the server saw: a restore of an older one says so.
         env[contract.CHECKPOINT_GENERATION] = str(int(checkpoint_generation))
+    # Bytes the kernel's checkpoint, and all the user's, may take (c.GpuFrac): it protects
+    # what fits and names the rest.
+    for key, budget in zip((contract.CHECKPOINT_KERNEL_BUDGET, contract.CHECKPOINT_USER_BUDGET),
+                           checkpoint_budgets, strict=True):
+        if budget is not None:
+            env[key] = str(int(budget))
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""

@@ -142,6 +142,8 @@ class GpuFracProvisioner(LocalProvisioner):
             no_lease_reason=gpu.no_gpu_reason,
             checkpoints_off=gpu.checkpoints_off,
             checkpoint_generation=gpu.checkpoint_generation,
+            checkpoint_budgets=(settings.checkpoint_kernel_budget,
+                                settings.checkpoint_user_budget),
         )
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result

@@ -68,6 +68,24 @@ def kernel_state(
     return "guaranteed", None, None
 
 
+def checkpoint_model(point: dict[str, Any] | None,
+                     status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The kernel view's ``checkpoint``: the recovery point its header on disk gives, and when
+    the kernel answered (``status``, Checkpointer.status), the write in progress and the error."""
+    if point is None and status is None:
+        return None
+    model: dict[str, Any] = dict(point or {
+        "durable_cell": None, "durable_time": None, "durable_generation": 0,
+        "unprotected": {}, "unprotected_why": None})
+    if status is not None:
+        writing = status.get("writing")
+        model["writing"] = ({key: writing.get(key) for key in
+                             ("cell", "bytes_done", "bytes_total", "queued")}
+                            if isinstance(writing, dict) else None)
+        model["error"] = str(status["error"])[:1000] if status.get("error") else None
+    return model
+
+
 def gpu_model(gpu: dict[str, Any] | None, simulated: bool) -> dict[str, Any] | None:
     """The short GPU description of the kernel status."""
     if gpu is None:
@@ -91,6 +109,7 @@ def kernel_model(
     agent_error: str | None = None,
     notebook: str | None = None,
     checkpoint_disk: dict[str, Any] | None = None,
+    checkpoint_status: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/kernels/<kernel_id>``."""
     state, reason, deadline = kernel_state(kernel, gpu, lease, events, agent_error=agent_error)
@@ -117,6 +136,10 @@ def kernel_model(
         "lease": lease,
         # Where request and limit came from (None: the lease predates this server process).
         "share_source": gpu.share_source if gpu is not None else None,
+        # What a restart restores now: the last durable checkpoint's cell and time, the
+        # variables it left out to stay within the disk budget, and the write in progress.
+        "checkpoint": checkpoint_model(gpu.recovery_point if gpu is not None else None,
+                                       checkpoint_status),
         # What this kernel's and all the user's kernels' checkpoints take on disk.
         "checkpoint_disk": checkpoint_disk,
         # Why this kernel takes no checkpoints (a folder another user can write), or None.

@@ -37,6 +37,9 @@ class KernelSettings:
     config_problems: tuple[str, ...] = ()
     # How long a kernel's checkpoint is kept after its user shut it down (c.GpuFrac).
     checkpoint_keep_seconds: float = 86400.0
+    # Bytes one kernel's checkpoint and all the user's may take (c.GpuFrac, resolved at start).
+    checkpoint_kernel_budget: int | None = None
+    checkpoint_user_budget: int | None = None
     # Set as the server stops: the kernels it shuts down then were not shut down by their users.
     server_stopping: bool = False
 

@@ -157,6 +157,30 @@ export interface IShareSource {
   limit?: string | null;
 }
 
+/**
+ * What a restart restores now, from the last durable checkpoint's header
+ * (docs/server-api.md): its cell and unix time, and the variables the disk
+ * budget left out (name -> bytes) with why.
+ */
+export interface IRecoveryPoint {
+  durable_cell: number | null;
+  durable_time: number | null;
+  unprotected: Record<string, number>;
+  unprotected_why?: string | null;
+  /**
+   * The checkpoint being written (null: none); absent when the kernel did
+   * not answer. `queued`: waiting for the one before it.
+   */
+  writing?: {
+    cell: number | null;
+    bytes_done: number;
+    bytes_total: number;
+    queued?: boolean;
+  } | null;
+  /** Why the last write failed (the recovery point above stays), or null. */
+  error?: string | null;
+}
+
 /** `GET /api/gpufrac/kernels/<id>` */
 export interface IKernelStatus {
   kernel_id: string;
@@ -182,6 +206,8 @@ export interface IKernelStatus {
   protection?: Protection | string | null;
   /** Why freezing could not be used the last time it was tried, or null. */
   fallback?: string | null;
+  /** Null before the first checkpoint; absent from older servers. */
+  checkpoint?: IRecoveryPoint | null;
 }
 
 export interface INodeGpu extends IGpuRef {

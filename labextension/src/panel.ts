@@ -19,10 +19,13 @@ import {
   leaseStateWords,
   memoryLine,
   notebookName,
+  recoveryPointLine,
   restoreAdvice,
   restoreFactsOf,
   restoreSummary,
-  stateKept
+  stateKept,
+  unprotectedLine,
+  writingLine
 } from './view';
 
 /** Finds the notebook path of a kernel id, for naming leases. */
@@ -260,6 +263,29 @@ export class GpuFracPanel extends Widget {
           },
           kept
         )
+      ]);
+    }
+    // What a restart restores now, its age as of this render; and what it lacks.
+    const point = recoveryPointLine(
+      status.checkpoint,
+      Date.now() / 1000,
+      trans
+    );
+    if (point) {
+      rows.push([trans.__('Restart restores'), point]);
+    }
+    const writing = writingLine(status.checkpoint, trans);
+    if (writing) {
+      rows.push([trans.__('Writing'), writing]);
+    }
+    if (status.checkpoint?.error) {
+      rows.push([trans.__('Last write failed'), status.checkpoint.error]);
+    }
+    const unprotected = unprotectedLine(status.checkpoint, trans);
+    if (unprotected) {
+      rows.push([
+        trans.__('Not protected'),
+        h.span({ className: 'jp-gpufrac-Panel-unprotected' }, unprotected)
       ]);
     }
     const lease = status.lease;

@@ -16,6 +16,7 @@ import {
   IGpuFracEvent,
   IKernelStatus,
   ILease,
+  IRecoveryPoint,
   IRestore,
   IShareSource
 } from './api';
@@ -1091,4 +1092,92 @@ export function computeLine(
     ? trans.__('held by CUDA MPS')
     : trans.__('not enforced: no CUDA MPS');
   return trans.__('%1; share %2 of the compute (%3)', usedText, share, held);
+}
+
+/** "45 s", "3 min", "2 h 4 min": how long ago, as people read it. */
+export function ageWords(
+  seconds: number,
+  trans: ITrans = defaultTrans
+): string {
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) {
+    return trans.__('%1 s', s);
+  }
+  if (s < 3600) {
+    return trans.__('%1 min', Math.floor(s / 60));
+  }
+  return trans.__(
+    '%1 h %2 min',
+    Math.floor(s / 3600),
+    Math.floor((s % 3600) / 60)
+  );
+}
+
+/**
+ * "after cell [5], 3 min ago": what a restart restores now. The age is
+ * computed from the checkpoint's time when shown (`now`, unix seconds). Null
+ * before the first checkpoint, or from an older server.
+ */
+export function recoveryPointLine(
+  point: IRecoveryPoint | null | undefined,
+  now: number,
+  trans: ITrans = defaultTrans
+): string | null {
+  if (
+    !point ||
+    point.durable_time === null ||
+    point.durable_time === undefined
+  ) {
+    return null;
+  }
+  const age = ageWords(now - point.durable_time, trans);
+  return point.durable_cell === null || point.durable_cell === undefined
+    ? trans.__('%1 ago', age)
+    : trans.__('after cell [%1], %2 ago', point.durable_cell, age);
+}
+
+/**
+ * "big (4.0 GiB), … — over the per-kernel checkpoint budget …": the variables
+ * a restart would not bring back, largest first, and why. Null when every
+ * variable is protected.
+ */
+export function unprotectedLine(
+  point: IRecoveryPoint | null | undefined,
+  trans: ITrans = defaultTrans
+): string | null {
+  const names = Object.entries(point?.unprotected ?? {}).sort(
+    ([a, x], [b, y]) => y - x || a.localeCompare(b)
+  );
+  if (!names.length) {
+    return null;
+  }
+  const shown = names
+    .map(([name, bytes]) => trans.__('%1 (%2)', name, formatBytes(bytes)))
+    .join(', ');
+  const why = (point?.unprotected_why ?? '').trim();
+  return why ? trans.__('%1 — %2', shown, why) : shown;
+}
+
+/**
+ * "after cell [6]: 1.2 GiB of 4.0 GiB": the checkpoint being written, which a
+ * restart would restore once it is done. Null when none is, or unknown.
+ */
+export function writingLine(
+  point: IRecoveryPoint | null | undefined,
+  trans: ITrans = defaultTrans
+): string | null {
+  const writing = point?.writing;
+  if (!writing) {
+    return null;
+  }
+  const progress = writing.queued
+    ? trans.__('queued, %1', formatBytes(writing.bytes_total))
+    : trans.__(
+        '%1 of %2',
+        formatBytes(writing.bytes_done),
+        formatBytes(writing.bytes_total)
+      );
+  return writing.cell === null || writing.cell === undefined
+    ? progress
+    : trans.__('after cell [%1]: %2', writing.cell, progress);
 }

@@ -36,6 +36,7 @@ import {
   leaseStateWords,
   MAX_NOTICE,
   readSettings,
+  recoveryPointLine,
   restoreAdvice,
   restoredNotice,
   restoreFactsOf,
@@ -43,7 +44,9 @@ import {
   stateKept,
   stateView,
   statusDescription,
-  statusLabel
+  statusLabel,
+  unprotectedLine,
+  writingLine
 } from '../src/view';
 
 const NOW = 1_763_760_000;
@@ -944,5 +947,73 @@ test('the frozen words go through the translator', () => {
   assert.match(
     describeEvent({ kernel_id: 'k', event: 'frozen' }, marking),
     /^«Frozen/
+  );
+});
+
+test('the recovery point says which cell a restart restores, aged when shown', () => {
+  const point = {
+    durable_cell: 5,
+    durable_time: 1000,
+    unprotected: {},
+    unprotected_why: null
+  };
+  assert.equal(recoveryPointLine(point, 1012), 'after cell [5], 12 s ago');
+  // The same answer shown later is older: the server sends a time, not an age.
+  assert.equal(
+    recoveryPointLine(point, 1000 + 185),
+    'after cell [5], 3 min ago'
+  );
+  assert.equal(
+    recoveryPointLine(point, 1000 + 7500),
+    'after cell [5], 2 h 5 min ago'
+  );
+  assert.equal(
+    recoveryPointLine({ ...point, durable_cell: null }, 1030),
+    '30 s ago'
+  );
+  assert.equal(recoveryPointLine(null, 1000), null);
+  assert.equal(recoveryPointLine(undefined, 1000), null);
+  assert.equal(unprotectedLine(point), null);
+});
+
+test('unprotected variables are named, largest first, with why', () => {
+  const why =
+    'over the per-kernel checkpoint budget of 1.0 GiB; raise ' +
+    'c.GpuFrac.checkpoint_kernel_budget or delete variables you no longer need';
+  const point = {
+    durable_cell: 3,
+    durable_time: 1000,
+    unprotected: { small: 2 * 1024 ** 3, big_tensor: 4 * 1024 ** 3 },
+    unprotected_why: why
+  };
+  assert.equal(
+    unprotectedLine(point),
+    `big_tensor (4.0 GiB), small (2.0 GiB) — ${why}`
+  );
+  assert.equal(
+    unprotectedLine({ ...point, unprotected_why: null }),
+    'big_tensor (4.0 GiB), small (2.0 GiB)'
+  );
+});
+
+test('a write in progress is shown with its progress, and only when known', () => {
+  const point = {
+    durable_cell: 5,
+    durable_time: 1000,
+    unprotected: {},
+    writing: { cell: 6, bytes_done: 1024 ** 3, bytes_total: 4 * 1024 ** 3 }
+  };
+  assert.equal(writingLine(point), 'after cell [6]: 1.0 GiB of 4.0 GiB');
+  assert.equal(
+    writingLine({
+      ...point,
+      writing: { ...point.writing, bytes_done: 0, queued: true }
+    }),
+    'after cell [6]: queued, 4.0 GiB'
+  );
+  assert.equal(writingLine({ ...point, writing: null }), null);
+  assert.equal(
+    writingLine({ durable_cell: 5, durable_time: 1000, unprotected: {} }),
+    null
   );
 });
