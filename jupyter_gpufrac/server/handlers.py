@@ -12,6 +12,7 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
+from jupyter_gpufrac.server.account import kernel_account
 from jupyter_gpufrac.server.agent_link import AgentError, AgentUnavailable
 from jupyter_gpufrac.server.kernel_channel import checkpoint_status
 from jupyter_gpufrac.server.rest_models import kernel_model, node_model
@@ -58,7 +59,7 @@ class NodeHandler(GpuFracHandler):
         node, leases, error = None, [], None
         try:
             node = await app.link.node()
-            leases = own_leases(await app.link.leases())
+            leases = [self._with_account(lease) for lease in own_leases(await app.link.leases())]
         except AgentUnavailable as err:
             error = f"{app.agent_loss_text()} ({err})"
         except AgentError as err:
@@ -70,6 +71,19 @@ class NodeHandler(GpuFracHandler):
             "error": error,
         }
         self.write_json(node_model(node, leases, agent, list(app.config_problems)))
+
+    def _with_account(self, lease: dict[str, Any]) -> dict[str, Any]:
+        """A lease of this server's kernel, with the kernel's account as of this very lease:
+        the node's table says what "This kernel" says."""
+        app = self.gpufrac
+        kernel_id = str(lease.get("kernel_id") or "")
+        gpu = app.kernels.get(kernel_id) if kernel_id else None
+        if gpu is None or gpu.lease is None or gpu.lease.get("id") != lease.get("id"):
+            return lease
+        kernel = self.kernel_manager.get_kernel(kernel_id)
+        account = kernel_account(kernel, gpu, lease, app.events.events(kernel_id),
+                                 agent_error=app.agent_error)
+        return {**lease, "account": account}
 
 
 class KernelHandler(GpuFracHandler):

@@ -98,6 +98,8 @@ export interface ILease {
   fallback?: string;
   created?: number;
   updated?: number;
+  /** For a kernel of this server: its account as of this very lease. */
+  account?: IKernelAccount;
 }
 
 /** One kernel event, as it arrives on the event stream or in `events`. */
@@ -181,23 +183,40 @@ export interface IRecoveryPoint {
   error?: string | null;
 }
 
-/** `GET /api/gpufrac/kernels/<id>` */
-export interface IKernelStatus {
-  kernel_id: string;
+/** A kernel's newest event, in short (the account's `last_event`). */
+export interface ILastEvent {
+  event: EventName | string;
+  message: string;
+  time: number;
+}
+
+/**
+ * The server's one account of a kernel: what every view says of it. The
+ * kernel status has these fields at its top; the node's leases of this
+ * server's kernels carry them as `account`.
+ */
+export interface IKernelAccount {
   state: KernelState | string;
   reason?: string | null;
+  /** move-pending: unix seconds at which the running cell is cut off. */
+  deadline?: number | null;
   gpu: IGpuRef | null;
   request?: number | null;
   limit?: number | null;
   usage?: number | null;
-  lease?: ILease | null;
-  events?: IGpuFracEvent[];
-  /** move-pending: unix seconds at which the running cell is cut off. */
-  deadline?: number | null;
-  notebook?: string | null;
-  restore?: IRestore | null;
   /** Absent from older servers, null for a lease older than the server process. */
   share_source?: IShareSource | null;
+  /** Absent from older servers; null before the first event. */
+  last_event?: ILastEvent | null;
+}
+
+/** `GET /api/gpufrac/kernels/<id>` */
+export interface IKernelStatus extends IKernelAccount {
+  kernel_id: string;
+  lease?: ILease | null;
+  events?: IGpuFracEvent[];
+  notebook?: string | null;
+  restore?: IRestore | null;
   /**
    * What keeps its state while it has no GPU: "frozen in host memory" while
    * frozen, else "checkpoint on disk"; null without a lease, absent from

@@ -21,6 +21,16 @@ export function formatBytes(bytes: number | null | undefined): string {
   return `${Math.round(bytes / MiB)} MiB`;
 }
 
+/** "4.0 GiB–16.0 GiB" from request to limit; "16.0 GiB" when they are one. */
+export function shareRange(
+  request: number | null | undefined,
+  limit: number | null | undefined
+): string {
+  const from = formatBytes(request);
+  const to = formatBytes(limit ?? request);
+  return from === to ? from : `${from}–${to}`;
+}
+
 /**
  * "2.1/4.0 GiB", "300/512 MiB": usage against request in one unit, the one
  * that suits the larger of the two, so the pair reads at a glance
@@ -112,6 +122,29 @@ export function formatTime(unixSeconds: number | undefined): string {
   return when.toDateString() === now.toDateString()
     ? time
     : `${when.toLocaleDateString()} ${time}`;
+}
+
+/**
+ * "12 s ago", "3 min ago", "2 h ago", or the time of day when older: how long
+ * ago `unixSeconds` was, as of `nowSeconds` (when it is shown, never when the
+ * event was recorded).
+ */
+export function formatAge(
+  unixSeconds: number,
+  nowSeconds: number = Date.now() / 1000,
+  trans: ITrans = defaultTrans
+): string {
+  const seconds = Math.max(0, Math.round(nowSeconds - unixSeconds));
+  if (seconds < 60) {
+    return trans.__('%1 s ago', seconds);
+  }
+  if (seconds < 3600) {
+    return trans.__('%1 min ago', Math.floor(seconds / 60));
+  }
+  if (seconds < 6 * 3600) {
+    return trans.__('%1 h ago', Math.floor(seconds / 3600));
+  }
+  return formatTime(unixSeconds);
 }
 
 /** "2 of 3 variables restored; lost: gen — re-run …; cell [7] … was cut off: re-run it" */

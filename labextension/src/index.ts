@@ -68,11 +68,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
       sessions.find(s => s.kernel?.id === kernelId)?.path ?? null;
 
     let panel: GpuFracPanel | null = null;
-    const openPanel = (kernelId?: string) => {
-      if (kernelId && kernelId !== model.kernelId) {
-        // A notification about another notebook's kernel: show that one.
-        model.kernelId = kernelId;
-        model.path = kernelName(kernelId) ?? '';
+    const openPanel = async (kernelId?: string) => {
+      if (kernelId && kernelId !== model.kernelId && !tracker.show(kernelId)) {
+        // A notification about a notebook not open here: open it, and the
+        // tracker follows it like any notebook brought to the front.
+        const path = kernelName(kernelId);
+        if (path) {
+          await app.commands
+            .execute('docmanager:open', { path })
+            .catch(() => undefined);
+        }
       }
       if (!panel || panel.isDisposed) {
         panel = new GpuFracPanel(model, kernelName);
@@ -99,14 +104,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
       (kernelId === model.kernelId && model.path) || kernelName(kernelId);
     const notifier = new InterventionNotifier(
       notebookOf,
-      id => openPanel(id),
+      id => void openPanel(id),
       trans
     );
     model.eventReceived.connect((_, event) => notifier.handle(event));
     // Cheap when nothing is new: the notifier remembers what it showed.
     model.changed.connect(() => notifier.configProblems(model.configProblems));
 
-    const item = statusBar ? new GpuStatusItem(model, () => openPanel()) : null;
+    const item = statusBar
+      ? new GpuStatusItem(model, () => void openPanel())
+      : null;
     if (statusBar && item) {
       statusBar.registerStatusItem(PLUGIN_ID, {
         item,

@@ -494,12 +494,14 @@ export class GpuFracModel implements IDisposable {
       );
       this._followPace();
       this._changed.emit();
-      void this._nodePoll.refresh();
     }
     const heard = this._heard.get(event.kernel_id) ?? [];
     heard.push(event);
     this._heard.set(event.kernel_id, heard.slice(-HISTORY_LIMIT));
     this._eventReceived.emit(event);
+    // Any kernel's event changes the node's table: ask now, not at the next
+    // tick, so that no view contradicts another for longer than this event.
+    void this._nodePoll.refresh();
     if (event.kernel_id !== this._kernelId) {
       return;
     }

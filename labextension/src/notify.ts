@@ -18,6 +18,7 @@ import {
   eventNotice,
   frozenNotice,
   MAX_NOTICE,
+  moveNotice,
   nameList,
   notebookName,
   restoredNotice
@@ -38,6 +39,9 @@ interface IOpen {
   message: string;
   since: number;
 }
+
+/** How often a move's countdown is shown anew (ms). */
+const COUNTDOWN_MS = 1000;
 
 export class InterventionNotifier {
   /**
@@ -168,7 +172,15 @@ export class InterventionNotifier {
     const message =
       event.event === 'frozen'
         ? frozenNotice(text, notebook, MAX_NOTICE, this._trans)
-        : eventNotice(text, notebook);
+        : event.event === 'move_pending'
+          ? moveNotice(
+              event,
+              notebook,
+              Date.now() / 1000,
+              MAX_NOTICE,
+              this._trans
+            )
+          : eventNotice(text, notebook);
     const open = this._open.get(event.kernel_id);
     const options = { autoClose, actions: this._actions(event.kernel_id) };
     // A move continues one story (pending, migrating, migrated): update, do not stack.
@@ -189,6 +201,35 @@ export class InterventionNotifier {
       message,
       since: Date.now()
     });
+    if (event.event === 'move_pending' && event.deadline !== undefined) {
+      this._countDown(event, notebook, id, options);
+    }
+  }
+
+  /**
+   * A pending move's notification counts down: shown anew each second, from
+   * the deadline, until the move's next step takes the notification over or
+   * the time is up.
+   */
+  private _countDown(
+    event: IGpuFracEvent,
+    notebook: string | null,
+    id: string,
+    options: { autoClose: number | false; actions: Notification.IAction[] }
+  ): void {
+    const timer = window.setInterval(() => {
+      const open = this._open.get(event.kernel_id);
+      const now = Date.now() / 1000;
+      if (open?.id !== id || open.event !== 'move_pending') {
+        window.clearInterval(timer);
+        return;
+      }
+      const message = moveNotice(event, notebook, now, MAX_NOTICE, this._trans);
+      Notification.update({ id, message, type: 'in-progress', ...options });
+      if (now >= (event.deadline ?? now)) {
+        window.clearInterval(timer);
+      }
+    }, COUNTDOWN_MS);
   }
 
   /**

@@ -7,8 +7,14 @@ import { Message } from '@lumino/messaging';
 import { h, VirtualDOM, VirtualElement } from '@lumino/virtualdom';
 import { Widget } from '@lumino/widgets';
 
-import { IGpuFracEvent, ILease } from './api';
-import { describeEvent, formatBytes, formatTime, gpuLabel } from './format';
+import { IGpuFracEvent, IKernelStatus, ILease, INodeGpu } from './api';
+import {
+  describeEvent,
+  formatBytes,
+  formatTime,
+  gpuLabel,
+  shareRange
+} from './format';
 import { GpuFracModel } from './model';
 import { usageBar } from './usageBar';
 import {
@@ -16,6 +22,7 @@ import {
   cellLabel,
   computeLine,
   configProblemsHeading,
+  historyEntries,
   leaseStateWords,
   memoryLine,
   notebookName,
@@ -24,9 +31,18 @@ import {
   restoreFactsOf,
   restoreSummary,
   stateKept,
+  stateView,
   unprotectedLine,
   writingLine
 } from './view';
+
+/** A lease's state as the node table shows it. */
+interface ILeaseView {
+  state: string;
+  words: string;
+  /** Its kernel's account, where the server keeps one. */
+  status?: IKernelStatus;
+}
 
 /** Finds the notebook path of a kernel id, for naming leases. */
 export type KernelNamer = (kernelId: string) => string | null;
@@ -392,21 +408,35 @@ export class GpuFracPanel extends Widget {
           trans.__('This node is simulated: no real GPU is used.')
         )
       : null;
-    const leases = new Map(node.leases.map(l => [l.id, l]));
-    const rows = node.gpus.map(gpu => {
-      const mine = (gpu.leases ?? [])
-        .map(id => leases.get(id))
-        .filter((l): l is ILease => l !== undefined);
-      const list = h.ul(
+    // Each lease where its kernel's account puts it: the GPU it runs on, or
+    // the "no GPU" row while it is parked or waiting for one.
+    const placed = node.leases.map(lease => {
+      const view = this._leaseView(lease);
+      return { lease, view, on: leaseGpu(lease, view, node.gpus) };
+    });
+    const list = (entries: typeof placed): VirtualElement =>
+      h.ul(
         { className: 'jp-gpufrac-Panel-leases' },
-        mine.map(lease =>
+        entries.map(({ lease, view, on }) =>
           h.li(
-            lease.kernel_id === this._model.kernelId
-              ? { dataset: { current: 'true' } }
-              : {},
-            this._leaseLine(lease)
+            {
+              dataset: {
+                state: view.state,
+                ...(lease.kernel_id === this._model.kernelId
+                  ? { current: 'true' }
+                  : {})
+              }
+            },
+            this._leaseLine(lease, view, on !== null)
           )
         )
+      );
+    const rows = node.gpus.map(gpu => {
+      // A job's lease may hold several GPUs: it is in each one's row.
+      const mine = placed.filter(entry =>
+        entry.view.status
+          ? entry.on === gpu.uuid
+          : (gpu.leases ?? []).includes(entry.lease.id)
       );
       return h.tr(
         { dataset: { 'gpu-index': String(gpu.index) } },
@@ -442,9 +472,23 @@ export class GpuFracPanel extends Widget {
                 )
           )
         ),
-        h.td(mine.length ? list : trans.__('none'))
+        h.td(mine.length ? list(mine) : trans.__('none'))
       );
     });
+    const without = placed.filter(entry => entry.on === null);
+    if (without.length) {
+      rows.push(
+        h.tr(
+          { dataset: { gpu: 'none' } },
+          h.th({ scope: 'row' }, trans.__('No GPU')),
+          h.td(
+            { className: 'jp-gpufrac-Panel-memory' },
+            trans.__('holding no GPU memory')
+          ),
+          h.td(list(without))
+        )
+      );
+    }
     const table = h.table(
       { className: 'jp-gpufrac-Panel-gpus' },
       h.thead(
@@ -465,7 +509,39 @@ export class GpuFracPanel extends Widget {
     );
   }
 
-  private _leaseLine(lease: ILease): string {
+  /**
+   * How a lease reads in the table: for the kernel followed, exactly what
+   * "This kernel" says (the same status); for another kernel of this server,
+   * its account as of the node's answer; a job or an older server's lease, the
+   * agent's own state.
+   */
+  private _leaseView(lease: ILease): ILeaseView {
+    const model = this._model;
+    const trans = model.trans;
+    if (lease.kernel_id && lease.kernel_id === model.kernelId && model.status) {
+      const view = model.view();
+      return { state: view.state, words: view.label, status: model.status };
+    }
+    const account = lease.account;
+    if (account) {
+      const status: IKernelStatus = {
+        ...account,
+        kernel_id: lease.kernel_id ?? '',
+        lease
+      };
+      const view = stateView(
+        account.state,
+        status,
+        model.agent,
+        Date.now() / 1000,
+        trans
+      );
+      return { state: view.state, words: view.label, status };
+    }
+    return { state: lease.state, words: leaseStateWords(lease, trans) };
+  }
+
+  private _leaseLine(lease: ILease, view: ILeaseView, onGpu: boolean): string {
     const trans = this._model.trans;
     let who: string;
     if (lease.kind === 'job') {
@@ -483,29 +559,39 @@ export class GpuFracPanel extends Widget {
     if (lease.kernel_id && lease.kernel_id === this._model.kernelId) {
       who = trans.__('%1 (this kernel)', who);
     }
+    const figures = view.status ?? lease;
+    const share = shareRange(figures.request, figures.limit);
+    if (!onGpu) {
+      // Parked, or waiting for a GPU: it uses none.
+      return trans.__('%1: %2, %3', who, share, view.words);
+    }
     return trans.__(
-      '%1: %2 of %3–%4, %5',
+      '%1: %2 of %3, %4',
       who,
-      formatBytes(lease.usage),
-      formatBytes(lease.request),
-      formatBytes(lease.limit),
-      leaseStateWords(lease, trans)
+      formatBytes(figures.usage),
+      share,
+      view.words
     );
   }
 
   private _historySection(): VirtualElement {
     const trans = this._model.trans;
-    const events: IGpuFracEvent[] = [
-      ...(this._model.status?.events ?? [])
-    ].reverse();
-    if (!events.length) {
+    const entries = historyEntries(this._model.status?.events ?? []).reverse();
+    if (!entries.length) {
       return this._section(
         'history',
         trans.__('Recent history'),
         h.p(trans.__('Nothing happened to this kernel yet.'))
       );
     }
-    const items = events.slice(0, 20).map(event =>
+    const when = (event: IGpuFracEvent): VirtualElement =>
+      h.time(
+        event.time
+          ? { datetime: new Date(event.time * 1000).toISOString() }
+          : {},
+        formatTime(event.time)
+      );
+    const items = entries.slice(0, 20).map(({ event, steps }) =>
       h.li(
         {
           dataset: {
@@ -515,25 +601,58 @@ export class GpuFracPanel extends Widget {
               : {})
           }
         },
-        h.time(
-          event.time
-            ? { datetime: new Date(event.time * 1000).toISOString() }
-            : {},
-          formatTime(event.time)
-        ),
+        when(event),
         ' ',
-        describeEvent(event, trans)
+        describeEvent(event, trans),
+        steps.length > 1
+          ? h(
+              'details',
+              h.summary(trans._n('%1 step', '%1 steps', steps.length)),
+              h.ol(
+                steps.map(step =>
+                  h.li(
+                    { dataset: { event: step.event } },
+                    when(step),
+                    ' ',
+                    describeEvent(step, trans)
+                  )
+                )
+              )
+            )
+          : null
       )
     );
     return this._section(
       'history',
       trans.__('Recent history'),
-      h.ol({ className: 'jp-gpufrac-Panel-history', reversed: '' }, items)
+      // Numbered newest first; `start` as the count of entries, as the
+      // browser's own count would take the folded steps' items too.
+      h.ol(
+        {
+          className: 'jp-gpufrac-Panel-history',
+          reversed: '',
+          start: String(items.length)
+        },
+        items
+      )
     );
   }
 
   private _nodeWatch: IDisposable;
   private readonly _prefix: string;
+}
+
+/** The UUID of the GPU in whose row a lease is, or null for the "No GPU" row. */
+function leaseGpu(
+  lease: ILease,
+  view: ILeaseView,
+  gpus: INodeGpu[]
+): string | null {
+  if (view.status) {
+    const parked = ['parked', 'waiting-for-gpu'].includes(view.state);
+    return parked ? null : (view.status.gpu?.uuid ?? null);
+  }
+  return gpus.find(gpu => gpu.leases?.includes(lease.id))?.uuid ?? null;
 }
 
 function ellipsis(text: string, max: number): string {

@@ -1,8 +1,10 @@
 /**
  * Follows the notebook (or console) the user is looking at, and tells the
- * model which kernel that is. The kernel behind a panel changes when the user
- * switches kernels; a migration restarts the kernel under the same id, so the
- * kernel's status changes are a hint to fetch again.
+ * model which kernel that is: the only one that does, so the status item
+ * always shows the kernel of the notebook in front. The kernel behind a
+ * panel changes when the user switches kernels; a migration restarts the
+ * kernel under the same id, so the kernel's status changes are a hint to
+ * fetch again.
  */
 import { JupyterFrontEnd } from '@jupyterlab/application';
 import { ISessionContext } from '@jupyterlab/apputils';
@@ -48,14 +50,41 @@ export class CurrentKernelTracker {
     this._model.eventReceived.connect(this._onEvent, this);
   }
 
-  /** Fired when a kernel panel becomes, or stops being, the current widget. */
+  /** Fired when a panel with a kernel becomes, or stops being, the current widget. */
   get activeChanged(): ISignal<this, void> {
     return this._activeChanged;
   }
 
-  /** True while the current widget has a kernel session. */
+  /**
+   * True while the current widget has a kernel: a notebook whose kernel was
+   * shut down has nothing to show (no leftover "GPU · parked").
+   */
   get hasKernelPanel(): boolean {
-    return this._context !== null;
+    return this._active;
+  }
+
+  /** Tell the status bar when there is something, or nothing, to show. */
+  private _updateActive(): void {
+    const active = !!this._context?.session?.kernel;
+    if (active !== this._active) {
+      this._active = active;
+      this._activeChanged.emit();
+    }
+  }
+
+  /**
+   * Bring the notebook (or console) of a kernel to the front, so that every
+   * view follows it; false when no open panel has that kernel.
+   */
+  show(kernelId: string): boolean {
+    for (const widget of this._shell.widgets('main')) {
+      if (sessionContextOf(widget)?.session?.kernel?.id === kernelId) {
+        this._shell.activateById(widget.id);
+        this._follow(widget);
+        return true;
+      }
+    }
+    return false;
   }
 
   private _follow(widget: Widget | null): void {
@@ -66,7 +95,6 @@ export class CurrentKernelTracker {
     if (next === this._context) {
       return;
     }
-    const wasActive = this._context !== null;
     if (this._context) {
       this._context.kernelChanged.disconnect(this._onKernelChanged, this);
       this._context.statusChanged.disconnect(this._onStatusChanged, this);
@@ -82,9 +110,7 @@ export class CurrentKernelTracker {
     }
     // Without a kernel panel the model keeps the last kernel: the details
     // panel may still be open on it.
-    if (wasActive !== (next !== null)) {
-      this._activeChanged.emit();
-    }
+    this._updateActive();
   }
 
   /** The notebook was closed: its kernel is no longer ours to show. */
@@ -122,6 +148,7 @@ export class CurrentKernelTracker {
   private _onKernelChanged(context: ISessionContext): void {
     this._model.kernelId = context.session?.kernel?.id ?? null;
     this._model.path = context.path;
+    this._updateActive();
   }
 
   private _onStatusChanged(
@@ -141,9 +168,11 @@ export class CurrentKernelTracker {
       void this._model.refresh();
     }
     this._lastStatus = status;
+    this._updateActive();
   }
 
   private _context: ISessionContext | null = null;
+  private _active = false;
   private _lastStatus: Kernel.Status | null = null;
   private _activeChanged = new Signal<this, void>(this);
 }

@@ -4,6 +4,7 @@
  * No DOM, no JupyterLab: `npm test` runs it under Node.
  */
 import {
+  formatAge,
   formatBytes,
   gpuLabel,
   shortGpuName,
@@ -62,6 +63,8 @@ export interface IStateView {
   verified: boolean;
   /** Seconds left before a pending move cuts the running cell off. */
   secondsLeft: number | null;
+  /** After an incomplete restore, what did not come back, most important first: ["2 variables lost", "1 cell cut off"]. */
+  shortfall: string[];
 }
 
 // Built per call, not once: the words are in the user's language, and
@@ -162,7 +165,7 @@ function labels(trans: ITrans): Record<string, string> {
     'move-pending': trans.__('moving soon — cell still running'),
     migrating: trans.__('migrating'),
     restored: trans.__('restored'),
-    'restore-incomplete': trans.__('restored with losses'),
+    'restore-incomplete': trans.__('restored in part'),
     // Not "OOM-killed": the agent also stops a kernel whose move ran out of time.
     'oom-killed': trans.__('stopped'),
     'agent-unreachable': trans.__('agent unreachable'),
@@ -295,12 +298,18 @@ export function stateView(
     reason = agent?.reason ?? '';
   }
   const hold = holdOf(shown, status);
+  const shortfall =
+    shown === 'restore-incomplete' && status?.restore
+      ? restoreShortfall(restoreFactsOf(status.restore), trans)
+      : [];
   return {
     state: shown,
     hold,
-    label:
-      holdWords(holdLabels(trans), shown, hold) ??
-      stateLabel(shown, deadline, nowSeconds, trans),
+    label: shortfall.length
+      ? trans.__('restored · %1', shortfall.join(', '))
+      : (holdWords(holdLabels(trans), shown, hold) ??
+        stateLabel(shown, deadline, nowSeconds, trans)),
+    shortfall,
     help: holdWords(holdHelps(trans), shown, hold) ?? stateHelp(shown, trans),
     reason: reason.trim(),
     // Thawing is the way back: news, not worry.
@@ -386,7 +395,7 @@ function shortWords(trans: ITrans): Record<string, string> {
     migrating: trans.__('moving'),
     'oom-killed': trans.__('stopped'),
     restored: trans.__('restored'),
-    'restore-incomplete': trans.__('losses'),
+    'restore-incomplete': trans.__('restored in part'),
     'agent-unreachable': trans.__('agent unreachable'),
     'no-gpu': trans.__('no GPU'),
     parked: trans.__('parked'),
@@ -408,6 +417,10 @@ export function shortStateWord(
     return view.secondsLeft > 0
       ? trans.__('moving in %1 s', view.secondsLeft)
       : trans.__('moving now');
+  }
+  if (view.shortfall.length) {
+    // The most important alone: the tooltip and the panel have the rest.
+    return view.shortfall[0];
   }
   return (
     holdWords(holdShortWords(trans), view.state, view.hold) ??
@@ -436,13 +449,14 @@ export function statusLabel(
     gpu = name
       ? trans.__('GPU %1 (%2)', device.index, name)
       : trans.__('GPU %1', device.index);
-  } else if (view.state !== 'no-gpu') {
+  } else if (view.state !== 'no-gpu' && view.state !== 'parked') {
     gpu = trans.__('GPU');
   }
   let figures = '';
   if (view.state === 'unknown') {
     figures = '…';
-  } else if (device && view.verified) {
+  } else if (device && view.verified && view.state !== 'restore-incomplete') {
+    // After an incomplete restore what is missing is the news: the word alone.
     figures = full
       ? usageOfShare(status?.usage, status?.request, status?.limit)
       : usageOfRequest(status?.usage, status?.request);
@@ -452,6 +466,11 @@ export function statusLabel(
   let word = shortStateWord(view, trans);
   if (full && !word && view.state === 'guaranteed') {
     word = view.label;
+  }
+  if (!device && view.state === 'parked') {
+    // It holds no GPU: "GPU parked", "GPU freezing"; never a "GPU ·" with
+    // nothing after it.
+    word = trans.__('GPU %1', word);
   }
   const head = figures ? `${gpu}: ${figures}` : gpu;
   return {
@@ -500,7 +519,8 @@ export function statusDescription(
   status: IKernelStatus | null,
   view: IStateView,
   problems: readonly string[] = [],
-  trans: ITrans = defaultTrans
+  trans: ITrans = defaultTrans,
+  nowSeconds: number = Date.now() / 1000
 ): IStatusDescription {
   const gpu = status?.gpu ?? null;
   const device = gpu ? gpuLabel(gpu, trans) : '';
@@ -516,6 +536,13 @@ export function statusDescription(
     memory && `${capitalize(memory)}.`,
     `${capitalize(view.label)}: ${view.help}${reason}`,
     kept && trans.__('State kept: %1.', kept),
+    // Its age as of this rendering, from the event's own time.
+    status?.last_event &&
+      trans.__(
+        'Last news, %1: %2',
+        formatAge(status.last_event.time, nowSeconds, trans),
+        status.last_event.message
+      ),
     ...problems.map(problem => trans.__('Server setting problem: %1', problem)),
     trans.__('Click for details.')
   ];
@@ -600,12 +627,36 @@ export function askedFor(
     return null;
   }
   const part = (spec: string | undefined, from: string | null | undefined) =>
-    from ? trans.__('%1 (%2)', spec ?? '–', from) : (spec ?? '–');
+    from
+      ? trans.__('%1 (%2)', spec ?? '–', shareSourceWords(from, trans))
+      : (spec ?? '–');
   return trans.__(
     'request %1, limit %2',
     part(requestSpec, source?.request),
     part(limitSpec, source?.limit)
   );
+}
+
+/**
+ * Where a share came from, in words: the server's names for this notebook's
+ * `%gpu request`, the request remembered for new notebooks in this
+ * environment and the server's default; any other name (a kernelspec, a
+ * platform's variable) as given.
+ */
+export function shareSourceWords(
+  source: string,
+  trans: ITrans = defaultTrans
+): string {
+  switch (source) {
+    case '%gpu request':
+      return trans.__('requested in this notebook');
+    case 'your last %gpu request here':
+      return trans.__('remembered request for this environment');
+    case 'c.GpuFrac':
+      return trans.__('default');
+    default:
+      return source;
+  }
 }
 
 /** The panel's line above the problems with the server's c.GpuFrac settings. */
@@ -721,6 +772,33 @@ export function restoreFactsOf(
     interrupted_cell: source.interrupted_cell ?? null,
     error: 'error' in source ? source.error : null
   };
+}
+
+/**
+ * What an incomplete restore did not bring back, in a few words each, most
+ * important first: ["2 variables lost", "1 on disk", "1 cell cut off"];
+ * ["not verified"] when the kernel said nothing.
+ */
+export function restoreShortfall(
+  facts: IRestoreFacts,
+  trans: ITrans = defaultTrans
+): string[] {
+  if (unreported(facts)) {
+    return [trans.__('not verified')];
+  }
+  const parts: string[] = [];
+  const lost = (facts.lost ?? []).length;
+  if (lost) {
+    parts.push(trans._n('%1 variable lost', '%1 variables lost', lost));
+  }
+  const deferred = deferredNames(facts).length;
+  if (deferred) {
+    parts.push(trans.__('%1 on disk', deferred));
+  }
+  if (facts.interrupted_cell) {
+    parts.push(trans.__('1 cell cut off'));
+  }
+  return parts.length ? parts : [trans.__('not verified')];
 }
 
 /** Whether nothing was said about what came back (no report, or an error). */
@@ -924,7 +1002,7 @@ export function restoredNotice(
   if (unreported(facts)) {
     // No report: the server's words, then what to do.
     const body = trans.__(
-      'Restored with losses — %1',
+      'Restarted; what came back is not known: %1',
       restoreSummary(facts, {}, trans)
     );
     return {
@@ -993,11 +1071,7 @@ export function restoredNotice(
     if (cell) {
       parts.push(trans.__('cell %1 was cut off', cellLabel(cell, cellChars)));
     }
-    const body = trans.__(
-      'Restored with losses — %1. %2',
-      parts.join('; '),
-      advice
-    );
+    const body = `${sentence(parts.join('; '))} ${advice}`;
     return withPrefix(prefix, withCause && cause ? `${body} ${cause}` : body);
   };
   const tiers: Array<[boolean, number, number, boolean]> = [
@@ -1019,6 +1093,80 @@ export function restoredNotice(
     type: 'warning',
     message: fitWords(compose(false, 0, 8, false), max)
   };
+}
+
+/** One entry of a kernel's history: an event, and the steps of its story. */
+export interface IHistoryEntry {
+  /** The newest step: what the entry says. */
+  event: IGpuFracEvent;
+  /** Every step, oldest first, the newest included. */
+  steps: IGpuFracEvent[];
+}
+
+/** The steps that continue a story begun by (or continued with) an event. */
+const STORY_GOES_ON: Readonly<Record<string, readonly string[]>> = {
+  move_pending: ['migrating', 'migrated', 'restored'],
+  migrating: ['migrated', 'restored'],
+  migrated: ['restored'],
+  oom_killed: ['restored'],
+  frozen: ['unparked']
+};
+
+/**
+ * A kernel's events (oldest first) as the history shows them: one entry per
+ * intervention, so that a move (its countdown, the move, the restore) reads
+ * as one line that says how it ended, its steps folded beneath.
+ */
+export function historyEntries(events: IGpuFracEvent[]): IHistoryEntry[] {
+  const entries: IHistoryEntry[] = [];
+  for (const event of events) {
+    const last = entries[entries.length - 1];
+    if (last && STORY_GOES_ON[last.event.event]?.includes(event.event)) {
+      last.steps.push(event);
+      last.event = event;
+    } else {
+      entries.push({ event, steps: [event] });
+    }
+  }
+  return entries;
+}
+
+/**
+ * The notification of a move that waits for a running cell, as of
+ * `nowSeconds`: "demo.ipynb: Moving to GPU 0 in 28 s, sooner if the running
+ * cell ends: to free GPU 1 for a job." The countdown comes first, so a cut
+ * only ever shortens the reason; the caller shows it again each second.
+ */
+export function moveNotice(
+  event: IGpuFracEvent,
+  notebook: string | null,
+  nowSeconds: number = Date.now() / 1000,
+  max: number = MAX_NOTICE,
+  trans: ITrans = defaultTrans
+): string {
+  const to =
+    event.to_gpu_index !== null && event.to_gpu_index !== undefined
+      ? trans.__('GPU %1', event.to_gpu_index)
+      : trans.__('another GPU');
+  const left =
+    event.deadline !== undefined
+      ? Math.max(0, Math.ceil(event.deadline - nowSeconds))
+      : null;
+  const head =
+    left === null
+      ? trans.__('Moving to %1 once the running cell ends', to)
+      : left > 0
+        ? trans.__(
+            'Moving to %1 in %2 s, sooner if the running cell ends',
+            to,
+            left
+          )
+        : trans.__('Moving to %1 now; the running cell is cut off', to);
+  const why = (event.reason ?? '').trim().replace(/[\s.]+$/, '');
+  return fitWords(
+    withPrefix(notebookName(notebook), why ? `${head}: ${why}.` : `${head}.`),
+    max
+  );
 }
 
 /** Any other notification: the notebook, then the server's sentence, cut at a word. */

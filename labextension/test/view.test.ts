@@ -17,6 +17,8 @@ import { EVENT_KINDS, KERNEL_STATES } from '../src/contract';
 import {
   describeEvent,
   eventNoticeKind,
+  formatAge,
+  shareRange,
   usageOfRequest,
   usageOfShare
 } from '../src/format';
@@ -31,10 +33,12 @@ import {
   eventNotice,
   fitWords,
   frozenNotice,
+  historyEntries,
   isChanging,
   isTransitional,
   leaseStateWords,
   MAX_NOTICE,
+  moveNotice,
   readSettings,
   recoveryPointLine,
   restoreAdvice,
@@ -99,7 +103,24 @@ test('only a verified restore is a success', () => {
     UP,
     NOW
   );
-  assert.equal(incomplete.label, 'restored with losses');
+  assert.equal(incomplete.label, 'restored in part');
+  // With the kernel's report, the label says what did not come back.
+  const cut = stateView(
+    'restore-incomplete',
+    status('restore-incomplete', {
+      restore: {
+        ok: false,
+        restored: ['a', 'b'],
+        lost: [],
+        interrupted_cell: '[4] time.sleep(40)',
+        message: 'Moved.'
+      }
+    }),
+    UP,
+    NOW
+  );
+  assert.equal(cut.label, 'restored · 1 cell cut off');
+  assert.deepEqual(cut.shortfall, ['1 cell cut off']);
   assert.equal(incomplete.severity, 'warning');
 });
 
@@ -205,8 +226,9 @@ test('a restore that lost something is a warning naming notebook, losses, cell, 
   const notice = restoredNotice(LOST_EVENT, LOST_EVENT.notebook ?? null);
   assert.equal(notice.type, 'warning');
   assert.ok(notice.message.length <= MAX_NOTICE, notice.message);
-  assert.match(notice.message, /^train\.ipynb: Restored with losses/);
-  assert.match(notice.message, /lost: gen; cell \[7\]/);
+  // What happened, in plain words: no "losses".
+  assert.match(notice.message, /^train\.ipynb: Lost: gen; cell \[7\]/);
+  assert.doesNotMatch(notice.message, /loss/i);
   assert.match(
     notice.message,
     /cell \[7\] for epoch in[^;]* was cut off\. Re-run it and the cells that create the lost names\.$/
@@ -258,8 +280,7 @@ test('long losses shrink to fit, keeping the notebook and the facts', () => {
     'experiments/very/deep/path/to/notebook.ipynb'
   );
   assert.ok(notice.message.length <= MAX_NOTICE, notice.message);
-  assert.match(notice.message, /^notebook\.ipynb: Restored with losses/);
-  assert.match(notice.message, /lost: 12 variables/);
+  assert.match(notice.message, /^notebook\.ipynb: Lost: 12 variables/);
   assert.match(notice.message, /cell \[12\] [^ ]/);
   assert.match(
     notice.message,
@@ -417,7 +438,19 @@ test('the status item is numeric, with a word only when there is news', () => {
     'GPU 1: 5.2/4.0 GiB · bursting'
   );
   assert.equal(label('restored'), 'GPU 1: 1.0/4.0 GiB · restored');
-  assert.equal(label('restore-incomplete'), 'GPU 1: 1.0/4.0 GiB · losses');
+  assert.equal(label('restore-incomplete'), 'GPU 1 · restored in part');
+  assert.equal(
+    label('restore-incomplete', {
+      restore: {
+        ok: false,
+        restored: ['a'],
+        lost: ['b', 'c'],
+        interrupted_cell: '[4] train()',
+        message: 'Moved.'
+      }
+    }),
+    'GPU 1 · 2 variables lost'
+  );
   // While the figures are changing the word alone: the tooltip has the last known ones.
   assert.equal(label('shrinking'), 'GPU 1 · shrinking');
   assert.equal(
@@ -457,14 +490,15 @@ test('the status item never shows unverified figures as current', () => {
   }
   // The server's own agent-unreachable state reads the same.
   assert.equal(label('agent-unreachable'), 'GPU 1: ? · agent unreachable');
-  // Only states the agent vouches for show figures at all.
+  // Only states the agent vouches for show figures at all; after an
+  // incomplete restore, what is missing takes their place.
   for (const state of KERNEL_STATES) {
     const s = status(state);
     const view = stateView(state, s, UP, NOW);
     const figures = statusLabel(s, view).figures;
     assert.equal(
       /\d/.test(figures),
-      view.verified,
+      view.verified && state !== 'restore-incomplete',
       `${state}: ${JSON.stringify(figures)}`
     );
   }
@@ -606,11 +640,11 @@ test('"Asked for" names where request and limit came from, when the server says'
   } as ILease;
   assert.equal(
     askedFor(lease, { request: 'kernelspec', limit: 'c.GpuFrac' }),
-    'request 0.5 (kernelspec), limit 1 (c.GpuFrac)'
+    'request 0.5 (kernelspec), limit 1 (default)'
   );
   assert.equal(
     askedFor(lease, { request: '%gpu request', limit: null }),
-    'request 0.5 (%gpu request), limit 1'
+    'request 0.5 (requested in this notebook), limit 1'
   );
   // An older server, or a lease older than the server process: the specs alone.
   assert.equal(askedFor(lease, undefined), 'request 0.5, limit 1');
@@ -659,7 +693,7 @@ test('every word goes through the translator; the default keeps English and coun
     MAX_NOTICE,
     marking
   );
-  assert.match(notice.message, /^demo\.ipynb: «Restored with losses/);
+  assert.match(notice.message, /^demo\.ipynb: «1 of 2 variables restored»/);
   // The default: English as written, plurals by count, %1 the count.
   assert.equal(defaultTrans.__('%1 of %2', 'a', 'b'), 'a of b');
   assert.equal(defaultTrans._n('%1 file', '%1 files', 1), '1 file');
@@ -803,8 +837,9 @@ test('a parked kernel that is frozen says so on the chip, in the tooltip and the
   assert.equal(view.severity, 'info');
   assert.match(view.help, /^Idle, so it was frozen/);
   assert.match(view.help, /Its next cell thaws it/);
-  assert.equal(statusLabel(frozen, view).text, 'GPU · parked · frozen');
-  assert.equal(statusLabel(frozen, view, 'full').text, 'GPU · parked · frozen');
+  // It holds no GPU: no "GPU ·" left dangling without a GPU after it.
+  assert.equal(statusLabel(frozen, view).text, 'GPU parked · frozen');
+  assert.equal(statusLabel(frozen, view, 'full').text, 'GPU parked · frozen');
   assert.match(
     statusDescription(frozen, view).title,
     /^State kept: frozen in host memory \(2\.0 GiB of GPU memory\)\.$/m
@@ -821,7 +856,7 @@ test('a parked kernel that is frozen says so on the chip, in the tooltip and the
   );
   const plain = stateView('parked', restarted, UP, NOW);
   assert.equal(plain.hold, null);
-  assert.equal(statusLabel(restarted, plain).text, 'GPU · parked');
+  assert.equal(statusLabel(restarted, plain).text, 'GPU parked');
   assert.match(
     statusDescription(restarted, plain).title,
     /^State kept: checkpoint on disk\.$/m
@@ -830,7 +865,7 @@ test('a parked kernel that is frozen says so on the chip, in the tooltip and the
   const heard = noGpu('parked', null, { protection: FROZEN_IN_HOST_MEMORY });
   assert.equal(
     statusLabel(heard, stateView('parked', heard, UP, NOW)).text,
-    'GPU · parked · frozen'
+    'GPU parked · frozen'
   );
   // The agent down: nothing is claimed about the freeze.
   const down = stateView('parked', frozen, DOWN, NOW);
@@ -859,7 +894,7 @@ test('a kernel frozen for a job waits for a GPU; freezing and thawing are brief'
   assert.equal(isChanging(thawView), true);
   const freezing = noGpu('parked', frozenLease('freezing', { frozen: false }));
   const freezeView = stateView('parked', freezing, UP, NOW);
-  assert.equal(statusLabel(freezing, freezeView).text, 'GPU · freezing');
+  assert.equal(statusLabel(freezing, freezeView).text, 'GPU freezing');
   assert.match(freezeView.help, /^Being frozen/);
   assert.equal(isChanging(freezeView), true);
   assert.equal(isChanging(view), false);
@@ -940,7 +975,7 @@ test('the frozen words go through the translator', () => {
   assert.match(view.help, /^«Idle, so it was frozen/);
   assert.equal(
     statusLabel(frozen, view, 'compact', marking).text,
-    '«GPU» · «parked · frozen»'
+    '«GPU «parked · frozen»»'
   );
   assert.match(stateKept(frozen, marking) ?? '', /«frozen in host memory»/);
   assert.equal(leaseStateWords(frozenLease('thawing'), marking), '«thawing»');
@@ -1016,4 +1051,130 @@ test('a write in progress is shown with its progress, and only when known', () =
     writingLine({ durable_cell: 5, durable_time: 1000, unprotected: {} }),
     null
   );
+});
+test('a share of one size reads once: "16.0 GiB", not "16.0 GiB–16.0 GiB"', () => {
+  const GiB = 1024 ** 3;
+  assert.equal(shareRange(16 * GiB, 16 * GiB), '16.0 GiB');
+  assert.equal(shareRange(4 * GiB, 16 * GiB), '4.0 GiB–16.0 GiB');
+  assert.equal(shareRange(4 * GiB, null), '4.0 GiB');
+});
+
+test('a pending move counts down in the right tense, its countdown never cut', () => {
+  const event: IGpuFracEvent = {
+    kernel_id: 'k1',
+    event: 'move_pending',
+    to_gpu_index: 0,
+    deadline: NOW + 30,
+    reason:
+      'to free GPU 1 for job "sleep 300" (l-1bd544f2429e), which needs the whole GPU and asked for it a while ago',
+    message: 'Will move from GPU 1 to GPU 0 in 30 s (…); the running cell …'
+  };
+  const first = moveNotice(event, 'work/demo.ipynb', NOW + 2);
+  assert.match(
+    first,
+    /^demo\.ipynb: Moving to GPU 0 in 28 s, sooner if the running cell ends: to free GPU 1/
+  );
+  assert.ok(first.length <= MAX_NOTICE, first);
+  assert.match(moveNotice(event, 'demo.ipynb', NOW + 3), /in 27 s/);
+  assert.match(
+    moveNotice(event, 'demo.ipynb', NOW + 31),
+    /^demo\.ipynb: Moving to GPU 0 now; the running cell is cut off/
+  );
+  assert.doesNotMatch(first, /Will move/);
+});
+
+test('one history entry per intervention: a move and its restore read as one', () => {
+  const at = (event: string, time: number): IGpuFracEvent => ({
+    kernel_id: 'k1',
+    event,
+    time,
+    message: event
+  });
+  const entries = historyEntries([
+    at('placed', 1),
+    at('move_pending', 2),
+    at('migrating', 3),
+    at('migrated', 4),
+    at('restored', 5),
+    at('parked', 6),
+    at('unparked', 7)
+  ]);
+  assert.deepEqual(
+    entries.map(e => [e.event.event, e.steps.map(step => step.event)]),
+    [
+      ['placed', ['placed']],
+      ['restored', ['move_pending', 'migrating', 'migrated', 'restored']],
+      ['parked', ['parked']],
+      ['unparked', ['unparked']]
+    ]
+  );
+});
+
+test('where a share came from, in words: this notebook, remembered, default', () => {
+  const lease = {
+    id: 'l-1',
+    kind: 'notebook',
+    request: 1,
+    limit: 2,
+    state: 'active',
+    request_spec: '0.9',
+    limit_spec: '1'
+  } as ILease;
+  assert.equal(
+    askedFor(lease, {
+      request: 'your last %gpu request here',
+      limit: 'c.GpuFrac'
+    }),
+    'request 0.9 (remembered request for this environment), limit 1 (default)'
+  );
+});
+
+test('no "losses" in any word a user reads after a restore', () => {
+  const event: IGpuFracEvent = {
+    kernel_id: 'k1',
+    event: 'restored',
+    ok: false,
+    restored: ['a', 'b'],
+    lost: [],
+    interrupted_cell: '[4] time.sleep(40)',
+    message: 'Moved from GPU 1 to GPU 0; 2 of 2 variables restored.'
+  };
+  const notice = restoredNotice(event, 'demo.ipynb');
+  assert.equal(
+    notice.message,
+    'demo.ipynb: 2 of 2 variables restored; cell [4] time.sleep(40) was cut off. Re-run it.'
+  );
+  const s = status('restore-incomplete', {
+    restore: { ...event, message: event.message ?? '' } as never
+  });
+  const view = stateView('restore-incomplete', s, UP, NOW);
+  assert.equal(view.label, 'restored · 1 cell cut off');
+  assert.equal(statusLabel(s, view).text, 'GPU 1 · 1 cell cut off');
+  for (const text of [notice.message, view.label, view.help]) {
+    assert.doesNotMatch(text, /loss/i, text);
+  }
+});
+
+test('ages are computed when shown, from the event time', () => {
+  assert.equal(formatAge(NOW - 55, NOW), '55 s ago');
+  assert.equal(formatAge(NOW - 150, NOW), '2 min ago');
+  assert.equal(formatAge(NOW - 2 * 3600, NOW), '2 h ago');
+  const s = status('guaranteed', {
+    last_event: {
+      event: 'migrated',
+      message: 'Moved from GPU 1 to GPU 0.',
+      time: NOW - 30
+    }
+  });
+  const view = stateView('guaranteed', s, UP, NOW);
+  // The same status, shown 25 s later, is 25 s older.
+  for (const [now, age] of [
+    [NOW, '30 s ago'],
+    [NOW + 25, '55 s ago']
+  ] as const) {
+    assert.match(
+      statusDescription(s, view, [], defaultTrans, now).title,
+      new RegExp(`^Last news, ${age}: Moved from GPU 1 to GPU 0\\.$`, 'm')
+    );
+  }
 });

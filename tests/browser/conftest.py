@@ -103,9 +103,16 @@ def chromium() -> dict[str, object]:
     return {"executable_path": CHROMIUM, "headless": True, "args": list(CHROMIUM_ARGS)}
 
 
-@pytest.fixture(scope="session")
-def repo_root() -> Path:
-    return ROOT
+@pytest.fixture
+def screenshots(tmp_path: Path) -> Path:
+    """Where a test's screenshots go: docs/screenshots with
+    GPUFRAC_UPDATE_SCREENSHOTS=1, else a temp dir."""
+    if os.environ.get("GPUFRAC_UPDATE_SCREENSHOTS"):
+        out = ROOT / "docs" / "screenshots"
+    else:
+        out = tmp_path / "screenshots"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -70,8 +70,8 @@ def test_a_bursting_notice_does_not_hide_what_a_restore_lost() -> None:
     import logging
     from types import SimpleNamespace
 
+    from jupyter_gpufrac.server.account import kernel_state
     from jupyter_gpufrac.server.kernels import KernelGpu
-    from jupyter_gpufrac.server.rest_models import kernel_state
     from jupyter_gpufrac.server.settings import standalone_settings
 
     lease = {"state": "active", "bursting": True}

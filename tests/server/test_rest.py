@@ -67,6 +67,11 @@ async def test_kernel_status_and_events(jp_fetch: Any, jp_serverapp: Any, no_lea
         assert [lease["id"] for lease in node["leases"]] == [lease["id"]]
         on_gpu = next(gpu for gpu in node["gpus"] if gpu["uuid"] == lease["physical_gpu"])
         assert on_gpu["leases"] == [lease["id"]]
+        # One account of the kernel: the node's lease carries what the kernel view says.
+        assert status["last_event"] == {key: placed[key] for key in ("event", "message", "time")}
+        account = node["leases"][0]["account"]
+        for key in ("state", "gpu", "request", "limit", "share_source", "last_event"):
+            assert account[key] == status[key], key
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
