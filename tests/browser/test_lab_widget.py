@@ -287,7 +287,7 @@ def test_widget_follows_kernel_through_migration(
             expect(move).to_contain_text("GPU 1")
             expect(move.locator("details li")).to_have_count(4)
             expect(move.locator("details li[data-event=migrated]")).to_contain_text("GPU 1")
-            expect(history).to_contain_text(re.compile(r"\d+ of \d+ variables restored"))
+            expect(history).to_contain_text(re.compile(r"restored \d+ of \d+ variables"))
             expect(panel.locator(".jp-gpufrac-State")).to_have_text("restored")
             expect(panel.locator(".jp-gpufrac-Panel-restore")).to_have_attribute("data-ok", "true")
             expect(panel.locator("h2")).to_contain_text("demo.ipynb")
@@ -376,8 +376,8 @@ def test_widget_follows_kernel_through_migration(
             # The server's sentence is longer than a notification holds: the
             # notification says it in its own words, the countdown first.
             long_message = (
-                "Will move from GPU 0 to GPU 1 in 30 s (a job needs the whole GPU); the running "
-                "cell may finish until then, otherwise it is cut off and the kernel restarts "
+                "To move from GPU 0 to GPU 1 (a job needs the whole GPU) once the running cell "
+                "ends. If it has not ended by 13:12:24, it is cut off, and the kernel restarts "
                 "from the state after the last completed cell."
             )
             _emit(
