@@ -1022,7 +1022,12 @@ gpufrac-agent run --request 0.25 --limit 0.5 --compute 0.3 -- python infer.py
             lease = job.wait_active()
             lease_id = str(lease["id"])
             gpus = ",".join(lease["physical_gpus"])
-            print(f"gpufrac-agent run: lease {lease_id} on {gpus}", file=sys.stderr, flush=True)
+            # GPUs named as the panel and `status` name them, the UUIDs after.
+            index = {g.get("uuid"): g.get("index") for g in job.client.node().get("gpus", [])}
+            named = ", ".join(f"GPU {index[u]}" if index.get(u) is not None else u
+                              for u in lease["physical_gpus"])
+            print(f"gpufrac-agent run: lease {lease_id} on {named} ({gpus})", file=sys.stderr,
+                  flush=True)
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
                        GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
             env.update(_caps(job.client, lease))

@@ -90,7 +90,11 @@ def test_run_waits_out_an_agent_restart_and_the_move_completes(
     assert job.wait(timeout=60) == 0
     assert job.stderr is not None
     err = job.stderr.read()
-    assert "waiting for it to come back" in err and f"lease {job_lease['id']} on" in err
+    assert "waiting for it to come back" in err
+    index = next(g["index"] for g in agent.client().node()["gpus"]
+                 if g["uuid"] == spread["physical_gpu"])
+    # Named as the panel and `status` name it, the UUID after.
+    assert f"lease {job_lease['id']} on GPU {index} ({spread['physical_gpu']})" in err, err
     assert out.read_text() == spread["physical_gpu"], "the command ran on the freed GPU"
     assert _job_leases(agent) == []
 
