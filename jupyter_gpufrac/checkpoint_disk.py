@@ -88,6 +88,10 @@ class Tree:
     last_write: float = 0.0
     entries: int = 0
     complete: bool = True
+    # Files of several names (blobs linked from the user's shared store), by (device, inode),
+    # shared by the trees of one measure; ``repeated`` counts the bytes of names seen again.
+    linked: set[tuple[int, int]] = field(default_factory=set)
+    repeated: int = 0
 
 
 def walk(dir_fd: int, tree: Tree, depth: int = 0, limit: int = MAX_ENTRIES) -> Tree:
@@ -105,6 +109,10 @@ def walk(dir_fd: int, tree: Tree, depth: int = 0, limit: int = MAX_ENTRIES) -> T
             continue  # removed meanwhile (a checkpoint's temporary)
         tree.bytes += st.st_blocks * 512
         tree.last_write = max(tree.last_write, st.st_mtime)
+        if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+            if (st.st_dev, st.st_ino) in tree.linked:
+                tree.repeated += st.st_blocks * 512
+            tree.linked.add((st.st_dev, st.st_ino))
         if stat.S_ISDIR(st.st_mode):
             if depth >= MAX_DEPTH:
                 tree.complete = False
@@ -145,10 +153,13 @@ class Usage:
 
     folders: list[Folder] = field(default_factory=list)
     complete: bool = True
+    shared: int = 0  # the store of blobs the kernels share (store.CONTENT_DIR)
+    repeated: int = 0  # bytes of files counted under more than one name
 
     @property
     def total(self) -> int:
-        return sum(folder.bytes for folder in self.folders)
+        """Bytes on disk, each file once whatever links it."""
+        return sum(folder.bytes for folder in self.folders) + self.shared - self.repeated
 
     def of(self, name: str) -> Folder | None:
         return next((folder for folder in self.folders if folder.name == name), None)
@@ -180,6 +191,7 @@ def measure(root: Path, limit: int = MAX_ENTRIES) -> Usage:
         if root_fd is None or os.fstat(root_fd).st_uid != os.geteuid():
             return usage
         entries = 0
+        linked: set[tuple[int, int]] = set()
         for name in sorted(os.listdir(root_fd)):
             try:
                 st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
@@ -190,9 +202,14 @@ def measure(root: Path, limit: int = MAX_ENTRIES) -> Usage:
             with _opened(name, root_fd) as fd:
                 if fd is None:
                     continue
-                tree = walk(fd, Tree(bytes=st.st_blocks * 512), limit=max(limit - entries, 0))
+                tree = walk(fd, Tree(bytes=st.st_blocks * 512, linked=linked),
+                            limit=max(limit - entries, 0))
             entries += tree.entries
             usage.complete = usage.complete and tree.complete
+            usage.repeated += tree.repeated
+            if name == store.CONTENT_DIR:
+                usage.shared += tree.bytes
+                continue
             usage.folders.append(Folder(name, tree.bytes, tree.last_write,
                                         read_marker(Path(root) / name)))
     return usage

@@ -208,7 +208,8 @@ class Checkpointer:
     ) -> snapshot.Job:
         """Take a snapshot of ``ns`` as it is now and queue it to be written in the background:
         in this thread only what changed is found, pickled, and its tensors' and buffers' bytes
-        copied; :meth:`snapshot.Job.wait` waits for it to be durable."""
+        kept as they are (copied, or left to a forked child, see :mod:`snapshot`);
+        :meth:`snapshot.Job.wait` waits for it to be durable."""
         with self._lock, pickling.collector_paused():
             job = self._take(ns, hidden, full, execution_count, extra or {})
         self.writer.submit(job)
@@ -310,7 +311,8 @@ class Checkpointer:
         self, folder: store.CheckpointDir, ns: dict[str, Any], hidden: Mapping[str, object] | None,
         execution_count: int | None, extra: Mapping[str, Any],
     ) -> snapshot.Job:
-        """:meth:`_save` into a staging folder: blobs are copied, written later by the writer."""
+        """:meth:`_save` into a staging folder: blobs are staged (copied, or held for a forked
+        child), written later by the writer."""
         saved = self._saved
         selection = namespace.select(ns, hidden)
         lost: dict[str, str] = {name: "a module object that is not importable"
@@ -322,7 +324,9 @@ class Checkpointer:
         blobs = pickling.BlobWriter(staging, self.cache, guard=self._guard,
                                     trusted=saved.blobs.keys() if saved else _durable(folder))
         try:
-            return self._save(staging, ns, selection, lost, blobs, execution_count, extra)
+            job = self._save(staging, ns, selection, lost, blobs, execution_count, extra)
+            tensor_io.finish_snapshot(job.staged, folder)
+            return job
         except BaseException:
             for staged in staging.staged.values():
                 if staged.release is not None:

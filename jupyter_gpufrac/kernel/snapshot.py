@@ -1,15 +1,24 @@
 """Checkpoints written in the background: a snapshot taken at a cell's end, written by one thread.
 
 The notebook's thread takes the snapshot (:meth:`Checkpointer.begin`): what changed is found and
-pickled, and the bytes of changed tensors and buffers are copied into host memory, as they are
-at the cell's end. That is a :class:`Job`: the state file to commit, and the staged blobs it
-needs. One writer thread per checkpoint directory writes jobs one after the other: blobs first,
-synced, then the state file that names them, renamed into place (the last good checkpoint
-stays whole whatever happens meanwhile), then blobs no longer named are deleted.
+pickled, and the bytes of changed tensors and buffers are kept as they are at the cell's end
+without the cell waiting for a copy of them: large host ones are held by address, and at the
+snapshot's end one forked child (:mod:`forkwrite`) sees them, copy-on-write, as they were then
+and writes them into their blob files (synced, renamed) while the notebook goes on, as Redis's
+BGSAVE does; GPU storages are copied into pinned host memory on their stream; small bytes, and
+host bytes where forking cannot be used (``GPUFRAC_SNAPSHOT=copy``, a failed fork, shared or
+pinned memory, two children still writing), are copied. That is a :class:`Job`: the state file
+to commit, and the staged blobs it needs. One writer thread per checkpoint directory writes jobs
+one after the other: blobs first, synced (a forked child's: waiting for it), then the state file
+that names them, renamed into place (the last good checkpoint stays whole whatever happens
+meanwhile), then blobs no longer named are deleted (not those a child still writes).
 
 A job that waits while another is written is superseded by the next one (it takes the staged
-blobs of the older one that it names, and the older one's waiters follow it). A job that fails
-(disk full) hands its staged blobs to the next one: that one builds on it, and writes them.
+blobs of the older one that it names, and the older one's waiters follow it; a child none of
+whose blobs is named any more is killed). A job that fails (disk full) hands its staged blobs to
+the next one: that one builds on it, and writes them; when a child failed or died, its bytes are
+gone with it, so the next snapshot builds on the state on disk alone and writes again what that
+does not hold.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import store, tensor_io
+from jupyter_gpufrac.kernel import forkwrite, store, tensor_io
 
 log = logging.getLogger(__name__)
 
@@ -266,16 +275,40 @@ class Writer:
                 f"{self.root / store.BLOB_DIR} (was the folder removed or cleaned by hand?); "
                 "the next checkpoint writes every variable again")
         sync = store.BlobSync(folder)
+        content = store.ContentStore.open(self.root)
+        shared = [name for name in job.staged if tensor_io.content_addressed(name)]
+        children: dict[int, forkwrite.Child] = {}
         try:
             for name, staged in job.staged.items():
-                sync.add(name, functools.partial(_write_blob, folder, job, name, staged))
+                if staged.child is not None:
+                    children[id(staged.child)] = staged.child
+                elif name in shared and content is not None and content.link_into(folder, name):
+                    sync.add(name)  # another kernel of this user stored the same bytes
+                    job.progress(staged.nbytes)
+                else:
+                    sync.add(name, functools.partial(_write_blob, folder, job, name, staged))
+            for child in children.values():
+                try:
+                    child.wait(job.progress)
+                except OSError:
+                    # Its bytes are gone with it, and the notebook's have changed since: no
+                    # later snapshot may take its blobs as written.
+                    self.reset = True
+                    raise
             # Blobs durable first, then the state file that names them: a kill or crash in
             # between leaves the previous state whole, and its blobs untouched.
             folder.commit(store.STATE_FILE, job.state, blobs=sync)
+            if content is not None:
+                for name in shared:
+                    content.share(folder, name)
         finally:
             sync.close()
+            if content is not None:
+                content.close()
+            for child in children.values():
+                child.settle()
         job.identity = folder.identity(store.STATE_FILE)
-        return folder.unreferenced_blobs(set(job.referenced))
+        return folder.unreferenced_blobs(set(job.referenced) | forkwrite.writing())
 
 
 

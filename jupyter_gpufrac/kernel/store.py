@@ -23,6 +23,9 @@ SEEN_FILE = "checkpoint.seen"
 CELLS_FILE = "cells.json"
 BLOB_DIR = "blobs"
 TMP_SUFFIX = ".tmp"
+# Beside the kernel folders of one checkpoint root (one user's): a link to every content-
+# addressed blob a kernel wrote, so that another kernel storing the same bytes links them.
+CONTENT_DIR = ".gpufrac-content"
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening a FIFO put in place of a file must not hang; it is refused after fstat.
@@ -44,7 +47,7 @@ if os.environ.get(ENOSPC_ENV, "").strip().isdigit():
 # Another: each write of a chunk of at least a MiB first sleeps this long (a slow disk, so a
 # test can act while a checkpoint is being written).
 SLOW_ENV = "GPUFRAC_TEST_SLOW_WRITE_S"
-_slow_s = float(os.environ.get(SLOW_ENV, "0") or 0)
+SLOW_WRITE_S = float(os.environ.get(SLOW_ENV, "0") or 0)
 
 
 def inject_enospc_after(nbytes: int | None) -> None:
@@ -54,7 +57,7 @@ def inject_enospc_after(nbytes: int | None) -> None:
         _enospc_left = nbytes
 
 
-def _allowance(wanted: int) -> int:
+def allowance(wanted: int) -> int:
     """How much of ``wanted`` bytes the disk takes (all of them, unless a fault is injected)."""
     global _enospc_left
     if _enospc_left is None:
@@ -74,9 +77,9 @@ def write_all(fh: IO[bytes] | io.FileIO, data: memoryview | bytes,
     view = memoryview(data).cast("B")
     while view:
         chunk = view[:WRITE_CHUNK]
-        if _slow_s and len(chunk) >= 1024 * 1024:
-            time.sleep(_slow_s)
-        allowed = _allowance(len(chunk))
+        if SLOW_WRITE_S and len(chunk) >= 1024 * 1024:
+            time.sleep(SLOW_WRITE_S)
+        allowed = allowance(len(chunk))
         done = 0
         while done < allowed:
             done += fh.write(chunk[done:allowed]) or 0
@@ -379,11 +382,12 @@ class CheckpointDir:
             raise
         os.fsync(self.root_fd)
 
-    def identity(self, name: str) -> tuple[int, int, int, int] | None:
+    def identity(self, name: str, *, blob: bool = False) -> tuple[int, int, int, int] | None:
         """(device, inode, size, mtime) of ``name``, or None: whether it is still the file
         this process wrote."""
+        dir_fd, _ = self._where(name, blob)
         try:
-            st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -409,11 +413,92 @@ class CheckpointDir:
                 os.unlink(_blob_name(name), dir_fd=self.blobs_fd)
 
 
+class ContentStore:
+    """The content-addressed blobs that one user's kernels share, by hard links.
+
+    A kernel that wrote such a blob and committed a state naming it links it here; a kernel
+    about to write a blob of the same name links this one into its own folder instead (the
+    bytes are on disk once). The folder is the user's alone (checked as a checkpoint folder
+    is), and only regular files of the user's are linked: another user's file is never
+    taken. Where linking fails (another filesystem, a filesystem without hard links, a
+    policy) each kernel keeps its own copy. A file here that no kernel folder links any more
+    (``st_nlink`` 1) is removed by the retention sweep.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    def open(cls, kernel_dir: Path) -> ContentStore | None:
+        """The store of the checkpoint root that holds ``kernel_dir``; None when it cannot be
+        used (then nothing is shared)."""
+        path = Path(kernel_dir).parent / CONTENT_DIR
+        try:
+            return cls(path, open_private_dir(path, create=True))
+        except (OSError, UnsafeCheckpointError):
+            return None
+
+    def close(self) -> None:
+        """Close the folder's descriptor."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> ContentStore:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+    def link_into(self, folder: CheckpointDir, name: str) -> bool:
+        """Make ``folder``'s blob ``name`` the store's file of that name (a hard link, renamed
+        over whatever ``folder`` held); False when the store has none that may be used."""
+        try:
+            fd = _open_checked(_blob_name(name), _READ_FLAGS, self.fd, self.path / name,
+                               directory=False)
+        except (OSError, UnsafeCheckpointError):
+            return False
+        tmp = f"{uuid.uuid4().hex}{TMP_SUFFIX}"
+        try:
+            checked = os.fstat(fd)
+            mine = folder.identity(name, blob=True)
+            if mine is not None and mine[:2] == (checked.st_dev, checked.st_ino):
+                return True
+            os.link(name, tmp, src_dir_fd=self.fd, dst_dir_fd=folder.blobs_fd,
+                    follow_symlinks=False)
+            linked = os.stat(tmp, dir_fd=folder.blobs_fd, follow_symlinks=False)
+            if (linked.st_dev, linked.st_ino) != (checked.st_dev, checked.st_ino):
+                raise OSError(errno.EAGAIN, "replaced while it was linked")
+            folder.publish(tmp, name, blob=True)
+            return True
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=folder.blobs_fd)
+            return False
+        finally:
+            os.close(fd)
+
+    def share(self, folder: CheckpointDir, name: str) -> None:
+        """Offer ``folder``'s durable blob ``name`` to the other kernels; when the store has
+        one already, take that one instead (so the bytes are on disk once)."""
+        try:
+            os.link(_blob_name(name), name, src_dir_fd=folder.blobs_fd, dst_dir_fd=self.fd,
+                    follow_symlinks=False)
+        except FileExistsError:
+            self.link_into(folder, name)
+        except OSError:
+            pass  # EXDEV, EPERM, no hard links here: the kernel keeps its own copy
+
+
 @dataclass
 class Staged:
     """A blob's bytes as a snapshot holds them until its writer writes them: a private copy
-    (``data``), or bytes to compress first (``compress``); ``ready`` waits for a copy still
-    under way (a GPU copy ordered on its stream), ``release`` gives the copy's memory back."""
+    (``data``), bytes to compress first (``compress``), or the notebook's own bytes for a forked
+    child (``address``); ``ready`` waits for a copy still under way (a GPU copy ordered on its
+    stream), ``release`` gives the copy's memory back (or lets the child's write go)."""
 
     data: Any
     nbytes: int
@@ -421,11 +506,18 @@ class Staged:
     pack: bool = False  # pickles of groups (counted apart from tensors and buffers)
     ready: Callable[[], None] | None = None
     release: Callable[[], None] | None = None
+    # Host bytes not copied: ``nbytes`` at this address of the notebook's memory (``data`` keeps
+    # their owner alive), written by a forked child that sees them as they were at the fork
+    # (:mod:`forkwrite`); 0: ``data`` holds the bytes.
+    address: int = 0
+    digest: str | None = None  # of a content-addressed blob's bytes: the child checks them
+    child: Any = None  # the forkwrite.Child writing them, once forked
 
 
 class StagingDir(CheckpointDir):
     """Stands for a checkpoint directory while a snapshot is taken: blobs are not written but
-    staged (copied into memory as they are at the cell's end), for a writer thread to write
+    staged (copied into memory as they are at the cell's end, or held by address for a forked
+    child to write as they are then), for a writer thread to write
     (:mod:`snapshot`). It holds no descriptors: anything that would touch the disk fails."""
 
     def __init__(self, path: Path) -> None:

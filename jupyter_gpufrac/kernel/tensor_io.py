@@ -8,13 +8,14 @@ import ctypes
 import hashlib
 import mmap
 import os
+import sys
 import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import store
+from jupyter_gpufrac.kernel import forkwrite, store
 
 CONTENT_PREFIX = "r-"
 PACK_PREFIX = "g-"
@@ -34,6 +35,13 @@ def digest(data: memoryview | bytes) -> str:
 def content_name(hex_digest: str) -> str:
     """The blob name of a content-addressed buffer."""
     return f"{CONTENT_PREFIX}{hex_digest}.bin"
+
+
+def content_addressed(blob: str) -> bool:
+    """Whether ``blob`` is named by its bytes (a buffer or a pack, compressed or not): equal
+    names, equal bytes, whichever kernel wrote them."""
+    core = blob[len(COMPRESSED):] if blob.startswith(COMPRESSED) else blob
+    return core.startswith((CONTENT_PREFIX, PACK_PREFIX))
 
 
 def _pays(view: memoryview) -> bool:
@@ -105,8 +113,9 @@ def store_bytes(folder: store.CheckpointDir, data: memoryview | bytes, prefix: s
 def _stage_bytes(folder: store.StagingDir, view: memoryview, prefix: str,
                  have: Callable[[str], str | None],
                  later: Callable[[str, Callable[[], int]], None] | None) -> tuple[str, int]:
-    """:func:`store_bytes` while a snapshot is taken: the bytes are copied (as they are now) and
-    named; compressing and writing them are left to the snapshot's writer."""
+    """:func:`store_bytes` while a snapshot is taken: the bytes are copied (as they are now), or
+    large ones held by address for a forked child (:func:`finish_snapshot`), and named;
+    compressing and writing them are left to the snapshot's writer."""
     if view.nbytes <= _CHUNK or _pays(view):
         copy = bytes(view)
         name = f"{prefix}{digest(copy)}.bin"
@@ -128,8 +137,16 @@ def _stage_bytes(folder: store.StagingDir, view: memoryview, prefix: str,
             return blob, stage()
         later(blob, stage)
         return blob, 0
-    staged = copy_host(view)
-    name = f"{prefix}{digest(staged_view(staged))}.bin"
+    address = _address(view) if forkwrite.wanted() else 0
+    if address:
+        # Not copied: a forked child writes the bytes as they are at the fork, and checks
+        # they are still the ones hashed here (see forkwrite).
+        hexed = digest(view)
+        staged = store.Staged(view, view.nbytes, address=address, digest=hexed)
+    else:
+        staged = copy_host(view)
+        hexed = digest(staged_view(staged))
+    name = f"{prefix}{hexed}.bin"
     found = have(name)
     if found is not None:
         if staged.release is not None:
@@ -210,14 +227,34 @@ def copy_host(view: memoryview) -> store.Staged:
     return store.Staged(buffer, view.nbytes, release=lambda: STAGING.give(buffer))
 
 
+def _address(view: memoryview) -> int:
+    """Where ``view``'s bytes are (0: a read-only buffer, which is copied instead)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _pinned(storage: Any) -> bool:
+    """Whether host ``storage`` is page-locked for CUDA (such memory is not inherited by a
+    forked child). Without CUDA started there is none, and asking would start it."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized() and storage.is_pinned())
+
+
 def snapshot_storage(storage: Any) -> store.Staged:
-    """A storage's bytes as they are now, for a snapshot. A host storage is copied at once; a
+    """A storage's bytes as they are now, for a snapshot. A large host storage is held by
+    address, for a forked child to write (:func:`finish_snapshot`), else copied at once; a
     GPU storage is copied into pinned host memory on its device's current stream, so the copy
     is ordered before any work queued after it (a later cell writing to the tensor), and the
     writer waits for it (``ready``) without the notebook waiting."""
     nbytes = int(storage.nbytes())
     if storage.device.type == "cpu":
-        return copy_host(host_view(storage)) if nbytes else store.Staged(b"", 0)
+        if not nbytes:
+            return store.Staged(b"", 0)
+        if nbytes >= _SMALL_COPY and forkwrite.wanted() and not _pinned(storage):
+            return store.Staged(storage, nbytes, address=int(storage.data_ptr()))
+        return copy_host(host_view(storage))
     import torch
 
     try:
@@ -229,6 +266,17 @@ def snapshot_storage(storage: Any) -> store.Staged:
     done = torch.cuda.Event()
     done.record(stream)
     return store.Staged(host, nbytes, ready=done.synchronize)
+
+
+def finish_snapshot(staged: dict[str, store.Staged], folder: store.CheckpointDir) -> None:
+    """End a snapshot: the host bytes held by address go to one forked child, which sees them
+    as they are now whatever the notebook does next; those it cannot take are copied now."""
+    for name in forkwrite.start(staged, folder):
+        item = staged[name]
+        view = memoryview((ctypes.c_ubyte * item.nbytes).from_address(item.address)).cast("B")
+        copy = copy_host(view)
+        view.release()
+        item.data, item.release, item.address, item.digest = copy.data, copy.release, 0, None
 
 
 def staged_view(staged: store.Staged) -> memoryview:

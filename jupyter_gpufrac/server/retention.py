@@ -22,7 +22,7 @@ from jupyter_gpufrac.checkpoint_disk import (
     read_marker,
     write_marker,
 )
-from jupyter_gpufrac.kernel.store import UnsafeCheckpointError
+from jupyter_gpufrac.kernel.store import CONTENT_DIR, UnsafeCheckpointError
 from node_agent.quantities import format_bytes
 
 
@@ -151,18 +151,46 @@ def sweep(root: str, keep_s: float, running: Collection[str], orphan_after_s: fl
                         root, root_st.st_uid)
             return removed
         for name in sorted(os.listdir(root_fd)):
+            if name == CONTENT_DIR:
+                continue
             if name in running:
                 touch(root_fd, name)
                 continue
             done = _sweep_one(root, root_fd, name, keep_s, orphan_after_s, now, log)
             if done is not None:
                 removed.append(done)
+        _sweep_content(root, root_fd, log)
     finally:
         os.close(root_fd)
     if removed:
         log.info("gpufrac: removed %d expired checkpoint folders from %s, freeing %s",
                  len(removed), root, format_bytes(sum(r.freed for r in removed)))
     return removed
+
+
+def _sweep_content(root: str, root_fd: int, log: logging.Logger) -> None:
+    """Remove the shared blobs that no kernel folder links any more (``st_nlink`` 1: the
+    store's own name is the last)."""
+    try:
+        fd = os.open(CONTENT_DIR, DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return  # none, or a link: never followed
+    freed = count = 0
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return
+        for entry in os.listdir(fd):
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                    os.unlink(entry, dir_fd=fd)
+                    freed += st.st_blocks * 512
+                    count += 1
+    finally:
+        os.close(fd)
+    if count:
+        log.info("gpufrac: removed %d shared blobs that no checkpoint in %s links any more, "
+                 "freeing %s", count, root, format_bytes(freed))
 
 
 def _sweep_one(root: str, root_fd: int, name: str, keep_s: float, orphan_after_s: float,
