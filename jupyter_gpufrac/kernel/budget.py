@@ -18,6 +18,7 @@ OTHERS_CACHE_S = 30.0
 _SHARE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$", re.ASCII)
 KERNEL_TRAIT = "c.GpuFrac.checkpoint_kernel_budget"
 USER_TRAIT = "c.GpuFrac.checkpoint_user_budget"
+STAGING_TRAIT = "c.GpuFrac.checkpoint_staging_budget"
 
 
 def protect(sizes: Sequence[int], budget: int) -> list[int]:
@@ -53,11 +54,39 @@ def least_bytes(value: object) -> int:
     return len(value) if isinstance(value, bytes | bytearray) else 0
 
 
-def parse_budget(value: object, field: str) -> tuple[float | None, int | None]:
-    """``(share, bytes)`` of a budget setting: ``"25%"`` of the free disk, or a size such as
+def staged_bytes(value: object, forked: bool) -> int:
+    """Bytes a snapshot copies into memory for ``value`` when it changed: a GPU tensor's storage
+    always (CUDA memory is not inherited by a child), a host tensor's or array's only where no
+    child is forked to protect it copy-on-write (``forked`` False). What a container holds is
+    not counted here: its pickling tells."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        try:
+            on_gpu = value.device.type != "cpu"
+            nbytes = int(value.untyped_storage().nbytes())
+        except Exception:  # a sparse or meta tensor has no storage to size
+            return 0
+        return nbytes if on_gpu or not forked else 0
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray) and not forked:
+        return int(value.nbytes)
+    return 0
+
+
+def staging_room(staging_budget: int) -> Room:
+    """The snapshot memory budget as a :class:`Room`, with the sentence that says why."""
+    return Room(staging_budget,
+                f"over the snapshot memory budget of {format_bytes(staging_budget)} (what a "
+                f"checkpoint copies at a cell's end to write it in the background); raise "
+                f"{STAGING_TRAIT} or delete variables you no longer need")
+
+
+def parse_budget(value: object, field: str, of: str = "the free disk"
+                 ) -> tuple[float | None, int | None]:
+    """``(share, bytes)`` of a budget setting: ``"25%"`` of ``of``, or a size such as
     ``20GiB``, ``500M`` or bytes (``0`` protects nothing); QuantityError names ``field``."""
     text = str(value).strip()
-    expected = "a share of the free disk like 25%, or a size like 20GiB, 500M or bytes"
+    expected = f"a share of {of} like 25%, or a size like 20GiB, 500M or bytes"
     share = _SHARE.match(text)
     if share is not None:
         percent = float(share.group(1))

@@ -23,6 +23,7 @@ from typing import IO, Any, TypeVar
 
 from jupyter_gpufrac.kernel import (
     budget,
+    forkwrite,
     namespace,
     pickling,
     rng,
@@ -163,6 +164,8 @@ class Checkpointer:
         self.generation = 0
         # The disk budgets each checkpoint stays within (None: unbounded).
         self.limits: budget.DiskLimits | None = None
+        # The memory a snapshot may copy at a cell's end (None: unbounded).
+        self.staging_budget: int | None = None
 
     @property
     def state_path(self) -> Path:
@@ -359,6 +362,7 @@ class Checkpointer:
         finally:
             session.close()
         prints = taken.by_name
+        over = self._over_staging(selection.values, prints, lost)
         if (saved is not None and prints == saved.fingerprints.by_name
                 and None not in prints.values()):
             # Every variable is as the last checkpoint saved it (a cell that printed, plotted).
@@ -379,6 +383,10 @@ class Checkpointer:
                                 saved.packs.composition if saved else {})
         if early and room is not None:
             unprotected, why = {**early, **unprotected}, room.why
+        if over and self.staging_budget is not None:
+            staging_why = budget.staging_room(self.staging_budget).why
+            unprotected = {**over, **unprotected}
+            why = staging_why if why in (None, staging_why) else f"{why}; {staging_why}"
         rng_data = pickle.dumps(rng.capture(), pickle.HIGHEST_PROTOCOL)
         rest: dict[str, Any] = {
             "format": FORMAT, "modules": selection.modules, "lost": lost,
@@ -423,6 +431,28 @@ class Checkpointer:
         result = self._result(header, now, execution_count, blobs, pickled)
         return snapshot.Job(execution_count, now, data, digest, frozenset(referenced), staged,
                             result, state_cell=execution_count)
+
+    def _over_staging(self, values: dict[str, Any],
+                      prints: dict[str, pickling.Fingerprint | None],
+                      lost: dict[str, str]) -> dict[str, int]:
+        """The changed variables whose bytes this snapshot would copy into memory beyond the
+        staging budget (smallest kept first, as on disk): taken out of ``values`` and ``prints``
+        before anything is copied, and ``lost``, so a restore says they were not protected."""
+        if self.staging_budget is None:
+            return {}
+        before = self._saved.fingerprints.by_name if self._saved is not None else {}
+        # Two children still writing: this snapshot copies its host bytes too.
+        forked = forkwrite.wanted() and forkwrite.live() < forkwrite.MAX_CHILDREN
+        changed = [name for name, found in prints.items()
+                   if found is None or before.get(name) != found]
+        sizes = [budget.staged_bytes(values[name], forked) for name in changed]
+        kept = set(budget.protect(sizes, self.staging_budget))
+        over = {changed[i]: sizes[i] for i in range(len(changed)) if i not in kept}
+        room = budget.staging_room(self.staging_budget)
+        for name, size in over.items():
+            del values[name], prints[name]
+            lost[name] = _unprotected_reason(size, room)
+        return over
 
     def _within_budget(
         self, groups: dict[tuple[str, ...], _Group], carried: list[dict[str, Any]],

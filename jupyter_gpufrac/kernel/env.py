@@ -67,6 +67,8 @@ class KernelEnv:
     # Bytes one checkpoint of this kernel, and all of its user's, may take (None: unbounded).
     checkpoint_kernel_budget: int | None = None
     checkpoint_user_budget: int | None = None
+    # Bytes one snapshot may copy into memory at a cell's end (None: unbounded).
+    checkpoint_staging_budget: int | None = None
 
     @property
     def has_lease(self) -> bool:
@@ -180,6 +182,7 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     generation = _int(env, contract.CHECKPOINT_GENERATION, problems) or 0
     kernel_budget = _int(env, contract.CHECKPOINT_KERNEL_BUDGET, problems)
     user_budget = _int(env, contract.CHECKPOINT_USER_BUDGET, problems)
+    staging_budget = _int(env, contract.CHECKPOINT_STAGING_BUDGET, problems)
     return KernelEnv(
         lease_id=env.get(contract.LEASE_ID, "").strip() or None,
         agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
@@ -211,4 +214,5 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_generation=max(generation, 0),
         checkpoint_kernel_budget=kernel_budget,
         checkpoint_user_budget=user_budget,
+        checkpoint_staging_budget=staging_budget,
     )

@@ -92,6 +92,7 @@ class GpuFracHook:
             self.checkpointer.limits = DiskLimits(
                 environment.checkpoint_dir, environment.checkpoint_kernel_budget,
                 environment.checkpoint_user_budget)
+        self.checkpointer.staging_budget = environment.checkpoint_staging_budget
         self.state = ladder.LadderState()
         self.cap: int | None = None
         self.torch_seen = False

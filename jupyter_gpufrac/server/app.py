@@ -126,6 +126,15 @@ class GpuFrac(ExtensionApp):
         "(see checkpoint_kernel_budget), like 50%, or a size like 100GiB or bytes.",
     ).tag(config=True)
 
+    checkpoint_staging_budget = Unicode(
+        "25%",
+        help="The most memory one kernel's snapshot may copy at a cell's end, to be written in "
+        "the background: its GPU tensors (into pinned host memory), and host tensors and arrays "
+        "where no child process can be forked to protect them copy-on-write. A share of the "
+        "host's RAM like 25%, or a size like 8GiB or bytes. Variables over it are named as not "
+        "protected (%gpu, the panel, a restore). 0: nothing is copied.",
+    ).tag(config=True)
+
     embedded_agent = Bool(
         True,
         help="Start a node agent as a child process when none answers at agent_socket at "
@@ -254,11 +263,13 @@ class GpuFrac(ExtensionApp):
             )
         return value
 
-    @validate("checkpoint_kernel_budget", "checkpoint_user_budget")
+    @validate("checkpoint_kernel_budget", "checkpoint_user_budget", "checkpoint_staging_budget")
     def _validate_budget(self, proposal: Any) -> str:
         value = str(proposal.value).strip()
         try:
-            parse_budget(value, f"c.GpuFrac.{proposal.trait.name}")
+            parse_budget(value, f"c.GpuFrac.{proposal.trait.name}",
+                         "the host's RAM" if proposal.trait.name == "checkpoint_staging_budget"
+                         else "the free disk")
         except QuantityError as err:
             return self._bad_setting(proposal, f"{err.field}: {err.message}")
         return value
@@ -275,6 +286,12 @@ class GpuFrac(ExtensionApp):
         kernel, user = (int(share * room) if share is not None else int(nbytes or 0)
                         for share, nbytes in shares)
         return kernel, user
+
+    def staging_budget(self) -> int:
+        """The snapshot memory budget in bytes: a share of the host's RAM, or a size."""
+        share, nbytes = parse_budget(self.checkpoint_staging_budget,
+                                     "c.GpuFrac.checkpoint_staging_budget", "the host's RAM")
+        return int(share * psutil.virtual_memory().total) if share is not None else int(nbytes or 0)
 
     @validate("agent_socket", "checkpoint_dir")
     def _validate_path(self, proposal: Any) -> str:
@@ -403,6 +420,7 @@ class GpuFrac(ExtensionApp):
         )
         (self.kernel_settings.checkpoint_kernel_budget,
          self.kernel_settings.checkpoint_user_budget) = self.checkpoint_budgets()
+        self.kernel_settings.checkpoint_staging_budget = self.staging_budget()
         self.check_folders()
         self._disk: tuple[float, Usage] | None = None
         self.settings["gpufrac_app"] = self

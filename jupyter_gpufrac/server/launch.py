@@ -199,7 +199,7 @@ def build_kernel_env(
     checkpoint_generation: int = 0,
     default_share: Mapping[str, str | None] | None = None,
     no_lease_reason: str | None = None,
-    checkpoint_budgets: tuple[int | None, int | None] = (None, None),
+    checkpoint_budgets: tuple[int | None, int | None, int | None] = (None, None, None),
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -220,10 +220,10 @@ def build_kernel_env(
     if checkpoint_generation:
         # The newest checkpoint the server saw: a restore of an older one says so.
         env[contract.CHECKPOINT_GENERATION] = str(int(checkpoint_generation))
-    # Bytes the kernel's checkpoint, and all the user's, may take (c.GpuFrac): it protects
-    # what fits and names the rest.
-    for key, budget in zip((contract.CHECKPOINT_KERNEL_BUDGET, contract.CHECKPOINT_USER_BUDGET),
-                           checkpoint_budgets, strict=True):
+    # Bytes the kernel's checkpoint, and all the user's, may take on disk, and its snapshot in
+    # memory (c.GpuFrac): it protects what fits and names the rest.
+    for key, budget in zip((contract.CHECKPOINT_KERNEL_BUDGET, contract.CHECKPOINT_USER_BUDGET,
+                            contract.CHECKPOINT_STAGING_BUDGET), checkpoint_budgets, strict=True):
         if budget is not None:
             env[key] = str(int(budget))
     if lease is None:

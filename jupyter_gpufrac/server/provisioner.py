@@ -143,7 +143,8 @@ class GpuFracProvisioner(LocalProvisioner):
             checkpoints_off=gpu.checkpoints_off,
             checkpoint_generation=gpu.checkpoint_generation,
             checkpoint_budgets=(settings.checkpoint_kernel_budget,
-                                settings.checkpoint_user_budget),
+                                settings.checkpoint_user_budget,
+                                settings.checkpoint_staging_budget),
         )
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result

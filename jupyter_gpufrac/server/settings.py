@@ -40,6 +40,7 @@ class KernelSettings:
     # Bytes one kernel's checkpoint and all the user's may take (c.GpuFrac, resolved at start).
     checkpoint_kernel_budget: int | None = None
     checkpoint_user_budget: int | None = None
+    checkpoint_staging_budget: int | None = None
     # Set as the server stops: the kernels it shuts down then were not shut down by their users.
     server_stopping: bool = False
 

@@ -24,6 +24,7 @@ from jupyter_gpufrac.kernel.budget import (
     least_bytes,
     parse_budget,
     protect,
+    staged_bytes,
 )
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, group_size
 from node_agent.quantities import QuantityError
@@ -300,3 +301,53 @@ def test_the_checkpoint_status_is_answered_on_the_control_channel_while_a_cell_r
             k.km.interrupt_kernel()
             while k.client.get_shell_msg(timeout=60)["parent_header"].get("msg_id") != started:
                 pass
+
+
+@pytest.mark.parametrize("mode", ["copy", "fork"])
+def test_the_staging_budget_names_what_a_snapshot_would_copy_beyond_it(
+        ckdir: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Host tensors and arrays are copied only where no child is forked: there the staging
+    budget leaves the largest changed ones out and names them; with a fork they cost no copy."""
+    monkeypatch.setenv("GPUFRAC_SNAPSHOT", mode)
+    ns: dict[str, Any] = {"weights": torch.zeros(2**20), "grid": numpy.zeros(2**17),
+                          "bias": torch.zeros(16), "x": 1}
+    ck = Checkpointer(ckdir)
+    ck.staging_budget = 2 * MiB  # weights take 4 MiB, grid 1 MiB
+    first = ck.take(ns, execution_count=1)
+    if mode == "fork":
+        assert first.unprotected == {} and sorted(first.names) == ["bias", "grid", "weights", "x"]
+        return
+    assert first.unprotected == {"weights": 4 * MiB}
+    assert sorted(first.names) == ["bias", "grid", "x"]
+    assert "snapshot memory budget of 2.0 MiB" in str(first.unprotected_why)
+    assert "c.GpuFrac.checkpoint_staging_budget" in str(first.unprotected_why)
+    # Unchanged, it stays named; a restore says it was not protected and loads no old value.
+    again = ck.take(ns, execution_count=2)
+    assert again.unprotected == first.unprotected
+    loaded: dict[str, Any] = {}
+    back = Checkpointer(ckdir).load(loaded)
+    assert "weights" not in loaded and "not protected" in back.lost["weights"]
+    # Once it fits (the tensor shrank), it is protected again.
+    ns["weights"] = torch.ones(2**18)
+    third = ck.take(ns, execution_count=3)
+    assert third.unprotected == {} and "weights" in third.names
+
+
+def test_staged_bytes_counts_what_a_snapshot_copies() -> None:
+    tensor, array = torch.zeros(1000), numpy.zeros(1000)
+    assert staged_bytes(tensor, forked=False) == 4000 and staged_bytes(tensor, forked=True) == 0
+    assert staged_bytes(array, forked=False) == 8000 and staged_bytes(array, forked=True) == 0
+    assert staged_bytes([tensor], forked=False) == 0  # a container's pickling tells
+    assert staged_bytes(b"x" * 10, forked=False) == 0
+
+
+def test_the_staging_budget_reaches_the_kernel_and_a_bad_one_is_named() -> None:
+    parsed = kenv.parse({contract.CHECKPOINT_STAGING_BUDGET: "1048576"})
+    assert parsed.checkpoint_staging_budget == MiB
+    bad = kenv.parse({contract.CHECKPOINT_STAGING_BUDGET: "lots"})
+    assert bad.checkpoint_staging_budget is None
+    assert any(contract.CHECKPOINT_STAGING_BUDGET in problem for problem in bad.problems)
+    with pytest.raises(QuantityError) as caught:
+        parse_budget("most", "c.GpuFrac.checkpoint_staging_budget", "the host's RAM")
+    assert caught.value.field == "c.GpuFrac.checkpoint_staging_budget"
+    assert "a share of the host's RAM like 25%" in caught.value.message

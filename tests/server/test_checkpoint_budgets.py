@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from traitlets.config import Config
 
@@ -83,8 +84,16 @@ def test_default_budgets_are_shares_of_the_space_free_for_checkpoints(tmp_path: 
     assert sized.checkpoint_budgets() == (0, 2 * 2**30)
 
 
+def test_the_staging_budget_is_a_share_of_the_hosts_ram_or_a_size() -> None:
+    ram = psutil.virtual_memory().total
+    assert GpuFrac().staging_budget() == int(0.25 * ram)
+    sized = GpuFrac(config=Config({"GpuFrac": {"checkpoint_staging_budget": "8GiB"}}))
+    assert sized.staging_budget() == 8 * 2**30
+
+
 @pytest.mark.parametrize(("name", "value"), [("checkpoint_kernel_budget", "-1GiB"),
-                                             ("checkpoint_user_budget", "200%")])
+                                             ("checkpoint_user_budget", "200%"),
+                                             ("checkpoint_staging_budget", "lots")])
 def test_a_bad_budget_names_the_setting_and_what_was_expected(name: str, value: str) -> None:
     app = GpuFrac(config=Config({"GpuFrac": {name: value}}))
     [problem] = app.config_problems
