@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import signal
@@ -11,7 +12,8 @@ from typing import Any
 from jupyter_client.manager import AsyncKernelManager
 
 from harness.agent import AgentProcess
-from jupyter_gpufrac.server.kernel_channel import checkpoint
+from jupyter_gpufrac import contract
+from jupyter_gpufrac.server.kernel_channel import ask, checkpoint, checkpoint_status
 
 from .test_provisioner import write_kernelspec
 
@@ -54,4 +56,34 @@ async def test_a_kernel_killed_right_after_an_ask_was_last_seen_idle(
         assert states.count("busy") == states.count("idle"), states
     finally:
         observer.stop_channels()
+        await km.shutdown_kernel(now=True)
+
+
+async def test_a_question_is_answered_while_the_server_asks_for_the_checkpoint_status(
+    isolated: Path, no_leases: AgentProcess
+) -> None:
+    """The kernel view asks for the checkpoint status while a move asks for a checkpoint: each
+    client has an identity of its own, or the newer one takes the older one's place at the
+    kernel and the checkpoint's question is lost (a move then waited 109 s for nothing)."""
+    ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25"}})
+    km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
+    await km.start_kernel()
+    asking = True
+
+    async def status_polls() -> int:
+        polls = 0
+        while asking:
+            await checkpoint_status(km, timeout=1.0)
+            polls += 1
+        return polls
+
+    try:
+        pollers = [asyncio.ensure_future(status_polls()) for _ in range(3)]
+        for _ in range(40):
+            answer = await ask(km, contract.ASK_RESTORE_REPORT, timeout=5)
+            assert answer == {"ok": True, "report": None}
+        asking = False
+        assert all(await asyncio.gather(*pollers))
+    finally:
+        asking = False
         await km.shutdown_kernel(now=True)
