@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any
 
+
 from jupyter_gpufrac import contract
 from node_agent.quantities import format_bytes
 
@@ -154,13 +155,14 @@ async def checkpoint(kernel: Any, timeout: float, *, park: bool = False) -> tupl
     return False, str(answer.get("error") or "the kernel gave no reason")
 
 
-async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | None:
-    """The kernel's checkpoint status (contract.CHECKPOINT_STATUS_REQUEST), asked on the
-    control channel; None when it does not answer within ``timeout`` seconds."""
+async def _control(kernel: Any, msg_type: str, content: dict[str, Any],
+                   timeout: float) -> dict[str, Any] | None:
+    """Send one of the server's control requests (untracked: not user activity) and return the
+    reply's content; None when the kernel does not answer within ``timeout`` seconds."""
     client = own_client(kernel)
     client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
     try:
-        request = client.session.msg(contract.CHECKPOINT_STATUS_REQUEST, {})
+        request = client.session.msg(msg_type, content)
         client.control_channel.send(request)
         deadline = time.monotonic() + timeout
         while (remaining := deadline - time.monotonic()) > 0:
@@ -169,11 +171,22 @@ async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | Non
             except queue.Empty:
                 return None
             if (reply.get("parent_header") or {}).get("msg_id") == request["header"]["msg_id"]:
-                content = reply.get("content")
-                return content if isinstance(content, dict) else None
+                answer = reply.get("content")
+                return answer if isinstance(answer, dict) else None
         return None
     finally:
-        client.control_channel.stop()
+        client.control_channel.stop()  # stop_channels() would open the others to stop them
+
+
+async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | None:
+    """The kernel's checkpoint status (contract.CHECKPOINT_STATUS_REQUEST), asked on the
+    control channel; None when it does not answer within ``timeout`` seconds."""
+    return await _control(kernel, contract.CHECKPOINT_STATUS_REQUEST, {}, timeout)
+
+
+async def tell_account(kernel: Any, account: dict[str, Any], timeout: float) -> bool:
+    """Send the kernel its account (contract.ACCOUNT_REQUEST); whether it acknowledged it."""
+    return await _control(kernel, contract.ACCOUNT_REQUEST, account, timeout) is not None
 
 
 async def restore_report(kernel: Any, timeout: float) -> dict[str, Any] | None:
