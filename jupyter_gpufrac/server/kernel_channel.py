@@ -8,7 +8,6 @@ import time
 import uuid
 from typing import Any
 
-
 from jupyter_gpufrac import contract
 from node_agent.quantities import format_bytes
 
