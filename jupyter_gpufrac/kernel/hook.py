@@ -129,9 +129,6 @@ class GpuFracHook:
         self.frozen = False
         # (message id, why) of the last cell that did not get a GPU back.
         self._unpark_refused: tuple[str, str] | None = None
-        # The server's latest account of this kernel (server/account.py, as the panel shows
-        # it), sent after each of its events; None from a server that sends none, or none.
-        self.account: dict[str, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -786,11 +783,6 @@ class GpuFracHook:
         with contextlib.suppress(ValueError):
             self.ip.input_transformers_post.remove(self._unpark_before_cell)
         self.apply_cap()
-
-    def cell_started(self) -> float:
-        """When the running cell began (now, outside a cell)."""
-        running = self._running
-        return float(running["time"]) if running else time.time()
 
     def gpu_label(self) -> str:
         """``GPU 1`` (or its UUID): where this kernel runs, for people."""

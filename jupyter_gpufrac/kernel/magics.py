@@ -148,10 +148,7 @@ class GpuMagic:
             if lease is not None and (lease.get("compute_request") is not None
                                       or lease.get("compute_usage") is not None):
                 lines.append("  compute: " + messages.compute_text(lease, mps_running()))
-            if hook.account is not None:
-                lines += messages.account_lines(hook.account, hook.cell_started(), time.time())
-            else:  # no server sent one (an older server, or none): as the agent says
-                lines.append(f"  state:   {self._state_text(usage, lease)}")
+            lines.append(f"  state:   {self._state_text(usage, lease)}")
             lines.append(f"  kept by: {self._protection_text(lease)}")
         lines.append(self._torch_line(s))
         if hook.offloaded:

@@ -53,17 +53,8 @@ def register(hook: Any) -> bool:
         hook.ip.kernel.session.send(stream, contract.CHECKPOINT_STATUS_REPLY,
                                     hook.checkpointer.status(), parent, ident)
 
-    def account(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
-        # The server's account of this kernel, for `%gpu`; a newer one replaces it whole.
-        content = parent.get("content")
-        if isinstance(content, dict):
-            hook.account = content
-        hook.ip.kernel.session.send(stream, contract.ACCOUNT_REPLY, {}, parent, ident)
-
     manager.register_target(contract.COMM_TARGET, opened)
-    handlers = _control_handlers(hook)
-    handlers[contract.CHECKPOINT_STATUS_REQUEST] = checkpoint_status
-    handlers[contract.ACCOUNT_REQUEST] = account
+    _control_handlers(hook)[contract.CHECKPOINT_STATUS_REQUEST] = checkpoint_status
     return True
 
 
@@ -78,6 +69,4 @@ def unregister(hook: Any) -> None:
     manager = _manager()
     if manager is not None:
         manager.targets.pop(contract.COMM_TARGET, None)
-    handlers = _control_handlers(hook)
-    handlers.pop(contract.CHECKPOINT_STATUS_REQUEST, None)
-    handlers.pop(contract.ACCOUNT_REQUEST, None)
+    _control_handlers(hook).pop(contract.CHECKPOINT_STATUS_REQUEST, None)

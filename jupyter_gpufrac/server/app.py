@@ -21,7 +21,6 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import Usage, free_disk, measure
 from jupyter_gpufrac.kernel.budget import parse_budget
 from jupyter_gpufrac.server import retention
-from jupyter_gpufrac.server.account import kernel_push
 from jupyter_gpufrac.server.agent_link import (
     AgentError,
     AgentLink,
@@ -33,7 +32,7 @@ from jupyter_gpufrac.server.directive_listener import DirectiveListener
 from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.handlers import handlers, own_leases
-from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary, tell_account
+from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from jupyter_gpufrac.server.launch import lease_gpus
 from jupyter_gpufrac.server.settings import (
@@ -47,10 +46,6 @@ from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
 RESTORE_REPORT_WAIT_S = 60.0
-# How long the server waits for a kernel to acknowledge its account (milliseconds when it runs).
-ACCOUNT_WAIT_S = 5.0
-# How long an account waits for the kernel manager to list its kernel before it is dropped.
-ACCOUNT_START_WAIT_S = 60.0
 AGENT_CHECK_TIMEOUT_S = 2.0
 # Restarting an embedded agent that keeps dying: at most once per this many seconds.
 EMBEDDED_RESTART_EVERY_S = 5.0
@@ -381,13 +376,11 @@ class GpuFrac(ExtensionApp):
         km = getattr(self.serverapp, "kernel_manager", None)
         untracked = getattr(km, "untracked_message_types", None)
         if km is not None and isinstance(untracked, list):
-            # The server's checkpoint-status questions and account messages are not the user's
-            # activity (park_after, "restored until used"), nor a busy kernel in JupyterLab,
-            # which reads this list.
+            # The server's checkpoint-status questions are not the user's activity (park_after,
+            # "restored until used"), nor a busy kernel in JupyterLab, which reads this list.
             km.untracked_message_types = [*untracked, *(
                 kind for kind in (contract.CHECKPOINT_STATUS_REQUEST,
-                                  contract.CHECKPOINT_STATUS_REPLY, contract.ACCOUNT_REQUEST,
-                                  contract.ACCOUNT_REPLY) if kind not in untracked)]
+                                  contract.CHECKPOINT_STATUS_REPLY) if kind not in untracked)]
         # An empty string set in config skips validation (it equals the unset value): default.
         self.agent_socket = self.agent_socket or self._default_agent_socket()
         self.checkpoint_dir = self.checkpoint_dir or self._default_checkpoint_dir()
@@ -407,11 +400,6 @@ class GpuFrac(ExtensionApp):
         self.kernels = Kernels(getattr(self.serverapp, "kernel_manager", None))
         self._reconnect_soon()
         self._tasks: set[asyncio.Task[Any]] = set()
-        # Kernels whose account changed since it was last sent them, and those being sent one.
-        self._stale_accounts: set[str] = set()
-        self._sending_accounts: set[str] = set()
-        self._following_restores: set[str] = set()
-        self.events.on_event = self._account_changed
         self.spares = (SparePool(self.spare_kernel_imports, self.max_spare_kernels, self.log)
                        if self.spare_kernels else None)
         # While the server looks for (or starts) its agent, kernels wait for it to be set.
@@ -591,59 +579,7 @@ class GpuFrac(ExtensionApp):
         """After each launch: when it restored, wait for the kernel hook's report."""
         reason = info.get("reason")
         if reason is not None:
-            self._spawn(self._follow_restore_then_tell(kernel_id, reason))
-
-    def _account_changed(self, kernel_id: str) -> None:
-        """An event for the kernel: send it its account, one send at a time per kernel (the
-        last one sent is computed after the last event)."""
-        self._stale_accounts.add(kernel_id)
-        if kernel_id not in self._sending_accounts:
-            self._sending_accounts.add(kernel_id)
-            self._spawn(self._send_accounts(kernel_id))
-
-    async def _send_accounts(self, kernel_id: str) -> None:
-        try:
-            while kernel_id in self._stale_accounts:
-                self._stale_accounts.discard(kernel_id)
-                await self._send_account(kernel_id)
-        finally:
-            self._sending_accounts.discard(kernel_id)
-
-    async def _send_account(self, kernel_id: str) -> None:
-        """Send the kernel its account (from its lease as last read and its events), for `%gpu`."""
-        km = self.serverapp.kernel_manager if self.serverapp else None
-        if km is None:
-            return
-        # Sent to an idle kernel only (`%gpu` runs between cells anyway): an event of a launch
-        # comes before the kernel manager lists the kernel, and the server's own conversation
-        # with a kernel it moves, parks or restores goes first (an account sent amid a restart
-        # stalled the restore's report).
-        deadline = time.monotonic() + ACCOUNT_START_WAIT_S
-        while True:
-            gpu = self.kernels.get(kernel_id)
-            kernel = km.get_kernel(kernel_id) if gpu is not None else None
-            if (gpu is not None and getattr(kernel, "execution_state", None) == "idle"
-                    and kernel_id not in self._following_restores
-                    and not (self.listener is not None and self.listener.busy(kernel_id))):
-                break
-            # Waits while a cell runs, however long; a kernel never listed is given up.
-            if gpu.closed if gpu is not None else time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(0.2)
-        if not gpu.hooked:
-            return
-        account = kernel_push(kernel, gpu, gpu.lease, self.events.events(kernel_id),
-                              agent_error=self.agent_error)
-        if not await tell_account(kernel, account, ACCOUNT_WAIT_S):
-            self.log.info("kernel %s: did not acknowledge its account", kernel_id)
-
-    async def _follow_restore_then_tell(self, kernel_id: str, reason: dict[str, Any]) -> None:
-        """Follow the restore; no account is sent to the kernel meanwhile."""
-        self._following_restores.add(kernel_id)
-        try:
-            await self._follow_restore(kernel_id, reason)
-        finally:
-            self._following_restores.discard(kernel_id)
+            self._spawn(self._follow_restore(kernel_id, reason))
 
     async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
         kernel = self.serverapp.kernel_manager.get_kernel(kernel_id) if self.serverapp else None

@@ -154,14 +154,13 @@ async def checkpoint(kernel: Any, timeout: float, *, park: bool = False) -> tupl
     return False, str(answer.get("error") or "the kernel gave no reason")
 
 
-async def _control(kernel: Any, msg_type: str, content: dict[str, Any],
-                   timeout: float) -> dict[str, Any] | None:
-    """Send one of the server's control requests (untracked: not user activity) and return the
-    reply's content; None when the kernel does not answer within ``timeout`` seconds."""
+async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | None:
+    """The kernel's checkpoint status (contract.CHECKPOINT_STATUS_REQUEST), asked on the
+    control channel; None when it does not answer within ``timeout`` seconds."""
     client = own_client(kernel)
     client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
     try:
-        request = client.session.msg(msg_type, content)
+        request = client.session.msg(contract.CHECKPOINT_STATUS_REQUEST, {})
         client.control_channel.send(request)
         deadline = time.monotonic() + timeout
         while (remaining := deadline - time.monotonic()) > 0:
@@ -170,22 +169,11 @@ async def _control(kernel: Any, msg_type: str, content: dict[str, Any],
             except queue.Empty:
                 return None
             if (reply.get("parent_header") or {}).get("msg_id") == request["header"]["msg_id"]:
-                answer = reply.get("content")
-                return answer if isinstance(answer, dict) else None
+                content = reply.get("content")
+                return content if isinstance(content, dict) else None
         return None
     finally:
-        client.control_channel.stop()  # stop_channels() would open the others to stop them
-
-
-async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | None:
-    """The kernel's checkpoint status (contract.CHECKPOINT_STATUS_REQUEST), asked on the
-    control channel; None when it does not answer within ``timeout`` seconds."""
-    return await _control(kernel, contract.CHECKPOINT_STATUS_REQUEST, {}, timeout)
-
-
-async def tell_account(kernel: Any, account: dict[str, Any], timeout: float) -> bool:
-    """Send the kernel its account (contract.ACCOUNT_REQUEST); whether it acknowledged it."""
-    return await _control(kernel, contract.ACCOUNT_REQUEST, account, timeout) is not None
+        client.control_channel.stop()
 
 
 async def restore_report(kernel: Any, timeout: float) -> dict[str, Any] | None:

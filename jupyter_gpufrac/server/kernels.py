@@ -543,10 +543,13 @@ class Kernels:
 
     def get(self, kernel_id: str) -> KernelGpu | None:
         """The kernel's GPU state, or None (no such kernel, or not ours)."""
-        # Asked first: jupyter_server's get_kernel raises a 404 HTTPError for an unknown id.
-        if self.kernel_manager is None or kernel_id not in self.kernel_manager:
+        if self.kernel_manager is None:
             return None
-        return gpu_of(self.kernel_manager.get_kernel(kernel_id))
+        try:
+            kernel = self.kernel_manager.get_kernel(kernel_id)
+        except KeyError:
+            return None
+        return gpu_of(kernel)
 
     def items(self) -> list[tuple[str, KernelGpu]]:
         """(kernel id, GPU state) of every kernel of ours."""
