@@ -84,21 +84,10 @@ async def _subscribed(client: Any, deadline: float) -> None:
                 return
 
 
-def own_client(kernel: Any) -> Any:
-    """A client of the kernel under an identity of its own. Clients made by ``kernel.client()``
-    share the manager's session id, which is their sockets' identity: ipykernel's ROUTERs hand
-    an identity over to its newest connection, so a second client (or jupyter_client's
-    ``stop_channels``, which connects every channel it never used) would take the first one's
-    place, and a question sent meanwhile is lost."""
-    session = kernel.session.clone()
-    session.session = uuid.uuid4().hex
-    return kernel.client(session=session)
-
-
 async def ask(kernel: Any, question: str, timeout: float) -> dict[str, Any]:
     """Ask the kernel over a comm and return its answer; ChannelError past ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    client = own_client(kernel)
+    client = kernel.client()
     client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
     try:
         await _subscribed(client, deadline)
@@ -120,6 +109,9 @@ async def ask(kernel: Any, question: str, timeout: float) -> dict[str, Any]:
                                min(time.monotonic() + SETTLE_S, deadline))
                 return found
     finally:
+        # Not stop_channels(): it connects every channel it never started, under the identity
+        # all clients of the kernel share, and the kernel's ROUTER hands that identity to the
+        # newest connection (a question another client sent meanwhile was lost).
         client.shell_channel.stop()
         client.iopub_channel.stop()
 
@@ -157,7 +149,7 @@ async def checkpoint(kernel: Any, timeout: float, *, park: bool = False) -> tupl
 async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | None:
     """The kernel's checkpoint status (contract.CHECKPOINT_STATUS_REQUEST), asked on the
     control channel; None when it does not answer within ``timeout`` seconds."""
-    client = own_client(kernel)
+    client = kernel.client()
     client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
     try:
         request = client.session.msg(contract.CHECKPOINT_STATUS_REQUEST, {})
@@ -173,7 +165,7 @@ async def checkpoint_status(kernel: Any, timeout: float) -> dict[str, Any] | Non
                 return content if isinstance(content, dict) else None
         return None
     finally:
-        client.control_channel.stop()
+        client.control_channel.stop()  # not stop_channels(): see ask()
 
 
 async def restore_report(kernel: Any, timeout: float) -> dict[str, Any] | None:

@@ -62,9 +62,10 @@ async def test_a_kernel_killed_right_after_an_ask_was_last_seen_idle(
 async def test_a_question_is_answered_while_the_server_asks_for_the_checkpoint_status(
     isolated: Path, no_leases: AgentProcess
 ) -> None:
-    """The kernel view asks for the checkpoint status while a move asks for a checkpoint: each
-    client has an identity of its own, or the newer one takes the older one's place at the
-    kernel and the checkpoint's question is lost (a move then waited 109 s for nothing)."""
+    """The kernel view asks for the checkpoint status while a move asks for a checkpoint: the
+    status client must not connect the shell channel it does not use (jupyter_client's
+    stop_channels does), or it takes the asking client's place at the kernel under their shared
+    identity, and the question is lost (a move then waited 109 s for nothing)."""
     ksm = write_kernelspec(isolated, {"gpufrac": {"request": "0.25"}})
     km = AsyncKernelManager(kernel_name="gpu-python", kernel_spec_manager=ksm)
     await km.start_kernel()
