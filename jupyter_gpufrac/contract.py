@@ -80,6 +80,9 @@ ASKS = (ASK_CHECKPOINT, ASK_RESTORE_REPORT, ASK_PARK)
 # control thread, while a cell runs too. Not user activity (the server's untracked types).
 CHECKPOINT_STATUS_REQUEST = "gpufrac_checkpoint_request"
 CHECKPOINT_STATUS_REPLY = "gpufrac_checkpoint_reply"
+# The kernel's account (server/account.py kernel_push) as the server last wrote it, in the
+# kernel's checkpoint folder after each of its events: `%gpu` says what the panel says.
+ACCOUNT_FILE = "account.json"
 # In the server's data folder: the user's last `%gpu request` in one environment (by the
 # server's sys.prefix), the share of their next kernels there: last-request-<key>.json.
 LAST_REQUEST_FILE = "last-request-{environment}.json"
@@ -150,6 +153,23 @@ AGENT_SILENT_STATES = ("no-gpu", "agent-unreachable")
 LEASE_STATE_SHOWN = MappingProxyType({"shrinking": "shrinking", "killed": "oom-killed",
                                       "parked": "parked", "pending": "waiting-for-gpu",
                                       "freezing": "parked", "thawing": "waiting-for-gpu"})
+
+# How the panel words each kernel state (labextension/src/view.ts labels(); move-pending counts
+# down instead while its deadline is known): `%gpu` says them the same way.
+KERNEL_STATE_WORDS = MappingProxyType({
+    "guaranteed": "guaranteed",
+    "bursting": "bursting",
+    "shrinking": "shrinking",
+    "move-pending": "moving soon — cell still running",
+    "migrating": "migrating",
+    "oom-killed": "stopped",
+    "restored": "restored",
+    "restore-incomplete": "restored in part",
+    "no-gpu": "no GPU",
+    "agent-unreachable": "agent unreachable",
+    "parked": "parked",
+    "waiting-for-gpu": "waiting for a GPU",
+})
 
 # How the panel words another lease's ledger state (a kernel's own state is a KERNEL_STATE).
 LEASE_STATE_WORDS = MappingProxyType({

@@ -784,6 +784,11 @@ class GpuFracHook:
             self.ip.input_transformers_post.remove(self._unpark_before_cell)
         self.apply_cap()
 
+    def cell_started(self) -> float:
+        """When the running cell began (now, outside a cell)."""
+        running = self._running
+        return float(running["time"]) if running else time.time()
+
     def gpu_label(self) -> str:
         """``GPU 1`` (or its UUID): where this kernel runs, for people."""
         return (f"GPU {self.env.gpu_index}" if self.env.gpu_index is not None

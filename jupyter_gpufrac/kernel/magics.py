@@ -148,7 +148,11 @@ class GpuMagic:
             if lease is not None and (lease.get("compute_request") is not None
                                       or lease.get("compute_usage") is not None):
                 lines.append("  compute: " + messages.compute_text(lease, mps_running()))
-            lines.append(f"  state:   {self._state_text(usage, lease)}")
+            account = self._account()
+            if account is not None:
+                lines += messages.account_lines(account, hook.cell_started(), time.time())
+            else:  # no server left one (an older server, or none): as the agent says
+                lines.append(f"  state:   {self._state_text(usage, lease)}")
             lines.append(f"  kept by: {self._protection_text(lease)}")
         lines.append(self._torch_line(s))
         if hook.offloaded:
@@ -342,6 +346,17 @@ class GpuMagic:
         hook.apply_cap()
         now = messages.share_now(hook.gpu_label(), hook.request, hook.limit, env.gpu_total)
         print(f"gpufrac: {now}.{kept}")
+
+    def _account(self) -> dict[str, Any] | None:
+        """The server's account of this kernel as it last left it (contract.ACCOUNT_FILE)."""
+        env = self.hook.env
+        if env.checkpoints_off:
+            return None
+        try:
+            found = json.loads(store.read_file(env.checkpoint_dir, contract.ACCOUNT_FILE))
+        except (OSError, ValueError, store.UnsafeCheckpointError):
+            return None
+        return found if isinstance(found, dict) else None
 
     def _remembered(self) -> bool:
         """Whether the server keeps this kernel's `%gpu request` for new notebooks (it does

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel.env import RestartReason
@@ -98,6 +100,29 @@ def _ago(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def account_lines(account: Mapping[str, Any], cell_started: float, now: float) -> list[str]:
+    """``%gpu``'s ``state:`` and ``last:`` lines from the server's account of this kernel, in
+    the panel's words; ages and countdowns computed now."""
+    last = account.get("last_event") if isinstance(account.get("last_event"), dict) else None
+    shown: Mapping[str, Any] = account
+    once_used = account.get("once_used")
+    if (last is not None and isinstance(once_used, dict)
+            and cell_started > float(last.get("time") or 0) + 1.0):
+        # As the server reads it: a restore is news until the user's next cell after it.
+        shown = once_used
+    state, reason, deadline = str(shown.get("state")), shown.get("reason"), shown.get("deadline")
+    words = contract.KERNEL_STATE_WORDS.get(state, state)
+    if state == "move-pending" and deadline:
+        left = math.ceil(float(deadline) - now)
+        words = (f"moving in {left} s — cell still running" if left > 0
+                 else "moving now — cell still running")
+    lines = [f"  state:   {words}" + (f" ({str(reason).rstrip('.')})" if reason else "")]
+    if last is not None:
+        age = _ago(max(now - float(last.get("time") or now), 0.0))
+        lines.append(f"  last:    {age} ago: {last.get('message')}")
+    return lines
 
 
 def restore_message(

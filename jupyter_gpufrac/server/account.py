@@ -32,8 +32,10 @@ def kernel_state(
     *,
     agent_error: str | None = None,
     now: float | None = None,
+    used: bool | None = None,
 ) -> tuple[str, str | None, float | None]:
-    """``(state, reason, deadline)`` as docs/server-api.md defines them.
+    """``(state, reason, deadline)`` as docs/server-api.md defines them (``used``: as if the
+    user had, or had not, run something since the last event; None: as the kernel says).
 
     Nothing is called guaranteed or restored that was not verified: without the agent the
     share is unverified, and a restore that lost anything is ``restore-incomplete``.
@@ -59,7 +61,9 @@ def kernel_state(
         return contract.LEASE_STATE_SHOWN[state], reason, None
     # A bursting notice right after a restore must not hide what the restore lost.
     last = next((e for e in reversed(events) if e["event"] != "bursting"), None)
-    if last is not None and last["event"] == "restored" and not _activity_after(kernel, last["time"]):
+    if used is None and last is not None:
+        used = _activity_after(kernel, last["time"])
+    if last is not None and last["event"] == "restored" and not used:
         # Shown until the user does something in the kernel, so a returning user reads it.
         restored = "restored" if last.get("ok") else "restore-incomplete"
         return restored, str(last["message"]), None
@@ -119,3 +123,20 @@ def kernel_account(
             if last is not None else None
         ),
     }
+
+
+def kernel_push(
+    kernel: Any,
+    gpu: KernelGpu,
+    lease: dict[str, Any] | None,
+    events: list[dict[str, Any]],
+    *,
+    agent_error: str | None = None,
+) -> dict[str, Any]:
+    """The account the server sends the kernel (contract.ACCOUNT_REQUEST) for `%gpu`, with
+    ``once_used``: the state once its user runs a cell after the last event (a restore is news
+    only until then), which the kernel shows from such a cell on."""
+    account = kernel_account(kernel, gpu, lease, events, agent_error=agent_error)
+    state, reason, deadline = kernel_state(kernel, gpu, lease, events, agent_error=agent_error,
+                                           used=True)
+    return {**account, "once_used": {"state": state, "reason": reason, "deadline": deadline}}

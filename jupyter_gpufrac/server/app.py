@@ -21,6 +21,7 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import Usage, free_disk, measure
 from jupyter_gpufrac.kernel.budget import parse_budget
 from jupyter_gpufrac.server import retention
+from jupyter_gpufrac.server.account import kernel_push
 from jupyter_gpufrac.server.agent_link import (
     AgentError,
     AgentLink,
@@ -46,6 +47,8 @@ from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
 RESTORE_REPORT_WAIT_S = 60.0
+# How long a kernel's account waits for the kernel manager to list a launching kernel.
+ACCOUNT_LIST_WAIT_S = 60.0
 AGENT_CHECK_TIMEOUT_S = 2.0
 # Restarting an embedded agent that keeps dying: at most once per this many seconds.
 EMBEDDED_RESTART_EVERY_S = 5.0
@@ -422,6 +425,7 @@ class GpuFrac(ExtensionApp):
          self.kernel_settings.checkpoint_user_budget) = self.checkpoint_budgets()
         self.kernel_settings.checkpoint_staging_budget = self.staging_budget()
         self.check_folders()
+        self.events.on_event = self._account_changed
         self._disk: tuple[float, Usage] | None = None
         self.settings["gpufrac_app"] = self
         self.log.info(
@@ -580,6 +584,28 @@ class GpuFrac(ExtensionApp):
         reason = info.get("reason")
         if reason is not None:
             self._spawn(self._follow_restore(kernel_id, reason))
+
+    def _account_changed(self, kernel_id: str) -> None:
+        self._spawn(self._leave_account(kernel_id))
+
+    async def _leave_account(self, kernel_id: str) -> None:
+        """After each event of a kernel: its account, for `%gpu`, in its folder (a small file,
+        computed when written, so the last one written follows the last event)."""
+        km = self.serverapp.kernel_manager if self.serverapp else None
+        deadline = time.monotonic() + ACCOUNT_LIST_WAIT_S
+        # An event of a launch comes before the kernel manager lists the kernel.
+        while km is not None and kernel_id not in km:
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.2)
+        if km is None:
+            return
+        gpu = self.kernels.get(kernel_id)
+        if gpu is None:
+            return
+        kernel = km.get_kernel(kernel_id)
+        gpu.write_account(kernel_push(kernel, gpu, gpu.lease, self.events.events(kernel_id),
+                                      agent_error=self.agent_error))
 
     async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
         kernel = self.serverapp.kernel_manager.get_kernel(kernel_id) if self.serverapp else None

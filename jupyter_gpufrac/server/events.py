@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jupyter_gpufrac.contract import EVENT_KINDS, EVENT_SCHEMA_ID
@@ -52,6 +52,8 @@ class KernelEventLog:
         self._events: dict[str, collections.deque[dict[str, Any]]] = {}
         # kernel id -> notebook path, kept by the server, so every message can name the notebook
         self.notebooks: dict[str, str] = {}
+        # Told the kernel id after each event: the server sends the kernel its new account.
+        self.on_event: Callable[[str], None] | None = None
 
     def emit(self, kernel_id: str, event: str, message: str, **fields: Any) -> dict[str, Any]:
         """Record and emit one event; never raises (an event must not break a kernel restart)."""
@@ -64,6 +66,12 @@ class KernelEventLog:
                 self._event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=data)
             except Exception:
                 self._log.exception("could not emit gpufrac event %s for kernel %s", event, kernel_id)
+        if self.on_event is not None:
+            try:
+                self.on_event(kernel_id)
+            except Exception:
+                self._log.exception("could not follow gpufrac event %s for kernel %s", event,
+                                    kernel_id)
         return data
 
     def events(self, kernel_id: str) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -301,6 +302,19 @@ class KernelGpu:
             return lease, {"cause": contract.CAUSE_PLACED, "from_gpu": gpu, "to_gpu": gpu,
                            "message": f"it was to be parked, but the GPU agent refused "
                                       f"({err.message}), so it keeps its GPU"}
+
+    def write_account(self, account: dict[str, Any]) -> None:
+        """Leave the kernel its account (contract.ACCOUNT_FILE) in its own folder, where `%gpu`
+        reads it: a file, not a message, so nothing reaches a kernel the server is restarting."""
+        settings = self.settings()
+        if settings.folder_problem or self.checkpoints_off:
+            return  # nothing goes into a folder that is not the user's alone
+        folder = Path(checkpoint_dir_of(settings.checkpoint_root, self.kernel_id))
+        try:
+            store.write_file(folder, contract.ACCOUNT_FILE, json.dumps(account).encode(),
+                             durable=False, blobs=False)
+        except (OSError, store.UnsafeCheckpointError) as exc:
+            self.log.info("kernel %s: could not leave its account: %s", self.kernel_id, exc)
 
     def wake(self) -> bool:
         """Wake the kernel's directive thread (the agent addressed its lease): it reads the

@@ -13,6 +13,7 @@ import pytest
 
 from harness.agent import AgentProcess, wait_for
 from harness.jupyter import Notebook, Server, start_server, stop_server
+from jupyter_gpufrac import contract
 
 pytestmark = pytest.mark.e2e
 
@@ -157,6 +158,48 @@ def test_a_cell_waits_for_a_gpu_visibly_can_be_cancelled_and_runs_once_there_is_
             assert reply.status == "ok", reply.error
             assert "gpufrac: back on GPU" in reply.stdout and "PID" in reply.stdout
             assert lease_of(agent, nb.kernel_id)["state"] == "active"
+            nb.close()
+        finally:
+            stop_server(server)
+
+
+def gpu_says(nb: Notebook) -> tuple[str, str | None]:
+    """The ``state:`` and ``last:`` lines of ``%gpu``, as the notebook prints them."""
+    lines = [line.strip() for line in nb.ok("%gpu").splitlines()]
+    state = next(line for line in lines if line.startswith("state:"))
+    return state, next((line for line in lines if line.startswith("last:")), None)
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "restarted"])
+def test_gpu_says_what_the_kernel_view_says_after_a_park_and_its_unpark(
+    tmp_path: Path, freeze: bool
+) -> None:
+    args = ["--poll-interval", "0.2", *([] if freeze else ["--no-freeze"])]
+    with AgentProcess(tmp_path / "agent", "2x2GiB", args) as agent:
+        server = start_server(tmp_path / "server", agent.socket,
+                              CONFIG.replace("park_after = 2", "park_after = 0"))
+        try:
+            nb = server.open_notebook("account.ipynb")
+            nb.ok(STATE)
+            # The event of its first launch, sent once the kernel is up.
+            wait_for(lambda: "Running on GPU" in str(gpu_says(nb)[1]), 30,
+                     "%gpu to tell where the kernel started", interval=0.2)
+            nb.ok("%gpu park")
+            parked(server, agent, nb)
+            # The next cell gets the kernel a GPU (a restarted one: a process that has not
+            # received an account yet); the server then sends it its account.
+            assert "gpufrac: back on GPU" in nb.ok("print('back')")
+            wait_for(lambda: "unparked" in server.events(nb.kernel_id), 30, "the unparked event",
+                     interval=0.2)
+            wait_for(lambda: "Back on GPU" in str(gpu_says(nb)[1]), 30, "%gpu to tell the unpark",
+                     interval=0.2)
+            state, last = gpu_says(nb)
+            view = server.kernel_status(nb.kernel_id)
+            words = contract.KERNEL_STATE_WORDS[view["state"]]
+            reason = f" ({view['reason'].rstrip('.')})" if view["reason"] else ""
+            assert state == f"state:   {words}{reason}", (state, view["state"], view["reason"])
+            assert last is not None and last.endswith(f" ago: {view['last_event']['message']}")
+            assert view["last_event"]["event"] == "unparked", view["last_event"]
             nb.close()
         finally:
             stop_server(server)
