@@ -133,7 +133,7 @@ def kernel_push(
     *,
     agent_error: str | None = None,
 ) -> dict[str, Any]:
-    """The account the server sends the kernel (contract.ACCOUNT_REQUEST) for `%gpu`, with
+    """The account the server leaves the kernel (contract.ACCOUNT_FILE) for `%gpu`, with
     ``once_used``: the state once its user runs a cell after the last event (a restore is news
     only until then), which the kernel shows from such a cell on."""
     account = kernel_account(kernel, gpu, lease, events, agent_error=agent_error)

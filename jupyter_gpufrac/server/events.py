@@ -52,7 +52,7 @@ class KernelEventLog:
         self._events: dict[str, collections.deque[dict[str, Any]]] = {}
         # kernel id -> notebook path, kept by the server, so every message can name the notebook
         self.notebooks: dict[str, str] = {}
-        # Told the kernel id after each event: the server sends the kernel its new account.
+        # Told the kernel id after each event: the server leaves the kernel its new account.
         self.on_event: Callable[[str], None] | None = None
 
     def emit(self, kernel_id: str, event: str, message: str, **fields: Any) -> dict[str, Any]:

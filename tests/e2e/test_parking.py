@@ -181,7 +181,7 @@ def test_gpu_says_what_the_kernel_view_says_after_a_park_and_its_unpark(
         try:
             nb = server.open_notebook("account.ipynb")
             nb.ok(STATE)
-            # The event of its first launch, sent once the kernel is up.
+            # The event of its first launch, written once the kernel manager lists it.
             wait_for(lambda: "Running on GPU" in str(gpu_says(nb)[1]), 30,
                      "%gpu to tell where the kernel started", interval=0.2)
             nb.ok("%gpu park")
