@@ -149,9 +149,12 @@ class GpuMagic:
                                       or lease.get("compute_usage") is not None):
                 lines.append("  compute: " + messages.compute_text(lease, mps_running()))
             account = self._account()
-            if account is not None:
+            if account is not None and (lease is not None
+                                        or account.get("state") == "agent-unreachable"):
                 lines += messages.account_lines(account, hook.cell_started(), time.time())
-            else:  # no server left one (an older server, or none): as the agent says
+            else:
+                # No server left one (an older server, or none), or the agent did not answer
+                # this kernel just now, which is newer than any account: as the agent says.
                 lines.append(f"  state:   {self._state_text(usage, lease)}")
             lines.append(f"  kept by: {self._protection_text(lease)}")
         lines.append(self._torch_line(s))

@@ -586,26 +586,33 @@ class GpuFrac(ExtensionApp):
             self._spawn(self._follow_restore(kernel_id, reason))
 
     def _account_changed(self, kernel_id: str) -> None:
-        self._spawn(self._leave_account(kernel_id))
+        # Written in the event itself, so a `%gpu` run after anything that shows the event
+        # reads it; only a launch's events, before the kernel is listed, wait for the listing.
+        if not self._leave_account(kernel_id):
+            self._spawn(self._leave_account_once_listed(kernel_id))
 
-    async def _leave_account(self, kernel_id: str) -> None:
-        """After each event of a kernel: its account, for `%gpu`, in its folder (a small file,
-        computed when written, so the last one written follows the last event)."""
+    async def _leave_account_once_listed(self, kernel_id: str) -> None:
         km = self.serverapp.kernel_manager if self.serverapp else None
         deadline = time.monotonic() + ACCOUNT_LIST_WAIT_S
-        # An event of a launch comes before the kernel manager lists the kernel.
         while km is not None and kernel_id not in km:
             if time.monotonic() >= deadline:
                 return
             await asyncio.sleep(0.2)
-        if km is None:
-            return
+        self._leave_account(kernel_id)
+
+    def _leave_account(self, kernel_id: str) -> bool:
+        """After each event of a kernel: its account, for `%gpu`, in its folder (a small file,
+        computed when written, so the last one written follows the last event). False while
+        the kernel manager does not list the kernel yet."""
+        km = self.serverapp.kernel_manager if self.serverapp else None
+        if km is None or kernel_id not in km:
+            return km is None
         gpu = self.kernels.get(kernel_id)
-        if gpu is None:
-            return
-        kernel = km.get_kernel(kernel_id)
-        gpu.write_account(kernel_push(kernel, gpu, gpu.lease, self.events.events(kernel_id),
-                                      agent_error=self.agent_error))
+        if gpu is not None:
+            gpu.write_account(kernel_push(km.get_kernel(kernel_id), gpu, gpu.lease,
+                                          self.events.events(kernel_id),
+                                          agent_error=self.agent_error))
+        return True
 
     async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
         kernel = self.serverapp.kernel_manager.get_kernel(kernel_id) if self.serverapp else None

@@ -28,18 +28,22 @@ def state_lines(status: str) -> list[str]:
             if line.strip().startswith(("state:", "last:"))]
 
 
-def test_gpu_says_the_servers_account_and_the_agents_word_without_one(
-        tmp_path: Path, agent: AgentProcess) -> None:
+def leased_kernel_env(tmp_path: Path, agent: AgentProcess) -> dict[str, str]:
+    """A kernel's environment as the provisioner gives it, with a fresh lease of the agent."""
     lease = agent.client().create_lease(client="test", request="0.25", limit="0.5",
                                         kernel_id="k1")
-    env = {
+    return {
         "GPUFRAC_LEASE_ID": lease["id"], "GPUFRAC_AGENT_SOCKET": agent.socket,
         "GPUFRAC_KERNEL_ID": "k1", "GPUFRAC_REQUEST": str(lease["request"]),
         "GPUFRAC_LIMIT": str(lease["limit"]), "GPUFRAC_GPU_UUID": lease["physical_gpu"],
         "GPUFRAC_GPU_INDEX": "0", "GPUFRAC_GPU_TOTAL": str(16 * GiB),
         "GPUFRAC_CHECKPOINT_DIR": str(tmp_path / "ck"),
     }
-    with running_kernel(env) as k:
+
+
+def test_gpu_says_the_servers_account_and_the_agents_word_without_one(
+        tmp_path: Path, agent: AgentProcess) -> None:
+    with running_kernel(leased_kernel_env(tmp_path, agent)) as k:
         # No server left an account (an older server, or none): the agent's word, as before.
         assert state_lines(k.run("%gpu").stdout) == ["state:   guaranteed"]
 
@@ -66,3 +70,22 @@ def test_gpu_says_the_servers_account_and_the_agents_word_without_one(
         state, last = state_lines(k.run("%gpu").stdout)
         assert state == "state:   bursting"
         assert re.fullmatch(r"last:    \d+ s ago: Moved; restored 2 of 2 variables\.", last), last
+
+
+def test_an_agent_that_does_not_answer_the_kernel_outranks_an_older_account(
+        tmp_path: Path, agent: AgentProcess) -> None:
+    with running_kernel(leased_kernel_env(tmp_path, agent)) as k:
+        leave_account(tmp_path / "ck", {"state": "guaranteed", "reason": None, "deadline": None})
+        assert state_lines(k.run("%gpu").stdout) == ["state:   guaranteed"]
+        # The agent dies; the server has not told of it yet (its account still says
+        # guaranteed), but this kernel's own question just went unanswered.
+        agent.kill()
+        state = state_lines(k.run("%gpu").stdout)
+        assert len(state) == 1 and state[0].startswith(
+            f"state:   agent unreachable at {agent.socket}: this kernel's share cannot be "
+            "verified"), state
+        # Once the server's account says so too, it is the one shown, in the panel's words.
+        leave_account(tmp_path / "ck", {"state": "agent-unreachable", "deadline": None,
+                                        "reason": "No GPU agent answers."})
+        assert state_lines(k.run("%gpu").stdout) == [
+            "state:   agent unreachable (No GPU agent answers)"]
