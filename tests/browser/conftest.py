@@ -19,13 +19,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from harness.agent import free_port, rest_call
+from harness.agent import free_port, rest_call, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILT_LABEXTENSION = ROOT / "jupyter_gpufrac" / "labextension"
@@ -60,6 +60,13 @@ class Lab:
     def api(self, path: str, method: str = "GET", body: object = None) -> tuple[int, object]:
         """Call the server's REST API; returns (status, parsed JSON or None)."""
         return rest_call(f"{self.url}{path}", self.token, method, body, timeout=30)
+
+    def wait_for(self, what: str, check: Callable[[], object], timeout: float) -> object:
+        """``harness.agent.wait_for``, with the tail of the Lab's log in the failure message."""
+        try:
+            return wait_for(check, timeout, what, interval=0.5)
+        except AssertionError as err:
+            pytest.fail(f"{err}\n--- lab log ---\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 80) -> str:
         try:

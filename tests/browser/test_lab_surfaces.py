@@ -14,13 +14,11 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-
-from harness.agent import wait_for
 
 if TYPE_CHECKING:
     from conftest import Lab
@@ -50,13 +48,6 @@ def _notebook(kernel: str, source: str) -> dict[str, Any]:
         "nbformat": 4,
         "nbformat_minor": 5,
     }
-
-
-def _wait_for(what: str, check: Callable[[], object], timeout: float, lab: Lab) -> object:
-    try:
-        return wait_for(check, timeout, what, interval=0.5)
-    except AssertionError as err:
-        pytest.fail(f"{err}\n--- lab log ---\n{lab.log_tail()}")
 
 
 def _kernel_of(lab: Lab, path: str) -> str | None:
@@ -154,7 +145,7 @@ def test_status_item_follows_the_notebook_in_front(
             expect(item).to_have_attribute("data-gpu-index", re.compile(r"^\d$"), timeout=90_000)
             expect(item).to_have_text(re.compile(r"^GPU \d: "))
             gpu_index = item.get_attribute("data-gpu-index")
-            gpu_kernel = _wait_for("gpu.ipynb's kernel", lambda: _kernel_of(lab, with_gpu), 30, lab)
+            gpu_kernel = lab.wait_for("gpu.ipynb's kernel", lambda: _kernel_of(lab, with_gpu), 30)
 
             # The second notebook: its kernel gets no lease, and the item says so
             # (never the first notebook's GPU).

@@ -32,13 +32,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-
-from harness.agent import wait_for
 
 if TYPE_CHECKING:
     from conftest import Lab
@@ -97,14 +94,6 @@ FIGURES_FULL = r"(<)?\d+(\.\d)?/\d+(\.\d)?/\d+(\.\d)? (GiB|MiB)"
 RESOURCE_USAGE_TEXT = "Mem: 200.52 MB"
 
 
-def _wait_for(what: str, check: Callable[[], object], timeout: float, lab: Lab) -> object:
-    """``wait_for``, with the tail of the Lab's log in the failure message."""
-    try:
-        return wait_for(check, timeout, what, interval=0.5)
-    except AssertionError as err:
-        pytest.fail(f"{err}\n--- lab log ---\n{lab.log_tail()}")
-
-
 def _kernel_gpu(lab: Lab, kernel_id: str) -> int | None:
     status, body = lab.api(f"/api/gpufrac/kernels/{kernel_id}")
     if status != 200 or not isinstance(body, dict) or not body.get("gpu"):
@@ -157,7 +146,7 @@ def test_widget_follows_kernel_through_migration(
     status, other = lab.api("/api/kernels", "POST", {"name": "python3"})
     assert status == 201, (status, other)
     assert isinstance(other, dict)
-    _wait_for("the first kernel's GPU", lambda: _kernel_gpu(lab, other["id"]) is not None, 60, lab)
+    lab.wait_for("the first kernel's GPU", lambda: _kernel_gpu(lab, other["id"]) is not None, 60)
 
     status, _ = lab.api("/api/contents/demo.ipynb", "PUT", {"type": "notebook", "content": NOTEBOOK})
     assert status in (200, 201)
