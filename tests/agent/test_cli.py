@@ -106,7 +106,7 @@ def test_hints_to_start_an_agent_give_the_exact_command(tmp_path: Path) -> None:
 @pytest.fixture
 def no_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No config file but the test's own: the node's and the user's folders are empty."""
-    monkeypatch.setattr(cli, "SYSTEM_CONFIG_DIR", str(tmp_path / "etc"))
+    monkeypatch.setattr(cli.command, "SYSTEM_CONFIG_DIR", str(tmp_path / "etc"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("GPUFRAC_AGENT_SOCKET", raising=False)
     return tmp_path
