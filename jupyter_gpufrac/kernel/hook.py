@@ -32,15 +32,11 @@ from jupyter_gpufrac.kernel import (
     torch_adapter,
 )
 from jupyter_gpufrac.kernel.budget import DiskLimits
-from jupyter_gpufrac.kernel.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    CheckpointResult,
-    header_generation,
-)
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from jupyter_gpufrac.kernel.import_hook import after_import
 from jupyter_gpufrac.kernel.observations import ObservationSender
+from jupyter_gpufrac.kernel.state_file import header_generation
 from jupyter_gpufrac.wake import WakeReceiver, wake_path
 
 log = logging.getLogger(__name__)

@@ -518,7 +518,7 @@ class StagingDir(CheckpointDir):
     """Stands for a checkpoint directory while a snapshot is taken: blobs are not written but
     staged (copied into memory as they are at the cell's end, or held by address for a forked
     child to write as they are then), for a writer thread to write
-    (:mod:`snapshot`). It holds no descriptors: anything that would touch the disk fails."""
+    (:mod:`writer`). It holds no descriptors: anything that would touch the disk fails."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, -1, -1)

@@ -128,7 +128,7 @@ def _stage_bytes(folder: store.StagingDir, view: memoryview, prefix: str,
         blob = COMPRESSED + name
 
         def stage() -> int:
-            # Counted once compressed and written (see snapshot.Job.written).
+            # Counted once compressed and written (see writer.Job.written).
             folder.stage(blob, store.Staged(copy, len(copy), compress=True,
                                             pack=prefix == PACK_PREFIX))
             return 0

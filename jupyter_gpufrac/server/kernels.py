@@ -12,7 +12,7 @@ from typing import Any
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
-from jupyter_gpufrac.kernel.checkpoint import recovery_point
+from jupyter_gpufrac.kernel.state_file import recovery_point
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
 from jupyter_gpufrac.server.launch import checkpoint_dir_of, lease_gpus, resolve_share
 from jupyter_gpufrac.server.podinfo import cluster_gpus, reachable_gpus, read_podinfo

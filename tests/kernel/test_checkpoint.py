@@ -222,6 +222,7 @@ def test_gpu_tensors_land_on_the_cpu_without_cuda(ckdir: Path) -> None:
     import pickle
 
     from jupyter_gpufrac.kernel import pickling, tensor_io
+    from jupyter_gpufrac.kernel.unpickler import NamespaceUnpickler
 
     store.ensure_private_dir(ckdir)
     source = torch.arange(6, dtype=torch.float32)
@@ -233,7 +234,7 @@ def test_gpu_tensors_land_on_the_cpu_without_cuda(ckdir: Path) -> None:
                                            False, False, None, False))
 
     named_twice = pickle.dumps([CudaTensor()] * 2)
-    unpickler = pickling.NamespaceUnpickler(io.BytesIO(named_twice), ckdir, {}, device="cpu")
+    unpickler = NamespaceUnpickler(io.BytesIO(named_twice), ckdir, {}, device="cpu")
     tensor, again = unpickler.load()
     assert tensor.device.type == "cpu" and tensor.tolist() == [[2.0, 3.0], [4.0, 5.0]]
     assert unpickler.moved_to_cpu_bytes == 24
@@ -294,15 +295,15 @@ print(json.dumps({"targets": targets, "moved_to_cpu": result.moved_to_cpu_bytes,
 
 def gpu_checkpoint(ckdir: Path, monkeypatch: Any) -> None:
     """Write the checkpoint a CUDA kernel would: its tensors recorded as on ``cuda``."""
-    from jupyter_gpufrac.kernel import pickling
+    from jupyter_gpufrac.kernel import blobs
 
-    real = pickling.BlobWriter.record_for
+    real = blobs.BlobWriter.record_for
 
     def on_cuda(self: Any, tensor: Any) -> tuple[str, int, str]:
         blob, nbytes, _device = real(self, tensor)
         return blob, nbytes, "cuda"
 
-    monkeypatch.setattr(pickling.BlobWriter, "record_for", on_cuda)
+    monkeypatch.setattr(blobs.BlobWriter, "record_for", on_cuda)
     Checkpointer(ckdir).take({"w": torch.arange(6.0).reshape(2, 3)})
 
 

@@ -26,7 +26,8 @@ from jupyter_gpufrac.kernel.budget import (
     protect,
     staged_bytes,
 )
-from jupyter_gpufrac.kernel.checkpoint import Checkpointer, group_size
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+from jupyter_gpufrac.kernel.groups import group_size
 from node_agent.quantities import QuantityError
 
 from .kernels import running_kernel, wait_written

@@ -593,7 +593,7 @@ def test_a_restore_sets_off_no_garbage_collection_on_the_way(ckdir: Path) -> Non
 
 def test_a_large_list_of_records_keeps_what_it_shares_through_changes(ckdir: Path) -> None:
     # Large values of built-in containers find what they reach another way than small ones
-    # (pickling._container_ids): equal bytes must still not hide a moved or copied object.
+    # (fingerprints._container_ids): equal bytes must still not hide a moved or copied object.
     rows: list[Any] = [{"i": i % 50, "tags": [i % 3]} for i in range(20_000)]
     ns: dict[str, Any] = {"rows": rows, "picked": rows[7], "tags": rows[9]["tags"],
                           "tenth": rows[10]}

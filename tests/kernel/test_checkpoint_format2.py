@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from jupyter_gpufrac.kernel import store
-from jupyter_gpufrac.kernel.checkpoint import MAGIC, Checkpointer, CheckpointError
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
+from jupyter_gpufrac.kernel.state_file import MAGIC
 
 from .test_checkpoint import tensor_blobs
 

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jupyter_gpufrac.kernel.checkpoint import defer, group_size
+from jupyter_gpufrac.kernel.groups import defer, group_size
 
 BLOBS = [f"s{i}.bin" for i in range(6)]
 

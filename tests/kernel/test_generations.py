@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from harness.jupyter import running_server
-from jupyter_gpufrac.kernel.checkpoint import Checkpointer, committed_generation
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+from jupyter_gpufrac.kernel.state_file import committed_generation
 
 
 def test_generations_grow_with_each_committed_state_and_across_processes(tmp_path: Path) -> None:
