@@ -154,7 +154,7 @@ LEASE_STATE_SHOWN = MappingProxyType({"shrinking": "shrinking", "killed": "oom-k
                                       "parked": "parked", "pending": "waiting-for-gpu",
                                       "freezing": "parked", "thawing": "waiting-for-gpu"})
 
-# How the panel words each kernel state (labextension/src/view.ts labels(); move-pending counts
+# How the panel words each kernel state (labextension/src/stateView.ts labels(); move-pending counts
 # down instead while its deadline is known): `%gpu` says them the same way.
 KERNEL_STATE_WORDS = MappingProxyType({
     "guaranteed": "guaranteed",

@@ -56,7 +56,7 @@ def test_every_ledger_state_has_words_for_people() -> None:
 
 def test_gpu_words_each_kernel_state_as_the_panel_does() -> None:
     """`%gpu` and the panel read one account; they must also say its state in the same words."""
-    view = (ROOT / "labextension" / "src" / "view.ts").read_text()
+    view = (ROOT / "labextension" / "src" / "stateView.ts").read_text()
     labels = view[view.index("function labels("):view.index("const SEVERITY")]
     assert set(contract.KERNEL_STATE_WORDS) == set(contract.KERNEL_STATES)
     for state, words in contract.KERNEL_STATE_WORDS.items():

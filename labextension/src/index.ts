@@ -17,10 +17,10 @@ import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { GpuFracModel } from './model';
 import { InterventionNotifier } from './notify';
 import { GpuFracPanel } from './panel';
+import { DEFAULT_SETTINGS, IGpuFracSettings, readSettings } from './settings';
 import { GpuStatusItem } from './statusItem';
 import { CurrentKernelTracker } from './tracker';
 import { TRANSLATION_DOMAIN } from './trans';
-import { DEFAULT_SETTINGS, IGpuFracSettings, readSettings } from './view';
 
 const PLUGIN_ID = 'jupyter-gpufrac:plugin';
 

@@ -37,14 +37,9 @@ import {
   RESTORE_INCOMPLETE
 } from './contract';
 import { eventKey } from './format';
+import { MIN_REFRESH_MS } from './settings';
+import { IAgentHealth, isChanging, IStateView, stateView } from './stateView';
 import { defaultTrans, ITrans } from './trans';
-import {
-  IAgentHealth,
-  isChanging,
-  IStateView,
-  MIN_REFRESH_MS,
-  stateView
-} from './view';
 
 /** Where a kernel stands when the server gave no status (yet). */
 export type LocalState = 'unknown' | 'unavailable';

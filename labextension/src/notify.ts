@@ -12,17 +12,16 @@ import { Notification } from '@jupyterlab/apputils';
 
 import { IGpuFracEvent } from './api';
 import { describeEvent, eventNoticeKind } from './format';
-import { defaultTrans, ITrans } from './trans';
 import {
-  configProblemsNotice,
   eventNotice,
   frozenNotice,
   MAX_NOTICE,
   moveNotice,
-  nameList,
-  notebookName,
   restoredNotice
-} from './view';
+} from './notices';
+import { configProblemsNotice } from './settings';
+import { defaultTrans, ITrans } from './trans';
+import { nameList, notebookName } from './words';
 
 /** Finds the notebook a kernel serves: the tracker's, else the sessions'. */
 export type NotebookOf = (kernelId: string) => string | null;

@@ -8,33 +8,25 @@ import { h, VirtualDOM, VirtualElement } from '@lumino/virtualdom';
 import { Widget } from '@lumino/widgets';
 
 import { IGpuFracEvent, IKernelStatus, ILease, INodeGpu } from './api';
-import {
-  describeEvent,
-  formatBytes,
-  formatTime,
-  gpuLabel,
-  shareRange
-} from './format';
-import { GpuFracModel } from './model';
-import { usageBar } from './usageBar';
+import { describeEvent, formatTime, gpuLabel } from './format';
+import { historyEntries } from './history';
 import {
   askedFor,
-  cellLabel,
   computeLine,
-  configProblemsHeading,
-  historyEntries,
   leaseStateWords,
-  memoryLine,
-  notebookName,
   recoveryPointLine,
-  restoreAdvice,
-  restoreFactsOf,
-  restoreSummary,
   stateKept,
-  stateView,
   unprotectedLine,
   writingLine
-} from './view';
+} from './lease';
+import { formatBytes, shareRange } from './memory';
+import { GpuFracModel } from './model';
+import { restoreAdvice, restoreFactsOf, restoreSummary } from './restore';
+import { configProblemsHeading } from './settings';
+import { stateView } from './stateView';
+import { memoryLine } from './statusText';
+import { usageBar } from './usageBar';
+import { cellLabel, notebookName } from './words';
 
 /** A lease's state as the node table shows it. */
 interface ILeaseView {

@@ -9,7 +9,8 @@ import { h, VirtualDOM } from '@lumino/virtualdom';
 import { Widget } from '@lumino/widgets';
 
 import { GpuFracModel } from './model';
-import { statusDescription, statusLabel, StatusItemMode } from './view';
+import { StatusItemMode } from './settings';
+import { statusDescription, statusLabel } from './statusText';
 
 export class GpuStatusItem extends Widget {
   constructor(

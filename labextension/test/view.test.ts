@@ -1,5 +1,5 @@
 /**
- * The pure view rules (src/view.ts) under Node's own test runner: `npm test`.
+ * The pure view rules under Node's own test runner: `npm test`.
  * What may look like a success, what each state reads, and notification texts
  * that fit JupyterLab's 140 characters without losing the facts.
  */
@@ -14,44 +14,41 @@ import {
   ILease
 } from '../src/api';
 import { EVENT_KINDS, KERNEL_STATES } from '../src/contract';
-import {
-  describeEvent,
-  eventNoticeKind,
-  formatAge,
-  shareRange,
-  usageOfRequest,
-  usageOfShare
-} from '../src/format';
-import { defaultTrans, ITrans } from '../src/trans';
+import { describeEvent, eventNoticeKind, formatAge } from '../src/format';
+import { historyEntries } from '../src/history';
 import {
   askedFor,
   computeLine,
+  leaseStateWords,
+  recoveryPointLine,
+  stateKept,
+  unprotectedLine,
+  writingLine
+} from '../src/lease';
+import { shareRange, usageOfRequest, usageOfShare } from '../src/memory';
+import {
+  eventNotice,
+  frozenNotice,
+  MAX_NOTICE,
+  moveNotice,
+  restoredNotice
+} from '../src/notices';
+import { restoreAdvice, restoreFactsOf, restoreSummary } from '../src/restore';
+import {
   configProblemsHeading,
   configProblemsNotice,
   DEFAULT_SETTINGS,
+  readSettings
+} from '../src/settings';
+import {
   countdownLabel,
-  eventNotice,
-  fitWords,
-  frozenNotice,
-  historyEntries,
   isChanging,
   isTransitional,
-  leaseStateWords,
-  MAX_NOTICE,
-  moveNotice,
-  readSettings,
-  recoveryPointLine,
-  restoreAdvice,
-  restoredNotice,
-  restoreFactsOf,
-  restoreSummary,
-  stateKept,
-  stateView,
-  statusDescription,
-  statusLabel,
-  unprotectedLine,
-  writingLine
-} from '../src/view';
+  stateView
+} from '../src/stateView';
+import { statusDescription, statusLabel } from '../src/statusText';
+import { defaultTrans, ITrans } from '../src/trans';
+import { fitWords } from '../src/words';
 
 const NOW = 1_763_760_000;
 
