@@ -15,9 +15,10 @@ import pytest
 
 from node_agent import procs
 from node_agent.devices import SimulatedBackend, Sweep
+from node_agent.flows.polling import POLL_STRETCH, QUIET_TICKS
 from node_agent.ledger import Ledger
 from node_agent.quantities import parse_quantity
-from node_agent.service import POLL_STRETCH, QUIET_TICKS, Agent, AgentConfig, Caller, CreateLease
+from node_agent.service import Agent, AgentConfig, Caller, CreateLease
 
 from .conftest import Holder
 
