@@ -19,7 +19,7 @@ from node_agent.ledger import DIRECTIVES_PER_LEASE, Directive, Lease, Ledger
 from node_agent.quantities import parse_quantity
 from node_agent.service import Agent, AgentConfig, Caller, CreateLease, Resize
 
-from .conftest import Holder
+from ..conftest import Holder
 
 CHANGES = 1000
 POLLS = 200
