@@ -24,8 +24,8 @@ POLL_STRETCH = 4
 
 class Polling(Room):
     """The poll's task and its pace: the quiet ticks since the last change, the stretch of the
-    interval, when the last tick ended (monotonic) and the time it judged deadlines by; set by
-    a call that changes something, to end a stretched wait."""
+    interval, when the last tick ended (monotonic), the time it judged deadlines by, and the
+    event a call that changes something sets to end a stretched wait."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
