@@ -8,11 +8,14 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from harness.agent import AgentProcess
+
+if TYPE_CHECKING:
+    from harness.kubelet import FakeKubelet
 
 ALLOCATE = (
     "import sys\n"
@@ -109,3 +112,32 @@ def notebook_holding(agent: AgentProcess, holders: Callable[..., Holder], reques
     lease = c.register_pid(lease["id"], h.pid)
     h.hold(mib)
     return lease, h
+
+
+def run_job(agent: AgentProcess, out: Path) -> subprocess.Popen[str]:
+    """`gpufrac-agent run --gpus 1` of a script that writes where it ran into ``out``."""
+    script = f"import os, pathlib; pathlib.Path({str(out)!r}).write_text(os.environ['CUDA_VISIBLE_DEVICES'])"
+    return subprocess.Popen(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1", "--",
+         sys.executable, "-c", script],
+        stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.fixture
+def kubelet(shared_tmp: Path) -> Iterator[FakeKubelet]:
+    from harness.kubelet import FakeKubelet  # grpc, for these tests only
+
+    with FakeKubelet(shared_tmp / "kubelet.sock") as served:
+        yield served
+
+
+@pytest.fixture
+def k8s_agent(start_agent: Callable[..., AgentProcess], kubelet: FakeKubelet) -> AgentProcess:
+    return start_agent("--kubelet-socket", kubelet.socket_path, "--kubelet-interval", "0.05",
+                       spec="4x4GiB")
+
+
+def pods_leases(agent: AgentProcess) -> dict[str, dict[str, Any]]:
+    return {lease["name"]: lease for lease in agent.client().leases()
+            if lease["planned_by"] == "kubelet"}

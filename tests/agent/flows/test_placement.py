@@ -1,49 +1,22 @@
-"""The service in process, with typed requests: refusals by kind, resizes, activation after moves."""
+"""Placement: refusals by kind and field, resizes in place, what a waiting lease waits for, and
+where the node scheduler puts leases (in process, and against a real agent)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from node_agent.devices.simulated import SimulatedBackend
+from harness.agent import AgentProcess
+from node_agent.client import AgentError
 from node_agent.ledger import Ledger
 from node_agent.policy import JOB, NOTEBOOK
 from node_agent.quantities import parse_quantity
-from node_agent.service import (
-    ACTIONS,
-    NOTICES,
-    Agent,
-    AgentConfig,
-    Caller,
-    Conflict,
-    CreateLease,
-    NotFound,
-    OverQuota,
-    Refused,
-    Resize,
-)
+from node_agent.service import Agent, Caller, Conflict, NotFound, OverQuota, Refused, Resize
 
-ME = Caller(uid=1000)
-
-
-def ask(request: str, limit: str | None = None, kind: str = NOTEBOOK, devices: int = 1
-        ) -> CreateLease:
-    wanted = parse_quantity(request, "request")
-    return CreateLease(kind=kind, client="t", request=wanted, devices=devices,
-                       limit=parse_quantity(limit, "limit") if limit else wanted)
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    ledger = Ledger(tmp_path / "state")
-    agent = Agent(SimulatedBackend("2x1GiB"), ledger, AgentConfig(max_leases_per_user=3))
-    asyncio.run(agent.tick())  # measures the node
-    yield agent
-    ledger.close()
+from .conftest import ME, ask
 
 
 def test_refusals_say_what_kind_and_which_field(agent: Agent) -> None:
@@ -83,20 +56,6 @@ def test_a_resize_stays_where_it_fits_and_keeps_its_compute_share(agent: Agent) 
     assert refused.value.field == "compute_limit" and "at least compute_request" in refused.value.message
 
 
-def test_a_job_waits_for_the_notebook_it_moves_and_starts_once_the_move_is_done(
-    agent: Agent,
-) -> None:
-    home = agent.create_lease(ME, ask("0.25", "1"))
-    spread = agent.create_lease(ME, ask("0.25", "1"))
-    assert spread.logical == home.physical and spread.physical != spread.logical
-    job = agent.create_lease(ME, ask("1", kind=JOB))
-    assert job.state == "pending" and job.physical == spread.physical
-    assert agent.ledger.leases[spread.id].state == "migrating"
-    moved = agent.migrated(ME, spread.id)
-    assert moved.physical == spread.logical
-    assert agent.ledger.leases[job.id].state == "active"
-
-
 def test_a_waiting_job_says_which_notebooks_make_room_naming_only_its_users_own(
     agent: Agent, tmp_path: Path
 ) -> None:
@@ -132,34 +91,6 @@ def test_a_job_asked_while_a_notebook_still_leaves_its_gpu_waits_for_it(agent: A
     assert agent.ledger.leases[second.id].state == "active"
 
 
-def kinds(agent: Agent) -> list[tuple[str, dict[str, object]]]:
-    directives, _ = asyncio.run(
-        agent.wait_directives(ME, client="t", lease_id=None, after=0, timeout=0,
-                              kinds=(*ACTIONS, *NOTICES)))
-    return [(d.kind, d.body) for d in directives]
-
-
-def test_the_follower_hears_of_a_new_share_and_of_a_burst_as_they_happen(agent: Agent) -> None:
-    """No polling: a resize and the start of a burst each leave one notice for the lease."""
-    lease = agent.create_lease(ME, ask("0.25", "1"))
-    agent.resize(ME, lease.id, Resize(request=parse_quantity("0.5", "request")))
-    [(kind, body)] = kinds(agent)
-    assert kind == "resized" and (body["request_spec"], body["limit_spec"]) == ("0.5", "1")
-    above = lease.request * 2 + 1
-    agent.report_usage(ME, lease.id, above)
-    asyncio.run(agent.tick())
-    agent.report_usage(ME, lease.id, 0)
-    asyncio.run(agent.tick())
-    agent.report_usage(ME, lease.id, above)
-    asyncio.run(agent.tick())  # bursting again at once: not said twice in a minute
-    said = [body for kind, body in kinds(agent) if kind == "bursting"]
-    assert len(said) == 1 and said[0]["usage"] == above and said[0]["request"] == 2 * lease.request
-    # Asked for by default are only the directives that ask for something.
-    actions, last = asyncio.run(
-        agent.wait_directives(ME, client="t", lease_id=None, after=0, timeout=0))
-    assert actions == [] and last == 2, "notices skipped, and not read again"
-
-
 def test_a_new_request_keeps_the_limit_unless_it_is_above_it(agent: Agent) -> None:
     """`%gpu request X` says the limit is unchanged: it is, unless X is above it."""
     roomy = agent.create_lease(ME, ask("0.25", "0.75"))
@@ -168,3 +99,49 @@ def test_a_new_request_keeps_the_limit_unless_it_is_above_it(agent: Agent) -> No
     tight = agent.create_lease(ME, ask("0.25"))
     raised = agent.resize(ME, tight.id, Resize(request=parse_quantity("0.5", "request")))
     assert raised.limit == raised.request == 2 * tight.request and raised.limit_spec == "0.5"
+
+
+def test_a_share_smaller_than_a_context_is_refused(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent(spec="1x4GiB:context=500Mi")
+    with pytest.raises(AgentError) as refused:
+        agent.client().create_lease(client="jupyter", request="256Mi")
+    err = refused.value
+    assert (err.status, err.field) == (400, "request")
+    assert "less than the 500.0 MiB a CUDA context takes" in err.message
+    assert "ask for at least 500.0 MiB" in err.message
+
+
+def test_the_node_scheduler_reroutes_only_burstable_notebooks_and_can_be_off(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Run:ai's rules: only a lease whose limit exceeds its request is spread to an idle GPU;
+    with the node scheduler off, every lease runs where the binpacked plan puts it."""
+    c = start_agent().client()
+    gpu0, gpu1 = (g["uuid"] for g in c.node()["gpus"])
+    first = c.create_lease(client="t", request="0.25", limit="1")
+    assert first["physical_gpu"] == gpu0
+    assert c.create_lease(client="t", request="0.25", limit="1")["physical_gpu"] == gpu1
+    fixed = c.create_lease(client="t", request="0.25")  # limit = request: not burstable
+    assert fixed["physical_gpu"] == fixed["logical_gpu"] == gpu0
+    off = start_agent("--no-node-scheduler").client()
+    placed = [off.create_lease(client="t", request="0.25", limit="1") for _ in range(4)]
+    assert {(p["logical_gpu"], p["physical_gpu"]) for p in placed} == {(gpu0, gpu0)}
+
+
+def test_workloads_per_gpu_bound_placement_and_say_so_when_full(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    c = start_agent("--max-workloads-per-gpu", "2").client()
+    leases = [c.create_lease(client="t", request="64Mi", limit="1") for _ in range(4)]
+    per_gpu: dict[str, int] = {}
+    for lease in leases:
+        per_gpu[lease["physical_gpu"]] = per_gpu.get(lease["physical_gpu"], 0) + 1
+    assert sorted(per_gpu.values()) == [2, 2]
+    with pytest.raises(AgentError) as full:
+        c.create_lease(client="t", request="64Mi")
+    assert full.value.status == 409 and "--max-workloads-per-gpu" in full.value.message
+    assert "already runs 2 lease(s)" in full.value.message
+    c.release(leases[0]["id"])
+    assert c.create_lease(client="t", request="64Mi")["physical_gpu"] == leases[0]["physical_gpu"]

@@ -19,7 +19,7 @@ from node_agent.ledger import DIRECTIVES_PER_LEASE, Directive, Lease, Ledger
 from node_agent.quantities import parse_quantity
 from node_agent.service import Agent, AgentConfig, Caller, CreateLease, Resize
 
-from .conftest import Holder
+from ..conftest import Holder
 
 CHANGES = 1000
 POLLS = 200
@@ -202,13 +202,13 @@ def test_a_directive_wakes_only_the_waits_it_concerns_and_a_wait_passes_what_it_
                                                   timeout=0, kinds=("park",))
         assert found == [] and last == agent.ledger.last_seq()
         reads.clear()
-        agent._directive(agent.ledger.leases[lease.id], "park", "asked")
+        agent.ctx.directives.add(agent.ledger.leases[lease.id], "park", "asked")
         [(found, last)] = await asyncio.gather(parks[0])
         assert [d.kind for d in found] == ["park"] and last == found[0].seq
         assert reads == [0], "only the owner's wait was woken, and it read once"
         assert not parks[1].done()
         parks[1].cancel()
         await asyncio.gather(parks[1], return_exceptions=True)
-        assert agent._listeners == {}
+        assert agent.ctx.directives._listeners == {}
 
     asyncio.run(scenario())

@@ -18,7 +18,7 @@ from harness.agent import AgentProcess, wait_for
 from node_agent.client import AgentClient, AgentError
 from node_agent.quantities import GiB
 
-from .conftest import Holder
+from ..conftest import Holder
 
 NOBODY = 65534
 EVERY_KIND = ("migrate", "shrink", "killed", "park", "resized", "bursting", "unparked")
