@@ -300,20 +300,14 @@ def test_the_checkpoint_status_is_answered_on_the_control_channel_while_a_cell_r
         assert list(status["unprotected"]) == ["x"]
 
 
-@pytest.mark.parametrize("mode", ["copy", "fork"])
-def test_the_staging_budget_names_what_a_snapshot_would_copy_beyond_it(
-        ckdir: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    """Host tensors and arrays are copied only where no child is forked: there the staging
-    budget leaves the largest changed ones out and names them; with a fork they cost no copy."""
-    monkeypatch.setenv("GPUFRAC_SNAPSHOT", mode)
+def test_the_staging_budget_names_what_a_snapshot_would_copy_beyond_it(ckdir: Path) -> None:
+    """Changed tensors and arrays are copied at the cell's end: the staging budget leaves the
+    largest changed ones out and names them."""
     ns: dict[str, Any] = {"weights": torch.zeros(2**20), "grid": numpy.zeros(2**17),
                           "bias": torch.zeros(16), "x": 1}
     ck = Checkpointer(ckdir)
     ck.staging_budget = 2 * MiB  # weights take 4 MiB, grid 1 MiB
     first = ck.take(ns, execution_count=1)
-    if mode == "fork":
-        assert first.unprotected == {} and sorted(first.names) == ["bias", "grid", "weights", "x"]
-        return
     assert first.unprotected == {"weights": 4 * MiB}
     assert sorted(first.names) == ["bias", "grid", "x"]
     assert "snapshot memory budget of 2.0 MiB" in str(first.unprotected_why)
@@ -332,10 +326,10 @@ def test_the_staging_budget_names_what_a_snapshot_would_copy_beyond_it(
 
 def test_staged_bytes_counts_what_a_snapshot_copies() -> None:
     tensor, array = torch.zeros(1000), numpy.zeros(1000)
-    assert staged_bytes(tensor, forked=False) == 4000 and staged_bytes(tensor, forked=True) == 0
-    assert staged_bytes(array, forked=False) == 8000 and staged_bytes(array, forked=True) == 0
-    assert staged_bytes([tensor], forked=False) == 0  # a container's pickling tells
-    assert staged_bytes(b"x" * 10, forked=False) == 0
+    assert staged_bytes(tensor) == 4000
+    assert staged_bytes(array) == 8000
+    assert staged_bytes([tensor]) == 0  # a container's pickling tells
+    assert staged_bytes(b"x" * 10) == 0
 
 
 def test_the_staging_budget_reaches_the_kernel_and_a_bad_one_is_named() -> None:
