@@ -1,6 +1,7 @@
 """Cells that follow each other while the last checkpoint is written (issue 38), side by side in one run.
 
-A stock kernel and one with the extension, started afresh for each case, run the same cells one
+A stock kernel and one with the extension, started afresh for each case and each round (stock,
+ours, ours, stock: a machine whose speed drifts weighs on both alike), run the same cells one
 after the other, ``--gap`` seconds apart (from a reply to the next request, as a user or a
 "Run all" would): in-place updates and new objects of ``--sizes`` GiB, as PyTorch host tensors,
 NumPy arrays and a pandas frame. For each case, medians over the cells after two warm-up ones:
@@ -101,6 +102,15 @@ def run_case(ckdir: Path | None, setup: str, cell: str, cells: int, gap: float
                 "durable": until_durable}
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one kernel together: every cell's times, the largest peak, the median
+    time until durable."""
+    return {"own": [t for run in runs for t in run["own"]],
+            "wall": [t for run in runs for t in run["wall"]],
+            "peak": max(run["peak"] for run in runs),
+            "durable": statistics.median(run["durable"] for run in runs)}
+
+
 def fork_while_writing(nbytes: int) -> tuple[float, float]:
     """(seconds, seconds): an in-place update of ``nbytes`` alone, and while a forked child holds
     a copy-on-write snapshot of it (medians of 3)."""
@@ -134,6 +144,7 @@ def main() -> None:
     parser.add_argument("--gaps", default="0.5,2", help="seconds between cells, comma-separated")
     parser.add_argument("--kinds", default=",".join(KINDS), help="which cells, comma-separated")
     parser.add_argument("--cells", type=int, default=6, help="timed cells per case, after 2 more")
+    parser.add_argument("--rounds", type=int, default=2, help="of each kernel per case")
     parser.add_argument("--gpu", action="store_true", help="the CUDA cases too (needs a GPU)")
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go")
     args = parser.parse_args()
@@ -155,11 +166,12 @@ def main() -> None:
             for name, (setup, cell, changed) in kinds.items():
                 count += 1
                 code = setup.format(n4=n // 4, n8=n // 8)
-                runs: dict[str, dict[str, Any]] = {}
-                order = [("stock", None), ("ours", base / f"case-{count}")]
-                for label, ckdir in order if count % 2 else order[::-1]:
-                    runs[label] = run_case(ckdir, code, cell, args.cells, gap)
-                stock, ours = runs["stock"], runs["ours"]
+                runs: dict[str, list[dict[str, Any]]] = {"stock": [], "ours": []}
+                pair = [("stock", None), ("ours", base / f"case-{count}")]
+                for turn in range(args.rounds):
+                    for label, ckdir in pair if turn % 2 == 0 else pair[::-1]:
+                        runs[label].append(run_case(ckdir, code, cell, args.cells, gap))
+                stock, ours = (pooled(runs["stock"]), pooled(runs["ours"]))
                 own_s, own_o = statistics.median(stock["own"]), statistics.median(ours["own"])
                 overhead = statistics.median(ours["wall"]) - statistics.median(stock["wall"])
                 goal = max(0.05, 1.5 * changed * n / warm_bw)

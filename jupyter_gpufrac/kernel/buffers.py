@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,7 @@ def sample(view: memoryview) -> bytes:
 class Followed:
     """One buffer followed from one snapshot to the next."""
 
-    owner: Any  # the array: held, so its memory (and id) is not another's while followed
+    owner: weakref.ref[Any]  # the array (not held: a notebook's dropped array goes at once)
     address: int
     nbytes: int
     blob: str
@@ -51,7 +52,6 @@ class Followed:
     watched: bool = False
     digest: str | None = None  # of the bytes in ``blob``, once the writer hashed them
     edges: bytes = b""  # while watched: the bytes outside its whole pages, compared instead
-    written: bool = False  # found written at the snapshot before (a second time makes it hot)
 
     def hashed(self, digest: str) -> None:
         """The writer hashed the bytes it saved in ``blob`` (its thread)."""
@@ -62,15 +62,14 @@ class BufferTracker:
     """Finds which large buffers changed since the last snapshot, without reading them all.
 
     A buffer is *watched* (the kernel marks the pages written since, see :mod:`writes`) or
-    *hot*. A new buffer is watched at once; one found written in two snapshots in a row becomes
-    hot: a hot buffer is not watched (its writes cost no page faults while a notebook updates
-    it cell after cell), and a sample of its bytes that differs from the last one proves it
-    changed again. A hot buffer
-    whose sample did not change is watched from then on and saved once more, since only a
-    watch proves a buffer unchanged (a copy at the cell's end costs less than reading it all
-    to hash it). Where nothing can be watched (before Linux 6.7, under a seccomp policy that
-    refuses userfaultfd) such a buffer is hashed instead, and unchanged when its digest is
-    that of the bytes last saved, which the writer took (:meth:`Followed.hashed`).
+    *hot*. A new buffer is watched at once; one found written over most of its pages (an
+    update of all of it, as a training step does) becomes hot, one written here and there
+    stays watched: a hot buffer is not watched (its writes cost no page faults while a
+    notebook updates it cell after cell), and a sample of its bytes that differs from the last
+    one proves it changed again. A hot buffer whose sample did not change is hashed, and
+    unchanged when its digest is that of the bytes last saved, which the writer took
+    (:meth:`Followed.hashed`); it is watched again from then on. Where nothing can be watched
+    (before Linux 6.7, under a seccomp policy that refuses userfaultfd) every buffer is hot.
 
     A changed buffer gets a new blob name, never its content's: naming by content would read
     every changed byte at the cell's end. The writer hashes what it writes instead, to share
@@ -95,56 +94,73 @@ class BufferTracker:
         whether it changed since the last one: then the blob is new, and it must be saved)."""
         key = id(owner)
         met = self._next.get(key)
-        if met is not None and met.owner is owner:
+        if met is not None and met.owner() is owner:
             return met.blob, False  # met twice in one snapshot
         entry = self._current.get(key)
-        if entry is None or entry.owner is not owner or (entry.address, entry.nbytes) != (
+        if entry is None or entry.owner() is not owner or (entry.address, entry.nbytes) != (
                 address, view.nbytes):
             return self._follow(owner, view, address, watch=True), True
         if entry.watched:
             start, length, before = inner_pages(address, view.nbytes)
             written = self._watch.written(start, length, protect_again=True)
-            if written is False and _edges(view, before, length) == entry.edges:
+            if written == 0 and _edges(view, before, length) == entry.edges:
                 self._next[key] = entry
                 return entry.blob, False
-            if written is not None and not entry.written:
-                # Written once (a cell set a few values): still watched, its pages protected
-                # again by the same call; written again at the next snapshot, it turns hot.
-                followed = self._follow(owner, view, address, watch=False, keep=entry)
-                return followed, True
+            if written is not None and written * mmap.PAGESIZE * 2 < length:
+                # A few values set: still watched (its pages protected again by that call).
+                return self._follow(owner, view, address, watch=False, keep=True), True
             self._watch.unwatch(start, length)
             return self._follow(owner, view, address, watch=False), True
         now = sample(view)
         if now != entry.sample:
             return self._follow(owner, view, address, watch=False, taken=now), True
-        if self.watching:
-            return self._follow(owner, view, address, watch=True, taken=now), True
+        # Hot, and perhaps no longer changing: only its digest against that of the bytes last
+        # saved (which the writer took) proves it unchanged; watched again either way.
         if entry.digest is not None and tensor_io.digest(view) == entry.digest:
-            self._next[key] = entry
+            self._next[key] = self._rewatched(entry, view)
             return entry.blob, False
-        return self._follow(owner, view, address, watch=False, taken=now), True
+        return self._follow(owner, view, address, watch=True, taken=now), True
+
+    def _rewatched(self, entry: Followed, view: memoryview) -> Followed:
+        """``entry`` watched again, where that can be."""
+        start, length, before = inner_pages(entry.address, entry.nbytes)
+        if length:
+            if self._anonymous is None:
+                self._anonymous = Anonymous()
+            entry.watched = self._watch.watch(start, length, self._anonymous)
+            entry.edges = _edges(view, before, length) if entry.watched else b""
+        return entry
 
     def followed(self, owner: Any) -> Followed | None:
         """The entry of ``owner`` decided in this snapshot, if any."""
         entry = self._next.get(id(owner))
-        return entry if entry is not None and entry.owner is owner else None
+        return entry if entry is not None and entry.owner() is owner else None
 
     def _follow(self, owner: Any, view: memoryview, address: int, *, watch: bool,
-                taken: bytes | None = None, keep: Followed | None = None) -> str:
+                taken: bytes | None = None, keep: bool = False) -> str:
         """A new blob for ``owner``'s buffer, watched from now on if ``watch`` (or, with
         ``keep``, still watched as it was)."""
-        watched = keep is not None
+        watched = keep
         start, length, before = inner_pages(address, view.nbytes)
         if watch and length:
             if self._anonymous is None:
                 self._anonymous = Anonymous()
             watched = self._watch.watch(start, length, self._anonymous)
-        followed = Followed(owner, address, view.nbytes, self._new_name(),
+        followed = Followed(weakref.ref(owner, self._gone), address, view.nbytes,
+                            self._new_name(),
                             taken if taken is not None else sample(view), watched,
-                            edges=_edges(view, before, length) if watched else b"",
-                            written=keep is not None)
+                            edges=_edges(view, before, length) if watched else b"")
         self._next[id(owner)] = followed
         return followed.blob
+
+    def _gone(self, ref: weakref.ref[Any]) -> None:
+        """An array followed is being freed (its memory is still there): stop watching it,
+        before that memory is another's."""
+        for entries in (self._current, self._next):
+            for entry in list(entries.values()):
+                if entry.owner is ref and entry.watched:
+                    entry.watched = False
+                    self._unwatch(entry)
 
     def commit(self) -> None:
         """The snapshot is taken: the buffers it met are the ones followed from now on (those
@@ -152,7 +168,9 @@ class BufferTracker:
         for key, entry in self._current.items():
             if entry.watched and not _still_watched(self._next.get(key), entry):
                 self._unwatch(entry)
-        self._current, self._next = self._next, {}
+        self._current = {key: entry for key, entry in self._next.items()
+                         if entry.owner() is not None}
+        self._next = {}
         self._anonymous = None
 
     def abandon(self) -> None:

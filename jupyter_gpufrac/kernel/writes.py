@@ -200,17 +200,18 @@ class WriteWatch:
         # ENOMEM or EINVAL: unmapped since, or partly; nothing of it is tracked then.
         self._ioctl(self._uffd, _UFFDIO_UNREGISTER, _Range(start, length))
 
-    def written(self, address: int, nbytes: int, *, protect_again: bool) -> bool | None:
-        """Whether a page of the buffer was written since it was watched or last protected
-        again; with ``protect_again`` its written pages are protected again in the same call.
-        None when it is not (or no longer wholly) watched."""
+    def written(self, address: int, nbytes: int, *, protect_again: bool) -> int | None:
+        """How many pages of the buffer were written since it was watched or last protected
+        again (without ``protect_again``, 1 stands for "some": the scan stops at the first);
+        with ``protect_again`` its written pages are protected again in the same call. None
+        when it is not (or no longer wholly) watched."""
         if nbytes <= 0 or self._pagemap < 0:
             return None
         start, length = _pages(address, nbytes)
         end = start + length
         regions = (_Region * _REGIONS)()
         flags = _PM_SCAN_CHECK_WPASYNC | (_PM_SCAN_WP_MATCHING if protect_again else 0)
-        found = False
+        pages = 0
         while start < end:
             scan = _Scan(ctypes.sizeof(_Scan), flags, start, end, 0, ctypes.addressof(regions),
                          _REGIONS if protect_again else 1, 0 if protect_again else 1,
@@ -219,13 +220,14 @@ class WriteWatch:
             count = self._libc.ioctl(self._pagemap, _PAGEMAP_SCAN, ctypes.byref(scan))
             if count < 0:
                 return None  # EPERM: a page not watched (unregistered, remapped, unmapped)
-            found = found or count > 0
-            if found and not protect_again:
-                return True
+            pages += sum((regions[i].end - regions[i].start) // mmap.PAGESIZE
+                         for i in range(count))
+            if pages and not protect_again:
+                return pages
             if scan.walk_end <= start:
                 return None
             start = scan.walk_end
-        return found
+        return pages
 
     def close(self) -> None:
         """Stop tracking everything (the kernel process ends, or a test is done)."""

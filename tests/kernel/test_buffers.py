@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,14 @@ def test_a_watched_buffer_tells_each_write_once(watch: WriteWatch) -> None:
     a = numpy.ones(MiB)
     address, nbytes = int(a.ctypes.data), a.nbytes
     assert watch.watch(address, nbytes, Anonymous())
-    assert watch.written(address, nbytes, protect_again=True) is False
+    assert watch.written(address, nbytes, protect_again=True) == 0
     a[123_456] = 5.0  # one element, far from any sample
-    assert watch.written(address, nbytes, protect_again=False) is True
-    assert watch.written(address, nbytes, protect_again=True) is True
-    assert watch.written(address, nbytes, protect_again=True) is False, "protected again"
+    assert watch.written(address, nbytes, protect_again=False) == 1
+    assert watch.written(address, nbytes, protect_again=True) == 1, "one page"
+    assert watch.written(address, nbytes, protect_again=True) == 0, "protected again"
     a += 1
-    assert watch.written(address, nbytes, protect_again=True) is True
+    pages = -(-(address % mmap.PAGESIZE + nbytes) // mmap.PAGESIZE)
+    assert watch.written(address, nbytes, protect_again=True) == pages, "every page"
     watch.unwatch(address, nbytes)
     assert watch.written(address, nbytes, protect_again=True) is None, "not watched: no answer"
 
@@ -109,8 +111,23 @@ def test_a_buffer_written_cell_after_cell_is_not_watched_and_its_sample_tells(
     blob, changed = tracker.decide(w, view, address)
     assert changed
     tracker.commit()
-    assert watch.written(start, length, protect_again=False) is False
+    assert watch.written(start, length, protect_again=False) == 0
     assert tracker.decide(w, view, address) == (blob, False)
+
+
+def test_a_few_values_set_keep_a_buffer_watched(watch: WriteWatch) -> None:
+    tracker = BufferTracker(watch)
+    a = numpy.random.default_rng(4).random(MiB)
+    view, address = view_of(a)
+    first, _ = tracker.decide(a, view, address)
+    tracker.commit()
+    a[10_000] = 0.0  # a cell cleaning a value: one page of 2,048 written
+    second, changed = tracker.decide(a, view, address)
+    assert changed and second != first
+    tracker.commit()
+    start, length, _before = inner_pages(address, a.nbytes)
+    assert watch.written(start, length, protect_again=False) == 0, "still watched, protected"
+    assert tracker.decide(a, view, address) == (second, False), "and not saved again"
 
 
 def test_without_write_marks_the_writers_digest_proves_a_buffer_unchanged(
@@ -178,3 +195,17 @@ def test_checkpoints_write_a_large_array_only_when_it_changed(ckdir: Path,
     assert Checkpointer(ckdir).load(loaded).execution_count == 6
     assert numpy.array_equal(loaded["a"], a)
     pandas.testing.assert_frame_equal(loaded["frame"], frame)
+
+
+def test_an_array_the_notebook_drops_is_let_go(watch: WriteWatch) -> None:
+    tracker = BufferTracker(watch)
+    a = numpy.ones(MiB)
+    gone = weakref.ref(a)
+    view, address = view_of(a)
+    tracker.decide(a, view, address)
+    tracker.commit()
+    start, length, _before = inner_pages(address, a.nbytes)
+    assert watch.written(start, length, protect_again=False) == 0, "followed and watched"
+    del view, a
+    assert gone() is None, "the tracker does not keep a dropped array's memory"
+    tracker.commit()
