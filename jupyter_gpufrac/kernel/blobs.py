@@ -299,6 +299,10 @@ class BlobWriter:
     # its content's name, or where the tracker keeps it (and whether it changed).
     digests: dict[int, tuple[Any, str]] = field(default_factory=dict)
     followed: dict[int, tuple[Any, str, bool]] = field(default_factory=dict)
+    # New blobs of storages and followed buffers, named but not yet staged: their bytes are
+    # copied (or held) by :meth:`stage_pending` once the snapshot knows what it keeps, so a
+    # variable a budget leaves out costs no copy. Blob -> the storage, or the buffer's view.
+    pending: dict[str, Any] = field(default_factory=dict)
     _written: set[str] = field(default_factory=set)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
     _keepalive: list[Any] = field(default_factory=list)
@@ -316,6 +320,7 @@ class BlobWriter:
         self._by_storage.clear()
         self.digests.clear()
         self.followed.clear()
+        self.pending.clear()
 
     def _note_new(self, blob: str, write: Callable[[], None] | None = None) -> None:
         self.new_blobs.append(blob)
@@ -355,18 +360,38 @@ class BlobWriter:
         return (known[0], known[1], device)
 
     def _write(self, storage: Any) -> tuple[str, int]:
-        """A new blob of ``storage``'s bytes. A host storage is written by a syncing thread while
-        the checkpoint goes on (several at once, each core copying); the commit waits for it.
-        Another device's is copied to the host and written here, one host copy at a time."""
-        if storage.device.type == "cpu":
-            blob = store.new_blob_name()
-            self._later(self._count_blob)(
-                blob, lambda: tensor_io.write_storage(self.folder, storage, blob)[1])
-            return blob, int(storage.nbytes())
-        with _writing_blobs():
-            blob, nbytes, _path = tensor_io.write_storage(self.folder, storage)
-        self._count_new(blob, nbytes)
-        return blob, nbytes
+        """A new blob for ``storage``'s bytes, staged at the snapshot's end (:meth:`stage_pending`)."""
+        blob = store.new_blob_name()
+        self.pending[blob] = storage
+        self._note_new(blob)
+        return blob, int(storage.nbytes())
+
+    def stage_pending(self, referenced: Collection[str],
+                      hold: Callable[[Any], Callable[[], bool] | None]) -> None:
+        """Stage the new blobs the snapshot's state names (the rest were left out: never
+        copied): copied as they are now, or, where ``hold`` gives a check for them, held where
+        they are and written from the notebook's own memory (see :class:`store.Staged`)."""
+        assert isinstance(self.folder, store.StagingDir)
+        for name, source in self.pending.items():
+            if name not in referenced:
+                continue
+            owner = source.obj if isinstance(source, memoryview) else source
+            valid = hold(owner)
+            if isinstance(source, memoryview):
+                staged = (tensor_io.held(source, owner, valid) if valid is not None
+                          else tensor_io.copy_host(source))
+                staged.shared, staged.compress = True, name.startswith(tensor_io.COMPRESSED)
+                entry = None if self.tracker is None else self.tracker.followed(owner)
+                if entry is not None:
+                    staged.hashed = entry.hashed
+            elif valid is not None:
+                staged = tensor_io.held(tensor_io.host_view(source), source, valid)
+            else:
+                staged = tensor_io.snapshot_storage(source)
+            self.folder.stage(name, staged)
+            if not staged.compress:
+                self._count_blob(staged.nbytes)  # a compressed one counts once written
+        self.pending.clear()
 
     def _count_new(self, blob: str, nbytes: int) -> None:
         self._note_new(blob)
@@ -430,20 +455,11 @@ class BlobWriter:
         if followed is not None:
             name = self.found(followed[1])
             if name is None:
-                # Changed (a new name), or its blob went missing: staged as it is now, and
-                # compressed by the writer where that pays.
-                staged = tensor_io.copy_host(raw)
-                staged.shared, staged.compress = True, tensor_io.pays(raw)
-                entry = None if self.tracker is None else self.tracker.followed(followed[0])
-                if entry is not None:
-                    staged.hashed = entry.hashed
-                name = (tensor_io.COMPRESSED if staged.compress else "") + followed[1]
-                assert isinstance(self.folder, store.StagingDir)
-                self.folder.stage(name, staged)
-                if staged.compress:
-                    self._note_new(name)  # counted once compressed (see writer.Job.written)
-                else:
-                    self._count_new(name, raw.nbytes)
+                # Changed (a new name), or its blob went missing: staged at the snapshot's end
+                # as it is now, compressed by the writer where that pays.
+                name = (tensor_io.COMPRESSED if tensor_io.pays(raw) else "") + followed[1]
+                self.pending[name] = raw
+                self._note_new(name)
             self.buffers.append([name, raw.nbytes])
             return name
         blob = self.guard.blob(exporter) if self.guard is not None else None

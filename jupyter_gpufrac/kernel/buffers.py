@@ -131,6 +131,23 @@ class BufferTracker:
             entry.edges = _edges(view, before, length) if entry.watched else b""
         return entry
 
+    def unchanged_check(self, owner: Any) -> Callable[[], bool] | None:
+        """For an array this snapshot decided on and watches: a check that none of its bytes
+        was written since (None when it is not watched: nothing could tell)."""
+        entry = self.followed(owner)
+        if entry is None or not entry.watched:
+            return None
+        start, length, before = inner_pages(entry.address, entry.nbytes)
+        view = memoryview(owner.reshape(-1).view("u1")) if owner.flags.c_contiguous else None
+        edges = entry.edges
+
+        def unchanged() -> bool:
+            if self._watch.written(start, length, protect_again=False) != 0:
+                return False
+            return view is None or _edges(view, before, length) == edges
+
+        return unchanged
+
     def followed(self, owner: Any) -> Followed | None:
         """The entry of ``owner`` decided in this snapshot, if any."""
         entry = self._next.get(id(owner))

@@ -102,6 +102,7 @@ class GpuFracHook:
         self._restored_names: list[str] = []
         self._rng_after_restore: dict[str, Any] | None = None
         self._running: dict[str, Any] | None = None  # the cell running now, as cells.json says
+        self._in_cell = False  # any cell runs (one kept in the history or not)
         self._running_source: tuple[str, str] | None = None  # its source (parsed, raw)
         self.checkpoint_error: str | None = None
         self.watcher: DirectiveWatcher | None = None
@@ -293,6 +294,7 @@ class GpuFracHook:
 
     def pre_run_cell(self, info: Any = None) -> None:
         """Show what happened since the last cell; note which cell runs, in case it is cut off."""
+        self._in_cell = True
         self.checkpointer.writer.cell(running=True)
         with contextlib.suppress(Exception):
             self._tell_checkpoint_failure()
@@ -324,6 +326,7 @@ class GpuFracHook:
         except Exception:  # a bookkeeping failure must never turn a cell into an error
             log.exception("gpufrac: post_run_cell failed")
         finally:
+            self._in_cell = False
             self.checkpointer.writer.cell(running=False)
 
     def _post_run_cell(self, result: Any) -> None:
@@ -402,7 +405,7 @@ class GpuFracHook:
             loop = getattr(getattr(self.ip, "kernel", None), "io_loop", None)
             if loop is not None and not checkpointer.writer.when_idle(
                     lambda: loop.add_callback(self._take_owed)):
-                self._take_owed()  # the writer was done in between
+                checkpointer.take_owed()  # the writer was done in between
             return
         self._snapshot_quietly()
 
@@ -422,8 +425,9 @@ class GpuFracHook:
 
     def _take_owed(self) -> None:
         """Take the snapshot owed since a cell's end (on the kernel's own thread, between
-        messages), unless a cell runs: its end takes one anyway."""
-        if self._running is None:
+        messages), unless a cell runs (one awaiting something lets the loop run): its end
+        takes one anyway."""
+        if not self._in_cell:
             self.checkpointer.take_owed()
 
     def _tell_checkpoint_failure(self) -> None:

@@ -12,6 +12,7 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -328,7 +329,7 @@ class Snapshots:
         finally:
             session.close()
         prints = taken.by_name
-        over = self._over_staging(selection.values, prints, lost)
+        over, hold = self._over_staging(selection.values, prints, lost)
         if (saved is not None and prints == saved.fingerprints.by_name
                 and None not in prints.values()):
             # Every variable is as the last checkpoint saved it (a cell that printed, plotted).
@@ -390,6 +391,7 @@ class Snapshots:
         data = MAGIC + trailer(header)
         digest = tensor_io.digest(data)
         self._saved = _Saved(taken, groups, packs, rest_key, referenced, header, None, digest)
+        blobs.stage_pending(referenced, hold)
         staged = {name: item for name, item in staging.staged.items() if name in referenced}
         for name, item in staging.staged.items():
             if name not in referenced and item.release is not None:
@@ -399,24 +401,53 @@ class Snapshots:
                             result, state_cell=execution_count)
 
     def _over_staging(self, values: dict[str, Any],
-                      prints: dict[str, Fingerprint | None],
-                      lost: dict[str, str]) -> dict[str, int]:
+                      prints: dict[str, Fingerprint | None], lost: dict[str, str]
+                      ) -> tuple[dict[str, int], Callable[[Any], Callable[[], bool] | None]]:
         """The changed variables whose bytes this snapshot would copy into memory beyond the
-        staging budget (smallest kept first, as on disk): taken out of ``values`` and ``prints``
-        before anything is copied, and ``lost``, so a restore says they were not protected."""
+        staging budget (smallest kept first, as on disk). A host tensor or a watched array among
+        them is held instead of copied (:meth:`_holder`); the others are taken out of
+        ``values`` and ``prints`` before anything is copied, and ``lost``, so a restore says
+        they were not protected: (those left out with their bytes, the holder)."""
         if self.staging_budget is None:
-            return {}
+            return {}, _hold_nothing
         before = self._saved.fingerprints.by_name if self._saved is not None else {}
         changed = [name for name, found in prints.items()
                    if found is None or before.get(name) != found]
         sizes = [budget.staged_bytes(values[name]) for name in changed]
         kept = set(budget.protect(sizes, self.staging_budget))
         over = {changed[i]: sizes[i] for i in range(len(changed)) if i not in kept}
+        checks = {}
+        for name in list(over):
+            check = self._holdable(values[name])
+            if check is not None:
+                checks[check[0]] = check[1]
+                del over[name]
         room = budget.staging_room(self.staging_budget)
         for name, size in over.items():
             del values[name], prints[name]
             lost[name] = _unprotected_reason(size, room)
-        return over
+        return over, lambda owner: checks.get(_held_key(owner))
+
+    def _holdable(self, value: Any) -> tuple[int, Callable[[], bool]] | None:
+        """(the key of its bytes, the check that they are as they were) for a variable whose
+        bytes a snapshot may hold rather than copy: a host tensor with a version counter (its
+        bytes are as they were while its version and place are), or an array the kernel
+        watches (while no page of it is marked written)."""
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):
+            if value.device.type != "cpu" or value.is_inference():
+                return None
+            storage = value.untyped_storage()
+            ptr, version, tensor = storage.data_ptr(), value._version, weakref.ref(value)
+
+            def same() -> bool:
+                held = tensor()
+                return held is None or (held._version == version
+                                        and held.untyped_storage().data_ptr() == ptr)
+
+            return _held_key(storage), same
+        check = self._buffers.unchanged_check(value)
+        return None if check is None else (_held_key(value), check)
 
     def _within_budget(
         self, groups: dict[tuple[str, ...], Group], carried: list[dict[str, Any]],
@@ -541,6 +572,18 @@ class Snapshots:
                 carried.append({**group, "names": names})
         self.deferred = carried
         return carried
+
+
+def _held_key(owner: Any) -> int:
+    """What names a storage or an array when the snapshot decides to hold it: a storage by its
+    data's address (storage objects come and go), an array by its identity."""
+    data_ptr = getattr(owner, "data_ptr", None)
+    return int(data_ptr()) if callable(data_ptr) and not hasattr(owner, "__array_interface__") \
+        else id(owner)
+
+
+def _hold_nothing(_owner: Any) -> Callable[[], bool] | None:
+    return None
 
 
 def _unprotected_reason(size: int, room: budget.Room) -> str:

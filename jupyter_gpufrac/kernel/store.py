@@ -507,13 +507,43 @@ class Staged:
     nbytes: int
     compress: bool = False
     pack: bool = False  # pickles of groups (counted apart from tensors and buffers)
+    ready: Callable[[], None] | None = None
+    release: Callable[[], None] | None = None
     # Named afresh, but shared with the user's other kernels under its content's name: the
     # writer hashes the bytes (the snapshot did not), links an equal blob instead of writing,
     # and tells ``hashed`` the digest.
     shared: bool = False
     hashed: Callable[[str], None] | None = None
-    ready: Callable[[], None] | None = None
-    release: Callable[[], None] | None = None
+    # Held, not copied: ``data`` is the notebook's own memory (``keep`` its owner), written as
+    # it is and good only while ``valid()`` says nothing wrote it since the snapshot.
+    valid: Callable[[], bool] | None = None
+    keep: Any = None
+
+
+class Torn(OSError):
+    """Bytes written from the notebook's own memory changed before they were all written: the
+    snapshot is not committed (the last good one stays) and the next one writes them anew."""
+
+
+def check_held(staged: Staged) -> None:
+    """Raise :class:`Torn` when a held blob's bytes were written since its snapshot."""
+    if staged.valid is not None and not staged.valid():
+        raise Torn(errno.EAGAIN, "changed while it was written")
+
+
+def held_progress(staged: Staged, progress: Callable[[int], None] | None
+                  ) -> Callable[[int], None] | None:
+    """``progress`` for a staged blob being written, checking a held one after each chunk (and
+    its pause: a cell may have run meanwhile), so a torn write stops at once."""
+    if staged.valid is None:
+        return progress
+
+    def step(nbytes: int) -> None:
+        if progress is not None:
+            progress(nbytes)
+        check_held(staged)
+
+    return step
 
 
 class StagingDir(CheckpointDir):

@@ -217,6 +217,12 @@ def copy_host(view: memoryview) -> store.Staged:
     return store.Staged(buffer, view.nbytes, release=lambda: STAGING.give(buffer))
 
 
+def held(view: memoryview, owner: Any, valid: Callable[[], bool]) -> store.Staged:
+    """Bytes a snapshot does not copy: written from the notebook's own memory, and good only
+    while ``valid()`` says the notebook has not written them since (``owner`` kept alive)."""
+    return store.Staged(view, view.nbytes, valid=valid, keep=owner)
+
+
 def snapshot_storage(storage: Any) -> store.Staged:
     """A storage's bytes as they are now, for a snapshot. A host storage is copied at once; a
     GPU storage is copied into pinned host memory on its device's current stream, so the copy
@@ -271,10 +277,12 @@ def write_staged(folder: store.CheckpointDir, name: str, staged: store.Staged,
     data: memoryview | bytes = staged_view(staged)
     if staged.compress:
         data = zlib.compress(data, 1)
+        store.check_held(staged)
     tmp, fh = folder.create_tmp(blob=True)
     try:
         with fh:
-            store.write_all(fh, data, progress if not staged.compress else None)
+            store.write_all(fh, data, None if staged.compress else store.held_progress(
+                staged, progress))
         folder.publish(tmp, name, blob=True)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -261,6 +261,15 @@ class Writer:
             stale: list[str] = []
             try:
                 stale = self._write(job)
+            except store.Torn as exc:
+                # The notebook wrote held bytes while they were written (a cell ran): not a
+                # failure to tell. Nothing of it is committed, and the next snapshot builds on
+                # what is on disk, writing those bytes anew.
+                job.error = exc
+                self.reset = True
+                log.debug("gpufrac: the snapshot after cell %s changed while it was written",
+                          job.cell)
+                job.release()
             except BaseException as exc:  # a thread must not die of a failed write
                 job.error = exc
                 self.failures += 1
@@ -309,6 +318,8 @@ class Writer:
                     # (lost, a restore names an earlier cell; no variable is lost).
                     seen = {"state": job.digest, "time": job.time, "execution_count": job.cell}
                     folder.overwrite(store.SEEN_FILE, json.dumps(seen).encode().ljust(SEEN_BYTES))
+            except store.Torn:
+                raise
             except (OSError, store.UnsafeCheckpointError) as exc:
                 raise WriteError(f"writing the checkpoint to {self.root} failed: {exc}") from exc
         job.written_at = time.monotonic()
