@@ -1,10 +1,10 @@
 """What the automatic checkpoint costs a cell (issue 27), side by side in one run.
 
-Real kernels: one without the extension, and two with it (checkpoints after every cell, written
-in the background), whose snapshots keep host bytes as they were at the cell's end by a forked
-child (the default) or by copying them (``GPUFRAC_SNAPSHOT=copy``, the fallback); the same
-cells in each, timed from the execute request to its reply (the reply and ``idle`` go out once
-the cell and the post-cell hook are done). Cells:
+Real kernels: one without the extension, and one with it (checkpoints after every cell, their
+changed bytes copied at the cell's end and written in the background); the same cells in each,
+timed from the execute request to its reply (the reply and ``idle`` go out once the cell and the
+post-cell hook are done), each checkpoint durable before the next cell (cells that follow each
+other sooner: ``steady_cells_bench.py``). Cells:
 
 - the 850 MB namespace of issue #11 (bench/checkpoint_bench.py's cells, at ``--scale``);
 - one that changes all of a 4 GiB host tensor (``--big-gib``);
@@ -13,9 +13,7 @@ the cell and the post-cell hook are done). Cells:
 For each: the overhead (with - without, medians) against max(50 ms, 1.5 x changed bytes /
 memcpy bandwidth, measured here), and the time until the checkpoint is durable against 1.2 x a
 raw write + fsync of the bytes it wrote. Then, in this process, the kernel-thread part of a
-checkpoint of the 850 MB namespace (first, nothing changed), and a forked snapshot (Redis
-BGSAVE) against the copy: fork's latency and what the parent's writes cost while the child
-lives.
+checkpoint of the 850 MB namespace (first, nothing changed).
 
     python bench/cell_overhead_bench.py                 # the figures (needs ~14 GiB free)
     python bench/cell_overhead_bench.py --scale 0.05 --big-gib 0.25 --runs 3   # a quick check
@@ -24,10 +22,10 @@ lives.
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import mmap
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -42,8 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import checkpoint_bench
 
-from jupyter_gpufrac.kernel.forkwrite import MODE_ENV
-
 GiB = 2**30
 MiB = 2**20
 HOOK = "__import__('jupyter_gpufrac.kernel', fromlist=['x'])._hook"
@@ -52,7 +48,7 @@ HOOK = "__import__('jupyter_gpufrac.kernel', fromlist=['x'])._hook"
 class Kernel:
     """A real IPython kernel, with or without the extension."""
 
-    def __init__(self, ckdir: Path | None, mode: str = "fork") -> None:
+    def __init__(self, ckdir: Path | None) -> None:
         from jupyter_client.manager import KernelManager
 
         self.hooked = ckdir is not None
@@ -60,11 +56,10 @@ class Kernel:
         repo = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")
-        args = []
+        args = ["--IPKernelApp.log_level=ERROR"]  # not the warning about TCP, once per kernel
         if ckdir is not None:
             env["GPUFRAC_CHECKPOINT_DIR"] = str(ckdir)
-            env[MODE_ENV] = mode
-            args = ["--ext=jupyter_gpufrac.kernel"]
+            args.append("--ext=jupyter_gpufrac.kernel")
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(extra_arguments=args, env=env)
         self.client = self.km.client()
@@ -81,6 +76,20 @@ class Kernel:
             raise RuntimeError(f"cell failed: {reply['content'].get('evalue')}\n{code[:200]}")
         return took
 
+    def value(self, expression: str) -> Any:
+        """``expression`` evaluated in the kernel (a literal: what its repr reads back as)."""
+        printed: list[str] = []
+
+        def output(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+                printed.append(msg["content"]["text"])
+
+        reply = self.client.execute_interactive(f"print(repr({expression}))", silent=False,
+                                                store_history=False, output_hook=output)
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"{expression} failed: {reply['content'].get('evalue')}")
+        return ast.literal_eval("".join(printed).strip().splitlines()[-1])
+
     def durable(self) -> float:
         """Seconds until the checkpoints taken so far are on disk (0 without the extension)."""
         if not self.hooked:
@@ -93,8 +102,8 @@ class Kernel:
 
 
 @contextmanager
-def kernel(ckdir: Path | None, mode: str = "fork") -> Iterator[Kernel]:
-    k = Kernel(ckdir, mode)
+def kernel(ckdir: Path | None) -> Iterator[Kernel]:
+    k = Kernel(ckdir)
     try:
         yield k
     finally:
@@ -182,41 +191,6 @@ def raw_write_fsync(root: Path, nbytes: int) -> float:
         source.close()
 
 
-def fork_vs_copy(nbytes: int) -> dict[str, float]:
-    """A forked snapshot against a copy, for a buffer of ``nbytes`` this process holds."""
-    import numpy
-
-    data = numpy.ones(nbytes // 8)
-    touched = max(1, len(data) // 100)
-    out: dict[str, float] = {}
-    started = time.perf_counter()
-    copy = data.copy()
-    out["copy_s"] = time.perf_counter() - started
-    del copy
-    started = time.perf_counter()
-    data[:touched] += 1
-    out["write_1pct_alone_s"] = time.perf_counter() - started
-    read, write = os.pipe()
-    started = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:  # the child: holds the snapshot until the parent is done
-        os.close(write)
-        os.read(read, 1)
-        os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of the parent's state in a fork
-    out["fork_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    data[:touched] += 1
-    out["write_1pct_forked_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    data += 1
-    out["write_all_forked_s"] = time.perf_counter() - started
-    os.write(write, b"x")
-    os.waitpid(pid, 0)
-    os.close(read)
-    os.close(write)
-    return out
-
-
 def kernel_thread_part(scale: float, runs: int, root: Path) -> tuple[float, list[float], float]:
     """Seconds of :meth:`Checkpointer.begin` for the namespace: the first, with nothing
     changed (each), and the first's write until durable."""
@@ -255,48 +229,36 @@ def main() -> None:
     print(f"memcpy: {warm_bw / 1e9:.2f} GB/s into memory touched before, {fresh_bw / 1e9:.2f} "
           f"GB/s into fresh memory ({measure / MiB:.0f} MiB, best of 3 and 2)")
     times: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
-    for label, ckdir, mode in (("without", None, "fork"), ("fork", base / "ck-fork", "fork"),
-                               ("copy", base / "ck-copy", "copy")):
+    for label, ckdir in (("without", None), ("with", base / "ck")):
         times[label] = {}
-        with kernel(ckdir, mode) as k:
+        with kernel(ckdir) as k:
             for case in cases:
                 times[label][case["name"]] = time_cells(k, case)
-    print(f"\n{'cell':44} {'without':>8} {'fork':>8} {'copy':>8} {'over fork':>10} "
-          f"{'over copy':>10} {'goal':>7}  met (fork, copy)")
+    print(f"\n{'cell':44} {'without':>8} {'with':>8} {'overhead':>9} {'goal':>7}  met")
     for case in cases:
         plain = statistics.median(times["without"][case["name"]][0])
-        forked = statistics.median(times["fork"][case["name"]][0])
-        copied = statistics.median(times["copy"][case["name"]][0])
+        hooked = statistics.median(times["with"][case["name"]][0])
         changed = case["changed"]
         goal = 0.05 if changed is None else max(0.05, 1.5 * changed / warm_bw)
-        over = {"fork": forked - plain, "copy": copied - plain}
-        met = ", ".join("yes" if o <= goal else "NO" for o in over.values())
-        print(f"{case['name'][:44]:44} {plain * 1e3:7.0f}m {forked * 1e3:7.0f}m "
-              f"{copied * 1e3:7.0f}m {over['fork'] * 1e3:9.0f}m {over['copy'] * 1e3:9.0f}m "
-              f"{goal * 1e3:6.0f}m  {met}")
-    print(f"\n{'durable after the cell':44} {'fork':>8} {'copy':>8} {'raw+fsync':>10} "
-          f"{'fork/raw':>9} {'copy/raw':>9} {'goal':>7}  met (fork, copy)")
+        met = "yes" if hooked - plain <= goal else "NO"
+        print(f"{case['name'][:44]:44} {plain * 1e3:7.0f}m {hooked * 1e3:7.0f}m "
+              f"{(hooked - plain) * 1e3:8.0f}m {goal * 1e3:6.0f}m  {met}")
+    print(f"\n{'durable after the cell':44} {'with':>8} {'raw+fsync':>10} {'with/raw':>9} "
+          f"{'goal':>7}  met")
     for case in cases:
         nbytes = case.get("storage") or case["changed"]
         if nbytes is None:
             continue
-        forked = statistics.median(times["fork"][case["name"]][1])
-        copied = statistics.median(times["copy"][case["name"]][1])
+        hooked = statistics.median(times["with"][case["name"]][1])
         raw = raw_write_fsync(base, nbytes)
-        met = ", ".join("yes" if d <= 1.2 * raw else "NO" for d in (forked, copied))
-        print(f"{case['name'][:44]:44} {forked:7.2f}s {copied:7.2f}s {raw:9.2f}s "
-              f"{forked / raw:9.2f} {copied / raw:9.2f} {'<= 1.2':>7}  {met}")
+        met = "yes" if hooked <= 1.2 * raw else "NO"
+        print(f"{case['name'][:44]:44} {hooked:7.2f}s {raw:9.2f}s {hooked / raw:9.2f} "
+              f"{'<= 1.2':>7}  {met}")
     first, same, durable = kernel_thread_part(args.scale, max(5, args.runs * 5), base)
     print(f"\nin-process, the kernel-thread part of a checkpoint of the namespace at scale "
           f"{args.scale}: first {first * 1e3:.0f} ms (durable {durable:.2f} s after), nothing "
           f"changed {statistics.median(same) * 1e3:.1f} ms (median of {len(same)}; "
           f"{min(same) * 1e3:.1f}-{max(same) * 1e3:.1f})")
-    fork = fork_vs_copy(int(min(GiB, args.big_gib * GiB)))
-    print(f"\nfork vs copy, {min(GiB, int(args.big_gib * GiB)) / GiB:.2f} GiB held: copy "
-          f"{fork['copy_s'] * 1e3:.0f} ms; fork {fork['fork_s'] * 1e3:.1f} ms; then writing 1 % "
-          f"{fork['write_1pct_forked_s'] * 1e3:.1f} ms (alone "
-          f"{fork['write_1pct_alone_s'] * 1e3:.1f} ms), writing all "
-          f"{fork['write_all_forked_s'] * 1e3:.0f} ms while the child holds the snapshot")
 
 
 if __name__ == "__main__":

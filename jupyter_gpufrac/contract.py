@@ -54,7 +54,7 @@ CHECKPOINT_GENERATION = "GPUFRAC_CHECKPOINT_GENERATION"
 # Bytes one kernel's checkpoint, and all of the user's kernels' checkpoints, may take on disk.
 CHECKPOINT_KERNEL_BUDGET = "GPUFRAC_CHECKPOINT_KERNEL_BUDGET"
 CHECKPOINT_USER_BUDGET = "GPUFRAC_CHECKPOINT_USER_BUDGET"
-# Bytes a snapshot may copy into memory at a cell's end (GPU tensors; host ones without a fork).
+# Bytes a snapshot may copy into memory at a cell's end (its changed tensors and arrays).
 CHECKPOINT_STAGING_BUDGET = "GPUFRAC_CHECKPOINT_STAGING_BUDGET"
 
 LAUNCH_VARIABLES = (

@@ -27,11 +27,9 @@ def load_ipython_extension(ip: Any) -> None:
     global _hook
     if _hook is not None:
         return
-    from jupyter_gpufrac.kernel import forkwrite
     from jupyter_gpufrac.kernel.hook import GpuFracHook
     from jupyter_gpufrac.kernel.magics import GpuMagic
 
-    forkwrite.prefer_huge_pages()
     environment = kenv.parse(os.environ, _connection_file())
     hook = GpuFracHook(ip, environment)
     magic = GpuMagic(hook)

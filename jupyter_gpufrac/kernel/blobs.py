@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from jupyter_gpufrac.kernel import store, tensor_io
+from jupyter_gpufrac.kernel.buffers import TRACKED_MIN, BufferTracker
 
 
 class BlobWriteError(OSError):
@@ -292,8 +293,16 @@ class BlobWriter:
     # out-of-band buffers in pickling order, [blob, nbytes].
     reached: dict[str, tuple[int, str]] = field(default_factory=dict)
     buffers: list[list[Any]] = field(default_factory=list)
-    # Content blobs of arrays fingerprinted in this checkpoint, by id (the arrays are held).
+    # Large buffers followed from one snapshot to the next (None: every buffer is hashed).
+    tracker: BufferTracker | None = None
+    # The blob of each array fingerprinted in this checkpoint, by id (the arrays are held):
+    # its content's name, or where the tracker keeps it (and whether it changed).
     digests: dict[int, tuple[Any, str]] = field(default_factory=dict)
+    followed: dict[int, tuple[Any, str, bool]] = field(default_factory=dict)
+    # New blobs of storages and followed buffers, named but not yet staged: their bytes are
+    # copied (or held) by :meth:`stage_pending` once the snapshot knows what it keeps, so a
+    # variable a budget leaves out costs no copy. Blob -> the storage, or the buffer's view.
+    pending: dict[str, Any] = field(default_factory=dict)
     _written: set[str] = field(default_factory=set)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
     _keepalive: list[Any] = field(default_factory=list)
@@ -310,6 +319,8 @@ class BlobWriter:
         self._keepalive.clear()
         self._by_storage.clear()
         self.digests.clear()
+        self.followed.clear()
+        self.pending.clear()
 
     def _note_new(self, blob: str, write: Callable[[], None] | None = None) -> None:
         self.new_blobs.append(blob)
@@ -349,18 +360,38 @@ class BlobWriter:
         return (known[0], known[1], device)
 
     def _write(self, storage: Any) -> tuple[str, int]:
-        """A new blob of ``storage``'s bytes. A host storage is written by a syncing thread while
-        the checkpoint goes on (several at once, each core copying); the commit waits for it.
-        Another device's is copied to the host and written here, one host copy at a time."""
-        if storage.device.type == "cpu":
-            blob = store.new_blob_name()
-            self._later(self._count_blob)(
-                blob, lambda: tensor_io.write_storage(self.folder, storage, blob)[1])
-            return blob, int(storage.nbytes())
-        with _writing_blobs():
-            blob, nbytes, _path = tensor_io.write_storage(self.folder, storage)
-        self._count_new(blob, nbytes)
-        return blob, nbytes
+        """A new blob for ``storage``'s bytes, staged at the snapshot's end (:meth:`stage_pending`)."""
+        blob = store.new_blob_name()
+        self.pending[blob] = storage
+        self._note_new(blob)
+        return blob, int(storage.nbytes())
+
+    def stage_pending(self, referenced: Collection[str],
+                      hold: Callable[[Any], Callable[[], bool] | None]) -> None:
+        """Stage the new blobs the snapshot's state names (the rest were left out: never
+        copied): copied as they are now, or, where ``hold`` gives a check for them, held where
+        they are and written from the notebook's own memory (see :class:`store.Staged`)."""
+        assert isinstance(self.folder, store.StagingDir)
+        for name, source in self.pending.items():
+            if name not in referenced:
+                continue
+            owner = source.obj if isinstance(source, memoryview) else source
+            valid = hold(owner)
+            if isinstance(source, memoryview):
+                staged = (tensor_io.held(source, owner, valid) if valid is not None
+                          else tensor_io.copy_host(source))
+                staged.shared, staged.compress = True, name.startswith(tensor_io.COMPRESSED)
+                entry = None if self.tracker is None else self.tracker.followed(owner)
+                if entry is not None:
+                    staged.hashed = entry.hashed
+            elif valid is not None:
+                staged = tensor_io.held(tensor_io.host_view(source), source, valid)
+            else:
+                staged = tensor_io.snapshot_storage(source)
+            self.folder.stage(name, staged)
+            if not staged.compress:
+                self._count_blob(staged.nbytes)  # a compressed one counts once written
+        self.pending.clear()
 
     def _count_new(self, blob: str, nbytes: int) -> None:
         self._note_new(blob)
@@ -415,10 +446,22 @@ class BlobWriter:
         return (blob, nbytes, device)
 
     def buffer_blob(self, raw: memoryview) -> str:
-        """The content blob holding an out-of-band buffer, written only if new."""
+        """The blob holding an out-of-band buffer: a followed one's (staged when it changed),
+        else its content's, written only if new."""
         if self.dry:
             return "dry.bin"
         exporter = raw.obj
+        followed = self._followed(exporter)
+        if followed is not None:
+            name = self.found(followed[1])
+            if name is None:
+                # Changed (a new name), or its blob went missing: staged at the snapshot's end
+                # as it is now, compressed by the writer where that pays.
+                name = (tensor_io.COMPRESSED if tensor_io.pays(raw) else "") + followed[1]
+                self.pending[name] = raw
+                self._note_new(name)
+            self.buffers.append([name, raw.nbytes])
+            return name
         blob = self.guard.blob(exporter) if self.guard is not None else None
         if blob is None and (known := self.digests.get(id(exporter))) and known[0] is exporter:
             blob = known[1]
@@ -435,12 +478,33 @@ class BlobWriter:
         self.buffers.append([blob, raw.nbytes])
         return blob
 
-    def array_digest(self, array: Any) -> str:
-        """The content blob name ``array``'s bytes would have (hashed once per checkpoint)."""
+    def _followed(self, exporter: Any) -> tuple[Any, str, bool] | None:
+        """What the tracker decided for the array a buffer is of (NumPy pickles an array of
+        Fortran order through its transpose, whose base is the array)."""
+        for owner in (exporter, getattr(exporter, "base", None)):
+            found = self.followed.get(id(owner))
+            if found is not None and found[0] is owner:
+                return found
+        return None
+
+    def array_blob(self, array: Any) -> str:
+        """The blob ``array``'s bytes are in for this checkpoint (decided once per checkpoint):
+        a large contiguous one's as the tracker follows it (:mod:`buffers`), else the content
+        blob its bytes would have (hashed)."""
+        followed = self.followed.get(id(array))
+        if followed is not None and followed[0] is array:
+            return followed[1]
         known = self.digests.get(id(array))
         if known is not None and known[0] is array:
             return known[1]
-        name = tensor_io.content_name(tensor_io.digest(_array_bytes(array)))
+        view = _array_bytes(array)
+        contiguous = array.flags.c_contiguous or array.flags.f_contiguous
+        if self.tracker is not None and contiguous and view.nbytes >= TRACKED_MIN:
+            address = int(array.__array_interface__["data"][0])
+            blob, changed = self.tracker.decide(array, view, address)
+            self.followed[id(array)] = (array, blob, changed)
+            return blob
+        name = tensor_io.content_name(tensor_io.digest(view))
         self.digests[id(array)] = (array, name)
         return name
 

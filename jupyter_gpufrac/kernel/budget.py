@@ -54,21 +54,18 @@ def least_bytes(value: object) -> int:
     return len(value) if isinstance(value, bytes | bytearray) else 0
 
 
-def staged_bytes(value: object, forked: bool) -> int:
-    """Bytes a snapshot copies into memory for ``value`` when it changed: a GPU tensor's storage
-    always (CUDA memory is not inherited by a child), a host tensor's or array's only where no
-    child is forked to protect it copy-on-write (``forked`` False). What a container holds is
-    not counted here: its pickling tells."""
+def staged_bytes(value: object) -> int:
+    """Bytes a snapshot copies into memory for ``value`` when it changed: a tensor's storage
+    (a GPU one into pinned memory) or an array's buffer. What a container holds is not counted
+    here: its pickling tells."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         try:
-            on_gpu = value.device.type != "cpu"
-            nbytes = int(value.untyped_storage().nbytes())
+            return int(value.untyped_storage().nbytes())
         except Exception:  # a sparse or meta tensor has no storage to size
             return 0
-        return nbytes if on_gpu or not forked else 0
     numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(value, numpy.ndarray) and not forked:
+    if numpy is not None and isinstance(value, numpy.ndarray):
         return int(value.nbytes)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,12 +39,15 @@ class Checkpointer(Snapshots):
         re-writes everything (after writes no fingerprint sees, see :mod:`blobs`).
         """
         started = time.monotonic()
-        job = self.begin(ns, hidden=hidden, full=full, execution_count=execution_count,
-                         extra=extra)
-        try:
-            written = job.wait()
-        except WriteError as exc:
-            raise CheckpointError(str(exc)) from exc
+        with self.writer.hurry():
+            # One snapshot's copies at a time (see Snapshots): the one being written goes first.
+            self.writer.flush()
+            job = self.begin(ns, hidden=hidden, full=full, execution_count=execution_count,
+                             extra=extra)
+            try:
+                written = job.wait()
+            except WriteError as exc:
+                raise CheckpointError(str(exc)) from exc
         result = dataclasses.replace(job.result, seconds=time.monotonic() - started,
                                      durable=True)
         if written is not job:  # superseded: the snapshot written is a later one
@@ -51,8 +55,17 @@ class Checkpointer(Snapshots):
         return result
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every snapshot taken is written (or failed); False on timeout."""
-        return self.writer.flush(timeout)
+        """Wait until every snapshot taken is written (or failed), and in the notebook's thread
+        take the owed one first and wait for it too: the namespace as it is is then on disk, or
+        the failure said. False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.writer.hurry():
+            if self._owed is not None and threading.current_thread() is threading.main_thread():
+                if not self.writer.flush(timeout):
+                    return False
+                self.take_owed()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self.writer.flush(left)
 
     def status(self) -> dict[str, Any]:
         """The last durable checkpoint (its cell and time) and the one being written, if any,
@@ -78,8 +91,9 @@ class Checkpointer(Snapshots):
             found = self.read_header() or {}
             unprotected, why = dict(found.get("unprotected") or {}), found.get("unprotected_why")
         return {"durable_cell": cell, "durable_time": when, "writing": self.writer.writing(),
-                "error": self.writer.error, "durable_generation": generation,
-                "unprotected": unprotected, "unprotected_why": why}
+                "owed_cell": self.owed, "error": self.writer.error,
+                "durable_generation": generation, "unprotected": unprotected,
+                "unprotected_why": why}
 
     def wait_for_cleanup(self) -> None:
         """Wait until every snapshot taken is written and the blobs it replaced are deleted."""

@@ -320,7 +320,7 @@ class FingerprintSession:
             return NotImplemented  # pickled as it is: elements, or few bytes
         order = "C" if array.flags.c_contiguous or not array.flags.f_contiguous else "F"
         return (_fp, ("array", array.dtype.str, array.shape, order,
-                      self.blobs.array_digest(array)))
+                      self.blobs.array_blob(array)))
 
     def _frame(self, frame: Any) -> Any:
         assert self.guard is not None

@@ -102,6 +102,7 @@ class GpuFracHook:
         self._restored_names: list[str] = []
         self._rng_after_restore: dict[str, Any] | None = None
         self._running: dict[str, Any] | None = None  # the cell running now, as cells.json says
+        self._in_cell = False  # any cell runs (one kept in the history or not)
         self._running_source: tuple[str, str] | None = None  # its source (parsed, raw)
         self.checkpoint_error: str | None = None
         self.watcher: DirectiveWatcher | None = None
@@ -293,6 +294,8 @@ class GpuFracHook:
 
     def pre_run_cell(self, info: Any = None) -> None:
         """Show what happened since the last cell; note which cell runs, in case it is cut off."""
+        self._in_cell = True
+        self.checkpointer.writer.cell(running=True)
         with contextlib.suppress(Exception):
             self._tell_checkpoint_failure()
         with self._lock:
@@ -322,6 +325,9 @@ class GpuFracHook:
             self._post_run_cell(result)
         except Exception:  # a bookkeeping failure must never turn a cell into an error
             log.exception("gpufrac: post_run_cell failed")
+        finally:
+            self._in_cell = False
+            self.checkpointer.writer.cell(running=False)
 
     def _post_run_cell(self, result: Any) -> None:
         if not self.torch_seen and torch_adapter.torch_module() is not None:
@@ -387,11 +393,23 @@ class GpuFracHook:
 
     def _checkpoint_quietly(self) -> None:
         """The automatic checkpoint, in the background: the cell's reply is not held for it.
-        The snapshot is taken now (what changed, copied); a writer thread writes it. A failure
-        is said once per distinct error, never raised."""
+        The snapshot is taken now (what changed, copied) and a writer thread writes it; while
+        the writer is still busy with the one before, it is owed instead and taken as soon as
+        the writer is done, between cells. A failure is said once per distinct error, never
+        raised."""
         if not self.env.checkpoint_dir_stable:
             return
         self._tell_checkpoint_failure()
+        checkpointer = self.checkpointer
+        if checkpointer.owe_if_busy(self._execution_count(), self._snapshot_quietly):
+            loop = getattr(getattr(self.ip, "kernel", None), "io_loop", None)
+            if loop is not None and not checkpointer.writer.when_idle(
+                    lambda: loop.add_callback(self._take_owed)):
+                checkpointer.take_owed()  # the writer was done in between
+            return
+        self._snapshot_quietly()
+
+    def _snapshot_quietly(self) -> None:
         try:
             job = self.checkpointer.begin(
                 self.ip.user_ns, hidden=self._hidden(), execution_count=self._execution_count(),
@@ -404,6 +422,13 @@ class GpuFracHook:
             self.observations.checkpoint(
                 "cell", result.tensors_bytes + result.buffers_bytes,
                 result.bytes_written + result.group_bytes_written, result.seconds)
+
+    def _take_owed(self) -> None:
+        """Take the snapshot owed since a cell's end (on the kernel's own thread, between
+        messages), unless a cell runs (one awaiting something lets the loop run): its end
+        takes one anyway."""
+        if not self._in_cell:
+            self.checkpointer.take_owed()
 
     def _tell_checkpoint_failure(self) -> None:
         """Say, once, that a checkpoint written in the background failed (and which cell the
@@ -430,13 +455,16 @@ class GpuFracHook:
                 "offloaded": [asdict(r) for r in self.offloaded]}
 
     def flush_checkpoints(self, timeout: float = EXIT_FLUSH_S) -> None:
-        """Wait, at most ``timeout`` seconds, for the checkpoint being written (kernel exit):
-        one not finished by then is said to be lost, and which cell a restart restores."""
-        if self.checkpointer.flush(timeout):
+        """Wait, at most ``timeout`` seconds, for the checkpoint being written and the owed one
+        (kernel exit): one not written by then is said to be lost, and which cell a restart
+        restores."""
+        checkpointer = self.checkpointer
+        if checkpointer.flush(timeout):
             return
-        writing = self.checkpointer.writer.writing() or {}
-        status = self.checkpointer.status()
-        print(f"gpufrac: the checkpoint after cell [{writing.get('cell')}] was still being written "
+        status = checkpointer.status()
+        lost = status.get("owed_cell") if checkpointer.owed_since is not None else (
+            (status.get("writing") or {}).get("cell"))
+        print(f"gpufrac: the checkpoint after cell [{lost}] was still being written "
               f"when the kernel stopped and is lost; a restart restores the one after cell "
               f"[{status.get('durable_cell')}].", file=sys.stderr, flush=True)
 

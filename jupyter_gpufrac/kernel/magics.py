@@ -247,6 +247,9 @@ class GpuMagic:
             progress = (f"; writing the one after cell [{writing.get('cell')}]: "
                         f"{messages.fmt_bytes(writing.get('bytes_done') or 0)} of "
                         f"{messages.fmt_bytes(writing.get('bytes_total') or 0)}")
+        if state.get("owed_cell") is not None:
+            progress += (f"; the one after cell [{state['owed_cell']}] is taken once that one "
+                         "is written")
         if state.get("error"):
             progress += f"; the last one failed: {state['error']}"
         when = state.get("durable_time") or (last or {}).get("time")

@@ -12,13 +12,15 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import budget, forkwrite, namespace, rng, store, tensor_io
+from jupyter_gpufrac.kernel import budget, namespace, rng, store, tensor_io
 from jupyter_gpufrac.kernel.blobs import BlobWriteError, BlobWriter, IncrementalCache, PandasGuard
+from jupyter_gpufrac.kernel.buffers import BufferTracker
 from jupyter_gpufrac.kernel.fingerprints import Fingerprint, Fingerprints, FingerprintSession
 from jupyter_gpufrac.kernel.groups import (
     Group,
@@ -109,20 +111,26 @@ class Snapshots:
     """Takes the snapshots of one namespace into one directory, each writing only what changed.
 
     The notebook's thread takes the snapshot (:meth:`begin`): what changed is found and pickled,
-    and the bytes of changed tensors and buffers are kept as they are at the cell's end without
-    the cell waiting for a copy of them: large host ones are held by address, and at the
-    snapshot's end one forked child (:mod:`forkwrite`) sees them, copy-on-write, as they were
-    then and writes them into their blob files (synced, renamed) while the notebook goes on, as
-    Redis's BGSAVE does; GPU storages are copied into pinned host memory on their stream; small
-    bytes, and host bytes where forking cannot be used (``GPUFRAC_SNAPSHOT=copy``, a failed fork,
-    shared or pinned memory, two children still writing), are copied. That is a :class:`Job`:
-    the state file to commit, and the staged blobs it needs, which the :class:`Writer` writes.
+    and the bytes of changed tensors and buffers are copied as they are at the cell's end into
+    staging memory kept warm from one snapshot to the next (a GPU storage into pinned memory,
+    on its stream). That is a :class:`Job`: the state file to commit, and the staged blobs it
+    needs, which the :class:`Writer` writes while the notebook goes on.
+
+    At most one snapshot's copies are held at a time: a snapshot asked for while the writer is
+    still busy with the one before is *owed* (:attr:`owed`) rather than taken, and its caller
+    takes it once the writer is done (:meth:`Writer.when_idle`) or at the next cell's end. So
+    cells that follow each other faster than the disk writes what they change pay for one copy
+    per write, not one per cell, and hold one copy, not two; the recovery point moves on with
+    every write. (A forked child writing from a copy-on-write view cost no copy at the cell's
+    end, but made the cells that followed fault on every page they wrote: a training step that
+    updated 1 GiB in place ran 9x slower while the child wrote.)
     """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.cache = IncrementalCache()
         self._guard = PandasGuard()
+        self._buffers = BufferTracker()
         self._lock = threading.Lock()
         # The last durable checkpoint this process wrote, and the last snapshot it took.
         self.last: CheckpointResult | None = None
@@ -147,6 +155,11 @@ class Snapshots:
         self.limits: budget.DiskLimits | None = None
         # The memory a snapshot may copy at a cell's end (None: unbounded).
         self.staging_budget: int | None = None
+        # The cell whose snapshot waits for the writer (see owe_if_busy), None when none does;
+        # since when (monotonic), and what takes it.
+        self.owed: int | None = None
+        self.owed_since: float | None = None
+        self._owed: Callable[[], object] | None = None
 
     @property
     def state_path(self) -> Path:
@@ -164,11 +177,37 @@ class Snapshots:
     ) -> Job:
         """Take a snapshot of ``ns`` as it is now and queue it to be written in the background:
         in this thread only what changed is found, pickled, and its tensors' and buffers' bytes
-        kept as they are (copied, or left to a forked child, see :class:`Snapshots`);
-        :meth:`Job.wait` waits for it to be durable."""
-        with self._lock, collector_paused():
-            job = self._take(ns, hidden, full, execution_count, extra or {})
+        copied (see :class:`Snapshots`); :meth:`Job.wait` waits for it to be durable."""
+        with self._lock:
+            job = self._begin(ns, hidden, full, execution_count, extra)
         self.writer.submit(job)
+        return job
+
+    def owe_if_busy(self, execution_count: int | None, take: Callable[[], object]) -> bool:
+        """While the writer is still busy with an earlier snapshot, owe this one instead of
+        taking it (True): ``take`` takes it later (:meth:`take_owed`), once the writer is idle
+        (:meth:`Writer.when_idle`) or at the next cell's end."""
+        with self._lock:
+            if not self.writer.busy():
+                return False
+            if self._owed is None:
+                self.owed_since = time.monotonic()
+            self.owed, self._owed = execution_count, take
+            return True
+
+    def take_owed(self) -> None:
+        """Take the owed snapshot, if one is (in the notebook's thread, between cells)."""
+        with self._lock:
+            take, self._owed = self._owed, None
+        if take is not None:
+            take()
+
+    def _begin(self, ns: dict[str, Any], hidden: Mapping[str, object] | None, full: bool,
+               execution_count: int | None, extra: Mapping[str, Any] | None) -> Job:
+        with collector_paused():
+            job = self._take(ns, hidden, full, execution_count, extra or {})
+        # What was owed is in this snapshot: it is taken as the namespace is now.
+        self.owed = self.owed_since = self._owed = None
         return job
 
     def _committed(self, job: Job, stale: list[str]) -> None:
@@ -197,7 +236,8 @@ class Snapshots:
             stale, self._stale = self._stale, set()
             identity = self._identity
         if stale:
-            # Deleted by the writer: the caches forget them, so no later snapshot names them.
+            # Deleted by the writer: the caches forget them, so no later snapshot names them
+            # (a followed buffer whose blob went is staged anew: see BlobWriter.buffer_blob).
             self.cache.forget_blobs(stale)
             self._guard.forget_blobs(stale)
         with folder:
@@ -207,6 +247,7 @@ class Snapshots:
             if full:
                 self.cache.clear()
                 self._guard.clear()
+                self._buffers.clear()
                 self._saved = None
             elif (self._saved is not None and not self.writer.busy()
                   and folder.identity(store.STATE_FILE) != identity):
@@ -222,11 +263,14 @@ class Snapshots:
                 job = self._write(folder, ns, hidden, execution_count, extra)
             except (OSError, store.UnsafeCheckpointError) as exc:
                 self._guard.abandon()
+                self._buffers.abandon()
                 raise CheckpointError(f"writing the checkpoint to {self.root} failed: {exc}") from exc
             except BaseException:
                 self._guard.abandon()
+                self._buffers.abandon()
                 raise
             self._guard.commit()
+            self._buffers.commit()
             self._cleaned = True
         job.result.seconds = time.monotonic() - started
         self.taken = job.result
@@ -236,8 +280,8 @@ class Snapshots:
         self, folder: store.CheckpointDir, ns: dict[str, Any], hidden: Mapping[str, object] | None,
         execution_count: int | None, extra: Mapping[str, Any],
     ) -> Job:
-        """:meth:`_save` into a staging folder: blobs are staged (copied, or held for a forked
-        child), written later by the writer."""
+        """:meth:`_save` into a staging folder: blobs are staged (copied), written later by the
+        writer."""
         saved = self._saved
         selection = namespace.select(ns, hidden)
         lost: dict[str, str] = {name: "a module object that is not importable"
@@ -246,12 +290,13 @@ class Snapshots:
         if saved is None:
             # What is on disk may be newer than anything this process knows of.
             self.generation = max(self.generation, disk_generation(folder))
-        blobs = BlobWriter(staging, self.cache, guard=self._guard,
+        # Where writes are watched, pandas' frames need no guard (it copies a block on every
+        # write through pandas, in the cell): their arrays are followed as any array is.
+        guard = None if self._buffers.watching else self._guard
+        blobs = BlobWriter(staging, self.cache, guard=guard, tracker=self._buffers,
                                     trusted=saved.blobs.keys() if saved else durable_blobs(folder))
         try:
-            job = self._save(staging, ns, selection, lost, blobs, execution_count, extra)
-            tensor_io.finish_snapshot(job.staged, folder)
-            return job
+            return self._save(staging, ns, selection, lost, blobs, execution_count, extra)
         except BaseException:
             for staged in staging.staged.values():
                 if staged.release is not None:
@@ -284,7 +329,7 @@ class Snapshots:
         finally:
             session.close()
         prints = taken.by_name
-        over = self._over_staging(selection.values, prints, lost)
+        over, hold = self._over_staging(selection.values, prints, lost)
         if (saved is not None and prints == saved.fingerprints.by_name
                 and None not in prints.values()):
             # Every variable is as the last checkpoint saved it (a cell that printed, plotted).
@@ -346,6 +391,7 @@ class Snapshots:
         data = MAGIC + trailer(header)
         digest = tensor_io.digest(data)
         self._saved = _Saved(taken, groups, packs, rest_key, referenced, header, None, digest)
+        blobs.stage_pending(referenced, hold)
         staged = {name: item for name, item in staging.staged.items() if name in referenced}
         for name, item in staging.staged.items():
             if name not in referenced and item.release is not None:
@@ -355,26 +401,53 @@ class Snapshots:
                             result, state_cell=execution_count)
 
     def _over_staging(self, values: dict[str, Any],
-                      prints: dict[str, Fingerprint | None],
-                      lost: dict[str, str]) -> dict[str, int]:
+                      prints: dict[str, Fingerprint | None], lost: dict[str, str]
+                      ) -> tuple[dict[str, int], Callable[[Any], Callable[[], bool] | None]]:
         """The changed variables whose bytes this snapshot would copy into memory beyond the
-        staging budget (smallest kept first, as on disk): taken out of ``values`` and ``prints``
-        before anything is copied, and ``lost``, so a restore says they were not protected."""
+        staging budget (smallest kept first, as on disk). A host tensor or a watched array among
+        them is held instead of copied (:meth:`_holder`); the others are taken out of
+        ``values`` and ``prints`` before anything is copied, and ``lost``, so a restore says
+        they were not protected: (those left out with their bytes, the holder)."""
         if self.staging_budget is None:
-            return {}
+            return {}, _hold_nothing
         before = self._saved.fingerprints.by_name if self._saved is not None else {}
-        # Two children still writing: this snapshot copies its host bytes too.
-        forked = forkwrite.wanted() and forkwrite.live() < forkwrite.MAX_CHILDREN
         changed = [name for name, found in prints.items()
                    if found is None or before.get(name) != found]
-        sizes = [budget.staged_bytes(values[name], forked) for name in changed]
+        sizes = [budget.staged_bytes(values[name]) for name in changed]
         kept = set(budget.protect(sizes, self.staging_budget))
         over = {changed[i]: sizes[i] for i in range(len(changed)) if i not in kept}
+        checks = {}
+        for name in list(over):
+            check = self._holdable(values[name])
+            if check is not None:
+                checks[check[0]] = check[1]
+                del over[name]
         room = budget.staging_room(self.staging_budget)
         for name, size in over.items():
             del values[name], prints[name]
             lost[name] = _unprotected_reason(size, room)
-        return over
+        return over, lambda owner: checks.get(_held_key(owner))
+
+    def _holdable(self, value: Any) -> tuple[int, Callable[[], bool]] | None:
+        """(the key of its bytes, the check that they are as they were) for a variable whose
+        bytes a snapshot may hold rather than copy: a host tensor with a version counter (its
+        bytes are as they were while its version and place are), or an array the kernel
+        watches (while no page of it is marked written)."""
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):
+            if value.device.type != "cpu" or value.is_inference():
+                return None
+            storage = value.untyped_storage()
+            ptr, version, tensor = storage.data_ptr(), value._version, weakref.ref(value)
+
+            def same() -> bool:
+                held = tensor()
+                return held is None or (held._version == version
+                                        and held.untyped_storage().data_ptr() == ptr)
+
+            return _held_key(storage), same
+        check = self._buffers.unchanged_check(value)
+        return None if check is None else (_held_key(value), check)
 
     def _within_budget(
         self, groups: dict[tuple[str, ...], Group], carried: list[dict[str, Any]],
@@ -499,6 +572,18 @@ class Snapshots:
                 carried.append({**group, "names": names})
         self.deferred = carried
         return carried
+
+
+def _held_key(owner: Any) -> int:
+    """What names a storage or an array when the snapshot decides to hold it: a storage by its
+    data's address (storage objects come and go), an array by its identity."""
+    data_ptr = getattr(owner, "data_ptr", None)
+    return int(data_ptr()) if callable(data_ptr) and not hasattr(owner, "__array_interface__") \
+        else id(owner)
+
+
+def _hold_nothing(_owner: Any) -> Callable[[], bool] | None:
+    return None
 
 
 def _unprotected_reason(size: int, room: budget.Room) -> str:

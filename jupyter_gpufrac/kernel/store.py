@@ -453,9 +453,11 @@ class ContentStore:
                  trace: TracebackType | None) -> None:
         self.close()
 
-    def link_into(self, folder: CheckpointDir, name: str) -> bool:
-        """Make ``folder``'s blob ``name`` the store's file of that name (a hard link, renamed
-        over whatever ``folder`` held); False when the store has none that may be used."""
+    def link_into(self, folder: CheckpointDir, name: str, as_name: str | None = None) -> bool:
+        """Make ``folder``'s blob ``as_name`` (by default ``name``) the store's file ``name``
+        (a hard link, renamed over whatever ``folder`` held); False when the store has none
+        that may be used."""
+        target = as_name or name
         try:
             fd = _open_checked(_blob_name(name), _READ_FLAGS, self.fd, self.path / name,
                                directory=False)
@@ -464,7 +466,7 @@ class ContentStore:
         tmp = f"{uuid.uuid4().hex}{TMP_SUFFIX}"
         try:
             checked = os.fstat(fd)
-            mine = folder.identity(name, blob=True)
+            mine = folder.identity(target, blob=True)
             if mine is not None and mine[:2] == (checked.st_dev, checked.st_ino):
                 return True
             os.link(name, tmp, src_dir_fd=self.fd, dst_dir_fd=folder.blobs_fd,
@@ -472,7 +474,7 @@ class ContentStore:
             linked = os.stat(tmp, dir_fd=folder.blobs_fd, follow_symlinks=False)
             if (linked.st_dev, linked.st_ino) != (checked.st_dev, checked.st_ino):
                 raise OSError(errno.EAGAIN, "replaced while it was linked")
-            folder.publish(tmp, name, blob=True)
+            folder.publish(tmp, target, blob=True)
             return True
         except OSError:
             with contextlib.suppress(OSError):
@@ -481,14 +483,16 @@ class ContentStore:
         finally:
             os.close(fd)
 
-    def share(self, folder: CheckpointDir, name: str) -> None:
-        """Offer ``folder``'s durable blob ``name`` to the other kernels; when the store has
-        one already, take that one instead (so the bytes are on disk once)."""
+    def share(self, folder: CheckpointDir, name: str, stored_as: str | None = None) -> None:
+        """Offer ``folder``'s durable blob ``name`` to the other kernels, as the store's file
+        ``stored_as`` (by default ``name``); when the store has one already, take that one
+        instead (so the bytes are on disk once)."""
+        shared = stored_as or name
         try:
-            os.link(_blob_name(name), name, src_dir_fd=folder.blobs_fd, dst_dir_fd=self.fd,
+            os.link(_blob_name(name), shared, src_dir_fd=folder.blobs_fd, dst_dir_fd=self.fd,
                     follow_symlinks=False)
         except FileExistsError:
-            self.link_into(folder, name)
+            self.link_into(folder, shared, name)
         except OSError:
             pass  # EXDEV, EPERM, no hard links here: the kernel keeps its own copy
 
@@ -496,9 +500,8 @@ class ContentStore:
 @dataclass
 class Staged:
     """A blob's bytes as a snapshot holds them until its writer writes them: a private copy
-    (``data``), bytes to compress first (``compress``), or the notebook's own bytes for a forked
-    child (``address``); ``ready`` waits for a copy still under way (a GPU copy ordered on its
-    stream), ``release`` gives the copy's memory back (or lets the child's write go)."""
+    (``data``), or bytes to compress first (``compress``); ``ready`` waits for a copy still
+    under way (a GPU copy ordered on its stream), ``release`` gives the copy's memory back."""
 
     data: Any
     nbytes: int
@@ -506,18 +509,46 @@ class Staged:
     pack: bool = False  # pickles of groups (counted apart from tensors and buffers)
     ready: Callable[[], None] | None = None
     release: Callable[[], None] | None = None
-    # Host bytes not copied: ``nbytes`` at this address of the notebook's memory (``data`` keeps
-    # their owner alive), written by a forked child that sees them as they were at the fork
-    # (:mod:`forkwrite`); 0: ``data`` holds the bytes.
-    address: int = 0
-    digest: str | None = None  # of a content-addressed blob's bytes: the child checks them
-    child: Any = None  # the forkwrite.Child writing them, once forked
+    # Named afresh, but shared with the user's other kernels under its content's name: the
+    # writer hashes the bytes (the snapshot did not), links an equal blob instead of writing,
+    # and tells ``hashed`` the digest.
+    shared: bool = False
+    hashed: Callable[[str], None] | None = None
+    # Held, not copied: ``data`` is the notebook's own memory (``keep`` its owner), written as
+    # it is and good only while ``valid()`` says nothing wrote it since the snapshot.
+    valid: Callable[[], bool] | None = None
+    keep: Any = None
+
+
+class Torn(OSError):
+    """Bytes written from the notebook's own memory changed before they were all written: the
+    snapshot is not committed (the last good one stays) and the next one writes them anew."""
+
+
+def check_held(staged: Staged) -> None:
+    """Raise :class:`Torn` when a held blob's bytes were written since its snapshot."""
+    if staged.valid is not None and not staged.valid():
+        raise Torn(errno.EAGAIN, "changed while it was written")
+
+
+def held_progress(staged: Staged, progress: Callable[[int], None] | None
+                  ) -> Callable[[int], None] | None:
+    """``progress`` for a staged blob being written, checking a held one after each chunk (and
+    its pause: a cell may have run meanwhile), so a torn write stops at once."""
+    if staged.valid is None:
+        return progress
+
+    def step(nbytes: int) -> None:
+        if progress is not None:
+            progress(nbytes)
+        check_held(staged)
+
+    return step
 
 
 class StagingDir(CheckpointDir):
     """Stands for a checkpoint directory while a snapshot is taken: blobs are not written but
-    staged (copied into memory as they are at the cell's end, or held by address for a forked
-    child to write as they are then), for a writer thread to write
+    staged (copied into memory as they are at the cell's end), for a writer thread to write
     (:mod:`writer`). It holds no descriptors: anything that would touch the disk fails."""
 
     def __init__(self, path: Path) -> None:

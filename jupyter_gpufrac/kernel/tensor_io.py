@@ -8,14 +8,13 @@ import ctypes
 import hashlib
 import mmap
 import os
-import sys
 import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import forkwrite, store
+from jupyter_gpufrac.kernel import store
 
 CONTENT_PREFIX = "r-"
 PACK_PREFIX = "g-"
@@ -44,7 +43,7 @@ def content_addressed(blob: str) -> bool:
     return core.startswith((CONTENT_PREFIX, PACK_PREFIX))
 
 
-def _pays(view: memoryview) -> bool:
+def pays(view: memoryview) -> bool:
     """Whether zlib halves samples of ``view``: compression is kept to data it clearly pays for
     (counters, timestamps, codes, zeros), not floats, where it costs time and saves little."""
     step = max(view.nbytes // _SAMPLES, _SAMPLE)
@@ -69,13 +68,13 @@ def store_bytes(folder: store.CheckpointDir, data: memoryview | bytes, prefix: s
     view = memoryview(data).cast("B")
     if isinstance(folder, store.StagingDir):
         return _stage_bytes(folder, view, prefix, have, later)
-    if view.nbytes <= _CHUNK or _pays(view):
+    if view.nbytes <= _CHUNK or pays(view):
         copy = bytes(view)
         name = f"{prefix}{digest(copy)}.bin"
         found = have(name)
         if found is not None:
             return found, 0
-        if _pays(memoryview(copy)):
+        if pays(memoryview(copy)):
             blob = COMPRESSED + name
 
             def write() -> int:
@@ -113,16 +112,15 @@ def store_bytes(folder: store.CheckpointDir, data: memoryview | bytes, prefix: s
 def _stage_bytes(folder: store.StagingDir, view: memoryview, prefix: str,
                  have: Callable[[str], str | None],
                  later: Callable[[str, Callable[[], int]], None] | None) -> tuple[str, int]:
-    """:func:`store_bytes` while a snapshot is taken: the bytes are copied (as they are now), or
-    large ones held by address for a forked child (:func:`finish_snapshot`), and named;
-    compressing and writing them are left to the snapshot's writer."""
-    if view.nbytes <= _CHUNK or _pays(view):
+    """:func:`store_bytes` while a snapshot is taken: the bytes are copied (as they are now) and
+    named; compressing and writing them are left to the snapshot's writer."""
+    if view.nbytes <= _CHUNK or pays(view):
         copy = bytes(view)
         name = f"{prefix}{digest(copy)}.bin"
         found = have(name)
         if found is not None:
             return found, 0
-        if not _pays(memoryview(copy)):
+        if not pays(memoryview(copy)):
             folder.stage(name, store.Staged(copy, len(copy), pack=prefix == PACK_PREFIX))
             return name, len(copy)
         blob = COMPRESSED + name
@@ -137,16 +135,8 @@ def _stage_bytes(folder: store.StagingDir, view: memoryview, prefix: str,
             return blob, stage()
         later(blob, stage)
         return blob, 0
-    address = _address(view) if forkwrite.wanted() else 0
-    if address:
-        # Not copied: a forked child writes the bytes as they are at the fork, and checks
-        # they are still the ones hashed here (see forkwrite).
-        hexed = digest(view)
-        staged = store.Staged(view, view.nbytes, address=address, digest=hexed)
-    else:
-        staged = copy_host(view)
-        hexed = digest(staged_view(staged))
-    name = f"{prefix}{hexed}.bin"
+    staged = copy_host(view)
+    name = f"{prefix}{digest(staged_view(staged))}.bin"
     found = have(name)
     if found is not None:
         if staged.release is not None:
@@ -227,24 +217,14 @@ def copy_host(view: memoryview) -> store.Staged:
     return store.Staged(buffer, view.nbytes, release=lambda: STAGING.give(buffer))
 
 
-def _address(view: memoryview) -> int:
-    """Where ``view``'s bytes are (0: a read-only buffer, which is copied instead)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _pinned(storage: Any) -> bool:
-    """Whether host ``storage`` is page-locked for CUDA (such memory is not inherited by a
-    forked child). Without CUDA started there is none, and asking would start it."""
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized() and storage.is_pinned())
+def held(view: memoryview, owner: Any, valid: Callable[[], bool]) -> store.Staged:
+    """Bytes a snapshot does not copy: written from the notebook's own memory, and good only
+    while ``valid()`` says the notebook has not written them since (``owner`` kept alive)."""
+    return store.Staged(view, view.nbytes, valid=valid, keep=owner)
 
 
 def snapshot_storage(storage: Any) -> store.Staged:
-    """A storage's bytes as they are now, for a snapshot. A large host storage is held by
-    address, for a forked child to write (:func:`finish_snapshot`), else copied at once; a
+    """A storage's bytes as they are now, for a snapshot. A host storage is copied at once; a
     GPU storage is copied into pinned host memory on its device's current stream, so the copy
     is ordered before any work queued after it (a later cell writing to the tensor), and the
     writer waits for it (``ready``) without the notebook waiting."""
@@ -252,8 +232,6 @@ def snapshot_storage(storage: Any) -> store.Staged:
     if storage.device.type == "cpu":
         if not nbytes:
             return store.Staged(b"", 0)
-        if nbytes >= _SMALL_COPY and forkwrite.wanted() and not _pinned(storage):
-            return store.Staged(storage, nbytes, address=int(storage.data_ptr()))
         return copy_host(host_view(storage))
     import torch
 
@@ -268,15 +246,18 @@ def snapshot_storage(storage: Any) -> store.Staged:
     return store.Staged(host, nbytes, ready=done.synchronize)
 
 
-def finish_snapshot(staged: dict[str, store.Staged], folder: store.CheckpointDir) -> None:
-    """End a snapshot: the host bytes held by address go to one forked child, which sees them
-    as they are now whatever the notebook does next; those it cannot take are copied now."""
-    for name in forkwrite.start(staged, folder):
-        item = staged[name]
-        view = memoryview((ctypes.c_ubyte * item.nbytes).from_address(item.address)).cast("B")
-        copy = copy_host(view)
-        view.release()
-        item.data, item.release, item.address, item.digest = copy.data, copy.release, 0, None
+def staged_digest(staged: store.Staged, pause: Callable[[], None] | None = None) -> str:
+    """The content digest of a staged copy's bytes, hashed a chunk at a time (``pause`` between
+    chunks: the writer keeps out of a running cell's way)."""
+    if staged.ready is not None:
+        staged.ready()
+    view = staged_view(staged)
+    hasher = hashlib.blake2b(digest_size=20)
+    for start in range(0, view.nbytes, _CHUNK):
+        hasher.update(view[start:start + _CHUNK])
+        if pause is not None:
+            pause()
+    return hasher.hexdigest()
 
 
 def staged_view(staged: store.Staged) -> memoryview:
@@ -296,10 +277,12 @@ def write_staged(folder: store.CheckpointDir, name: str, staged: store.Staged,
     data: memoryview | bytes = staged_view(staged)
     if staged.compress:
         data = zlib.compress(data, 1)
+        store.check_held(staged)
     tmp, fh = folder.create_tmp(blob=True)
     try:
         with fh:
-            store.write_all(fh, data, progress if not staged.compress else None)
+            store.write_all(fh, data, None if staged.compress else store.held_progress(
+                staged, progress))
         folder.publish(tmp, name, blob=True)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

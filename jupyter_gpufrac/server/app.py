@@ -132,10 +132,11 @@ class GpuFrac(ExtensionApp):
     checkpoint_staging_budget = Unicode(
         "25%",
         help="The most memory one kernel's snapshot may copy at a cell's end, to be written in "
-        "the background: its GPU tensors (into pinned host memory), and host tensors and arrays "
-        "where no child process can be forked to protect them copy-on-write. A share of the "
-        "host's RAM like 25%, or a size like 8GiB or bytes. Variables over it are named as not "
-        "protected (%gpu, the panel, a restore). 0: nothing is copied.",
+        "the background: its changed tensors and arrays (GPU ones into pinned host memory). A "
+        "share of the host's RAM like 25%, or a size like 8GiB or bytes. Host tensors and "
+        "watched arrays beyond it are written from where they are, kept if the notebook did not "
+        "change them meanwhile; other variables over it are named as not protected (%gpu, the "
+        "panel, a restore). 0: nothing is copied.",
     ).tag(config=True)
 
     embedded_agent = Bool(

@@ -22,6 +22,8 @@ def checkpoint_model(point: dict[str, Any] | None,
         model["writing"] = ({key: writing.get(key) for key in
                              ("cell", "bytes_done", "bytes_total", "queued")}
                             if isinstance(writing, dict) else None)
+        owed = status.get("owed_cell")
+        model["owed_cell"] = owed if isinstance(owed, int) else None
         model["error"] = str(status["error"])[:1000] if status.get("error") else None
     return model
 

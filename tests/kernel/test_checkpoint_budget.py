@@ -300,22 +300,20 @@ def test_the_checkpoint_status_is_answered_on_the_control_channel_while_a_cell_r
         assert list(status["unprotected"]) == ["x"]
 
 
-@pytest.mark.parametrize("mode", ["copy", "fork"])
-def test_the_staging_budget_names_what_a_snapshot_would_copy_beyond_it(
-        ckdir: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    """Host tensors and arrays are copied only where no child is forked: there the staging
-    budget leaves the largest changed ones out and names them; with a fork they cost no copy."""
-    monkeypatch.setenv("GPUFRAC_SNAPSHOT", mode)
-    ns: dict[str, Any] = {"weights": torch.zeros(2**20), "grid": numpy.zeros(2**17),
-                          "bias": torch.zeros(16), "x": 1}
+def test_the_staging_budget_names_what_a_snapshot_would_copy_beyond_it(ckdir: Path) -> None:
+    """Changed tensors and arrays are copied at the cell's end: beyond the staging budget, one
+    whose bytes nothing can prove unchanged while they are written (a tensor made under
+    ``torch.inference_mode()`` has no version counter) is left out and named; a host tensor
+    with a version counter is held and written from where it is."""
+    with torch.inference_mode():
+        weights = torch.zeros(2**20)
+    ns: dict[str, Any] = {"weights": weights, "grid": numpy.zeros(2**17),
+                          "bias": torch.zeros(16), "held": torch.zeros(2**20), "x": 1}
     ck = Checkpointer(ckdir)
-    ck.staging_budget = 2 * MiB  # weights take 4 MiB, grid 1 MiB
+    ck.staging_budget = 2 * MiB  # weights and held take 4 MiB each, grid 1 MiB
     first = ck.take(ns, execution_count=1)
-    if mode == "fork":
-        assert first.unprotected == {} and sorted(first.names) == ["bias", "grid", "weights", "x"]
-        return
     assert first.unprotected == {"weights": 4 * MiB}
-    assert sorted(first.names) == ["bias", "grid", "x"]
+    assert sorted(first.names) == ["bias", "grid", "held", "x"]
     assert "snapshot memory budget of 2.0 MiB" in str(first.unprotected_why)
     assert "c.GpuFrac.checkpoint_staging_budget" in str(first.unprotected_why)
     # Unchanged, it stays named; a restore says it was not protected and loads no old value.
@@ -332,10 +330,10 @@ def test_the_staging_budget_names_what_a_snapshot_would_copy_beyond_it(
 
 def test_staged_bytes_counts_what_a_snapshot_copies() -> None:
     tensor, array = torch.zeros(1000), numpy.zeros(1000)
-    assert staged_bytes(tensor, forked=False) == 4000 and staged_bytes(tensor, forked=True) == 0
-    assert staged_bytes(array, forked=False) == 8000 and staged_bytes(array, forked=True) == 0
-    assert staged_bytes([tensor], forked=False) == 0  # a container's pickling tells
-    assert staged_bytes(b"x" * 10, forked=False) == 0
+    assert staged_bytes(tensor) == 4000
+    assert staged_bytes(array) == 8000
+    assert staged_bytes([tensor]) == 0  # a container's pickling tells
+    assert staged_bytes(b"x" * 10) == 0
 
 
 def test_the_staging_budget_reaches_the_kernel_and_a_bad_one_is_named() -> None:

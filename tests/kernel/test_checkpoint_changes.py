@@ -113,7 +113,7 @@ def set_cell_at(ns: dict[str, Any]) -> None:
 
 
 def set_category(ns: dict[str, Any]) -> None:
-    ns["df"].loc[3, "c"] = "y"
+    ns["df"].loc[2, "c"] = "y"  # was "x"
 
 
 def set_timestamp(ns: dict[str, Any]) -> None:

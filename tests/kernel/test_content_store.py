@@ -13,7 +13,7 @@ from typing import Any
 import numpy
 
 from jupyter_gpufrac import checkpoint_disk
-from jupyter_gpufrac.kernel import forkwrite, store
+from jupyter_gpufrac.kernel import store, tensor_io
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
 from jupyter_gpufrac.server import retention
 
@@ -38,23 +38,28 @@ def disk_bytes(root: Path) -> int:
 def array_blob(ckdir: Path) -> Path:
     header = Checkpointer(ckdir).read_header()
     assert header is not None
-    [name] = [b for b in header["blobs"] if b.startswith("r-")]
+    [name] = [blob for group in header["groups"] for blob, _size in group.get("buffers", [])]
     return ckdir / store.BLOB_DIR / name
+
+
+def stored(root: Path, blob: Path) -> Path:
+    """The content store's file of a blob's bytes, named by their digest."""
+    return root / store.CONTENT_DIR / tensor_io.content_name(tensor_io.digest(blob.read_bytes()))
 
 
 def test_two_kernels_of_one_user_store_the_same_array_once(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     first, second = root / "kernel-1", root / "kernel-2"
-    # One kernel's child writes the array and the writer shares it; the other, copying,
-    # finds it shared and links it instead of writing it.
-    for ckdir, mode in ((first, "fork"), (second, "copy")):
-        env = {"GPUFRAC_CHECKPOINT_DIR": str(ckdir), forkwrite.MODE_ENV: mode}
+    # One kernel writes the array and the writer shares it; the other finds it shared and links
+    # it instead of writing it.
+    for ckdir in (first, second):
+        env = {"GPUFRAC_CHECKPOINT_DIR": str(ckdir)}
         with running_kernel(env) as k:
             out = k.run(f"import numpy\na = {ARRAY}\nn = 1")
             assert out.status == "ok", out.text
             wait_written(k)
     one, two = array_blob(first), array_blob(second)
-    shared = root / store.CONTENT_DIR / one.name
+    shared = stored(root, one)
     assert one.stat().st_ino == two.stat().st_ino == shared.stat().st_ino
     assert one.stat().st_nlink == 3
     assert disk_bytes(root) < 1.5 * 2**24, "the 16 MiB are on disk once"
@@ -82,7 +87,7 @@ def test_a_file_that_is_not_the_users_alone_is_never_linked(tmp_path: Path) -> N
     with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(first)}) as k:
         assert k.run(f"import numpy\na = {ARRAY}").status == "ok"
         wait_written(k)
-    shared = root / store.CONTENT_DIR / array_blob(first).name
+    shared = stored(root, array_blob(first))
     # Someone made the shared file writable by others: it is not taken, and a copy is kept.
     os.chmod(shared, 0o666)
     with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(second)}) as k:
