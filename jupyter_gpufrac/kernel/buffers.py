@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import weakref
 from collections.abc import Callable
@@ -138,13 +139,14 @@ class BufferTracker:
         if entry is None or not entry.watched:
             return None
         start, length, before = inner_pages(entry.address, entry.nbytes)
-        view = memoryview(owner.reshape(-1).view("u1")) if owner.flags.c_contiguous else None
+        # The bytes in memory order, as the snapshot's view of them (C or Fortran order alike).
+        view = memoryview((ctypes.c_ubyte * entry.nbytes).from_address(entry.address)).cast("B")
         edges = entry.edges
 
         def unchanged() -> bool:
             if self._watch.written(start, length, protect_again=False) != 0:
                 return False
-            return view is None or _edges(view, before, length) == edges
+            return _edges(view, before, length) == edges
 
         return unchanged
 
