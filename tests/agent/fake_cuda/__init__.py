@@ -210,27 +210,26 @@ class Target:
     host memory, queues work, and answers one line per command. A command sent while it is
     frozen is answered once it is thawed: :meth:`send` then :meth:`answer`."""
 
-    def __init__(self, env: dict[str, str], *, cuda: bool = True,
+    def __init__(self, env: dict[str, str], *, cuda: bool = True, prefix: Sequence[str] = (),
                  preexec: Any = None, user: int | None = None) -> None:
+        """``prefix``: a command it runs under (``unshare --pid --fork``); ``preexec``: run in
+        the child before it starts (joining a cgroup); ``user``: the uid it runs as."""
         self.proc = subprocess.Popen(
-            [sys.executable, str(TARGET), *([] if cuda else ["--no-cuda"])],
+            [*prefix, sys.executable, str(TARGET), *([] if cuda else ["--no-cuda"])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), **env}, preexec_fn=preexec, user=user)
         self._lines: Queue[str] = Queue()
         threading.Thread(target=self._read, daemon=True).start()
         ready = self.answer(30)
         assert ready.startswith("ready "), ready
-        self.uuid = ready.split()[1]
+        self.uuid, pid = ready.split()[1:3]
+        self.pid = int(pid)  # its own (under a prefix, not the prefix command's)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self._lines.put(line.strip())
         self._lines.put("")  # it ended
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def send(self, command: str) -> None:
         assert self.proc.stdin is not None

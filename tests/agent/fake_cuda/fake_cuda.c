@@ -188,6 +188,19 @@ static unsigned long long start_time(int pid) {
     return value;
 }
 
+/* This process's pid as the node numbers it (the first of NSpid): a process in a PID namespace
+ * of its own is numbered so by the driver and by whoever calls it from the host. */
+static int self_pid(void) {
+    char line[256];
+    int pid = getpid();
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return pid;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "NSpid: %d", &pid) == 1) break;
+    fclose(f);
+    return pid;
+}
+
 static int exists(int pid) { return pid > 0 && !(kill(pid, 0) != 0 && errno == ESRCH); }
 
 /* One GPU of the node: [API] a restore or an allocation needs room on it. */
@@ -410,13 +423,14 @@ static int serving;
  * ``mu`` held. */
 static void write_record(void) {
     char name[64], path[4096], tmp[4200];
-    snprintf(name, sizeof name, "proc-%d", getpid());
+    int me = self_pid();
+    snprintf(name, sizeof name, "proc-%d", me);
     if (path_of(path, sizeof path, name) != 0) return;
-    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, getpid());
+    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, me);
     int fd = take();
     FILE *f = fopen(tmp, "w");
     if (f) {
-        fprintf(f, "%llu %s %s %llu %llu %llu %d\n", start_time(getpid()), STATE_NAMES[state],
+        fprintf(f, "%llu %s %s %llu %llu %llu %d\n", start_time(me), STATE_NAMES[state],
                 gpu, device_bytes, have_context ? context_bytes : 0, copy_bytes, wedged);
         fclose(f);
         chmod(tmp, 0644);
@@ -527,7 +541,7 @@ static CUresult serve_restore(char *pairs) {
         if (count != n) return CUDA_ERROR_INVALID_VALUE;
     }
     int fd = take();
-    unsigned long long room = free_on(onto, getpid());
+    unsigned long long room = free_on(onto, self_pid());
     give(fd);
     if (room < copy_bytes + context_bytes) {
         wedged = 1;  /* stays CHECKPOINTED, and no later restore works [#44] */
@@ -623,7 +637,7 @@ static int socket_path(int pid, struct sockaddr_un *addr) {
 /* The checkpoint thread of a process that initialised CUDA [CRIU]. */
 static void start_serving(void) {
     struct sockaddr_un addr;
-    if (serving || socket_path(getpid(), &addr) != 0) return;
+    if (serving || socket_path(self_pid(), &addr) != 0) return;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return;
     unlink(addr.sun_path);
@@ -742,7 +756,7 @@ static CUresult make_context(CUcontext *ctx, CUdevice device) {
     pthread_mutex_lock(&mu);
     if (!have_context) {
         int fd = take();
-        unsigned long long room = free_on(gpus[device].uuid, getpid());
+        unsigned long long room = free_on(gpus[device].uuid, self_pid());
         give(fd);
         if (room < gpus[device].context) {
             r = CUDA_ERROR_OUT_OF_MEMORY;
@@ -777,7 +791,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
     CUresult r = CUDA_SUCCESS;
     pthread_mutex_lock(&mu);
     int fd = take();
-    unsigned long long room = have_context ? free_on(gpu, getpid()) : 0;
+    unsigned long long room = have_context ? free_on(gpu, self_pid()) : 0;
     give(fd);
     alloc_t *a = NULL;
     if (!have_context) {
