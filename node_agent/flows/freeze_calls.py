@@ -37,7 +37,8 @@ GiB, MiB = 2**30, 2**20
 SECONDS_PER_GIB = 4.0
 # What NVML may still list for a checkpointed process (the H100 showed 4 MiB).
 FROZEN_LEFT = 64 * MiB
-# How long the canary may take to start and hold its memory: CUDA's first start takes seconds.
+# How long the canary may take to start and hold its memory (CUDA's first start takes
+# seconds), and to answer after its thaw.
 CANARY_START_S = 60.0
 # The call names people read: the driver's own.
 SYMBOLS = {"state": "cuCheckpointProcessGetState", "lock": "cuCheckpointProcessLock",
@@ -194,7 +195,7 @@ class DriverCalls:
             proc.stdin.write("check\n")
             proc.stdin.flush()
             said = await asyncio.wait_for(loop.run_in_executor(None, proc.stdout.readline),
-                                          self.config.freeze_call_timeout)
+                                          CANARY_START_S)
             if said.strip() != "ok":
                 return _canary_broke("after a thaw its GPU memory did not hold what it held "
                                      "before")

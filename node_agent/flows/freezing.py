@@ -44,8 +44,7 @@ GiB = 2**30
 PROVING = ("the agent is still checking that freezing works on this node (it freezes and thaws "
            "a small CUDA process of its own first)")
 # A frozen lease whose state the driver would not say after an agent restart is asked again
-# after this many seconds, twice as long each time, up to ASK_AGAIN_MAX.
-ASK_AGAIN_S = 5.0
+# after a poll interval (a second at least), twice as long each time, up to ASK_AGAIN_MAX_S.
 ASK_AGAIN_MAX_S = 600.0
 
 
@@ -851,7 +850,7 @@ class Freezing(Room):
             return
         for lease in list(self.ledger.leases.values()):
             if lease.state in ("freezing", "thawing") or lease.frozen:
-                self._act(lease.id, self._resume(lease.id, ASK_AGAIN_S))
+                self._act(lease.id, self._resume(lease.id, max(1.0, self.config.poll_interval)))
 
     async def _resume(self, lease_id: str, again: float) -> None:
         assert self.calls is not None
