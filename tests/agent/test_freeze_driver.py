@@ -5,7 +5,11 @@ restart. The node is simulated; the driver is the stand-in's."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,15 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from memory_cgroups import memory_cgroup
 
 from harness.agent import AgentProcess, wait_for
+from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from node_agent.client import AgentClient, AgentError
 from node_agent.devices.simulated import parse_spec, simulated_uuid
 
 from .fake_cuda import FakeCuda, Target
+from .fake_nvml import FakeNode, Gpu
+from .fake_nvml import build as build_nvml
 
 KINDS = ("migrate", "shrink", "killed", "park", "unparked", "frozen", "moved")
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
 
 
 class Node:
@@ -458,3 +466,214 @@ def test_a_move_thaws_onto_the_other_gpu_with_every_gpu_paired_where_the_driver_
     said = [d for d in _heard(node, cursor) if d["kind"] in ("moved", "migrate")
             and d["lease_id"] == moving["id"]]
     assert [d["kind"] for d in said] == ["moved"] and "nothing restarted" in said[0]["reason"]
+
+
+# --- what the driver moves, and where it lands ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nvml_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_nvml("r550", tmp_path_factory.mktemp("nvml") / "r550")
+
+
+@pytest.fixture
+def nvml_driver(shared_tmp: Path, libraries: dict[str, Path], nvml_library: Path,
+                start_agent: Callable[..., AgentProcess]) -> Iterator[Callable[..., Node]]:
+    """A node as a real one is: NVML's stand-in lists the stand-in libcuda's processes with
+    what they hold on the GPU now (nothing once checkpointed), and device memory is not host
+    memory. ``gpus`` GPUs of ``total`` bytes, a CUDA context of ``context``."""
+    nodes: list[Node] = []
+
+    def start(*args: str, gpus: int = 1, total: int = 2 * GiB, context: int = 64 * MiB,
+              variant: str = "r580") -> Node:
+        stamp = time.monotonic_ns()
+        fake = FakeCuda(shared_tmp / f"cuda-{stamp}")
+        uuids = [simulated_uuid(i) for i in range(gpus)]
+        fake.gpus([(u, total, context) for u in uuids])
+        nvml = FakeNode(shared_tmp / f"node-{stamp}.txt", gpus=[Gpu(u, total) for u in uuids])
+        nvml.write()
+        env = {**fake.env(libraries[variant]), **nvml.env(nvml_library),
+               "LD_LIBRARY_PATH": f"{nvml_library}:{libraries[variant]}"}
+        agent = start_agent("--context-size", str(context), *args, spec=None, env=env)
+        node = Node(agent, fake, env)
+        nodes.append(node)
+        assert node.proven()["available"], node.client().node()["freezing"]
+        return node
+
+    yield start
+    for node in nodes:
+        for t in node.targets:
+            t.stop()
+
+
+def test_what_a_freeze_takes_is_measured_before_the_lock_not_by_a_poll_during_it(
+    nvml_driver: Callable[..., Node]
+) -> None:
+    """NVML stops listing a checkpointed process: a poll during the freeze of a second process
+    saw only what was still on the GPU."""
+    node = nvml_driver(gpus=1)
+    c = node.client()
+    lease, first = node.notebook("1Gi", "2Gi", mib=300)
+    second = node.target(lease["physical_gpu"])
+    second.hold(300)
+    c.register_pid(lease["id"], second.pid)
+    held = wait_for(lambda: (u := c.lease(lease["id"])["usage"]) >= 2 * (300 + 64) * MiB and u,
+                    what="both processes measured")
+    node.fake.rate(256 * MiB)  # about a second per process, against a poll every 50 ms
+    frozen = c.freeze(lease["id"])
+    assert frozen["frozen_bytes"] >= held
+    assert [node.fake.state(p.pid) for p in (first, second)] == ["checkpointed"] * 2
+
+
+def test_a_thaw_waits_until_the_gpu_has_room_for_what_it_froze_and_a_context(
+    nvml_driver: Callable[..., Node]
+) -> None:
+    node = nvml_driver(gpus=1, context=256 * MiB)
+    c = node.client()
+    lease, kernel = node.notebook("512Mi", "1Gi", mib=512)
+    frozen = c.freeze(lease["id"])
+    assert frozen["frozen_bytes"] >= 768 * MiB
+    # Another notebook grows while it is frozen: the GPU keeps less free than the frozen
+    # memory and a context.
+    _, grower = node.notebook("256Mi", "2Gi", mib=900)
+    wait_for(lambda: c.node()["gpus"][0]["memory_free"] < frozen["frozen_bytes"] + 256 * MiB,
+             what="the GPU filled")
+    waiting = c.unpark(lease["id"])
+    assert waiting["state"] == "pending" and "with a CUDA context" in waiting["reason"]
+    time.sleep(0.3)  # polls: still no restore tried
+    assert "restore" not in _calls(node.fake, kernel.pid)
+    grower.ask("free")
+    wait_for(lambda: c.lease(lease["id"])["state"] == "active", what="thawed once room came")
+    assert kernel.ask("check") == "ok"
+
+
+def test_a_restore_out_of_memory_waits_then_a_wedged_process_restarts_and_says_what_came_back(
+    nvml_driver: Callable[..., Node]
+) -> None:
+    """cuda-checkpoint#44: a restore that runs out of memory leaves the process CHECKPOINTED;
+    the agent waits for room and tries again; the driver refuses again (304), so the kernel
+    restarts from its durable checkpoint."""
+    node = nvml_driver(gpus=1)
+    c = node.client()
+    lease, kernel = node.notebook("512Mi", "1Gi", mib=256)
+    c.freeze(lease["id"])
+    _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
+    node.fake.fill(lease["physical_gpu"], 2 * GiB - 128 * MiB)  # nothing NVML lists
+    waiting = c.unpark(lease["id"])
+    waiting = wait_for(lambda: (x := c.lease(lease["id"]))["state"] == "pending" and x,
+                       what="the thaw waiting")
+    assert "ran out of GPU memory" in waiting["reason"] and waiting["frozen"]
+    assert kernel.alive() and node.fake.state(kernel.pid) == "checkpointed"
+    node.fake.fill(lease["physical_gpu"], 0)
+    killed = wait_for(lambda: [d for d in _heard(node, cursor) if d["kind"] == "killed"],
+                      what="the restart")[0]
+    assert killed["cause"] == "thaw_failed" and "#44" in killed["reason"]
+    assert "variables of its last completed cell come back" in killed["reason"]
+    wait_for(lambda: not kernel.alive(), what="the wedged process ended")
+    assert [c.short for c in node.fake.calls(kernel.pid) if c.short == "restore"] == [
+        "restore", "restore"]
+
+
+def test_a_kernel_whose_memory_cgroup_cannot_take_its_gpu_memory_is_not_frozen(
+    nvml_driver: Callable[..., Node]
+) -> None:
+    """The driver copies the GPU memory into the process: its cgroup pays, and below its limit
+    the OOM killer would end the kernel mid-freeze. Refused instead, named, alive."""
+    node = nvml_driver(gpus=1)
+    c = node.client()
+    lease = c.create_lease(client="jupyter", request="512Mi", limit="1Gi")
+    with memory_cgroup(450 * MiB) as cgroup:
+        kernel = node.target(lease["physical_gpu"], preexec=cgroup.preexec)
+        try:
+            c.register_pid(lease["id"], kernel.pid)
+            assert kernel.ask("host 150") == "ok"
+            kernel.hold(300)
+            wait_for(lambda: c.lease(lease["id"])["usage"] >= 300 * MiB, what="measured")
+            with pytest.raises(AgentError) as err:
+                c.freeze(lease["id"])
+            message = err.value.message
+            assert "its memory limit of 450.0 MiB leaves" in message
+            assert "less than the 364.0 MiB it holds on the GPU" in message
+            assert kernel.alive() and _calls(node.fake, kernel.pid) == []
+            assert c.lease(lease["id"])["fallback"] == message
+        finally:
+            kernel.stop()
+
+
+def test_a_kernel_in_a_pid_namespace_of_its_own_is_not_frozen(driver: Callable[..., Node]) -> None:
+    """cuda-checkpoint#41 (NOTES): the driver acts only on processes of the caller's PID
+    namespace."""
+    node = driver("r580")
+    c = node.client()
+    lease = c.create_lease(client="jupyter", request="512Mi", limit="1Gi")
+    try:
+        kernel = node.target(lease["physical_gpu"], prefix=["unshare", "--pid", "--fork"])
+    except AssertionError as exc:
+        pytest.skip(f"no PID namespace for a test process here: {exc}")
+    c.register_pid(lease["id"], kernel.pid)
+    with pytest.raises(AgentError) as err:
+        c.freeze(lease["id"])
+    assert "another PID namespace" in err.value.message
+    assert _calls(node.fake, kernel.pid) == []
+
+
+# --- the process, pinned ------------------------------------------------------------------
+
+def _reuse_pid(pid: int, start: Callable[[], Target]) -> Target:
+    """A new process with ``pid``, which another process had (root may choose the next pid)."""
+    for _ in range(200):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        probe = subprocess.Popen(["sleep", "60"])
+        if probe.pid == pid:
+            probe.kill()
+            probe.wait()
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+            target = start()
+            if target.pid == pid:
+                return target
+            target.stop()
+        else:
+            probe.kill()
+            probe.wait()
+    pytest.skip(f"pid {pid} could not be had again (other processes took it)")
+
+
+def test_a_pid_reused_between_a_poll_and_a_freeze_is_never_frozen(
+    driver: Callable[..., Node]
+) -> None:
+    """#36: freeze and thaw acted on bare pid numbers; a kill pins the process (pidfd and
+    start time), and so do they now."""
+    if os.geteuid() != 0:
+        pytest.skip("choosing the next pid needs root")
+    node = driver("r580", "--poll-interval", "60")
+    c = node.client()
+    lease, kernel = node.notebook()
+    pid = kernel.pid
+    kernel.stop()  # ended; the agent has not polled since
+    stranger = _reuse_pid(pid, lambda: node.target(lease["physical_gpu"]))
+    stranger.hold(8)
+    with pytest.raises(AgentError) as err:
+        c.freeze(lease["id"])
+    assert "gone" in err.value.message
+    assert node.fake.state(stranger.pid) == "running" and _calls(node.fake, pid) == []
+    assert stranger.ask("check") == "ok"
+
+
+def test_the_embedded_agent_s_supervisor_waits_for_a_freeze_under_way(
+    driver: Callable[..., Node]
+) -> None:
+    """The server SIGKILLed its agent 5 s after SIGTERM, less than a freeze of a few GiB takes:
+    it now waits as long as the agent says its freeze may still take."""
+    node = driver("r570")
+    c = node.client()
+    lease, kernel = node.notebook(mib=96)
+    node.fake.rate(16 * MiB)  # a copy of six seconds
+    threading.Thread(target=lambda: _ignore(lambda: c.freeze(lease["id"])), daemon=True).start()
+    wait_for(lambda: node.fake.state(kernel.pid) == "checkpointing", what="the copy under way")
+    supervisor = EmbeddedAgent(node.agent.socket, str(node.agent.state_dir), "",
+                               logging.getLogger("test"))
+    supervisor.process = node.agent.process
+    asyncio.run(supervisor.stop())
+    assert node.agent.process is not None and node.agent.process.returncode == 0
+    assert node.fake.state(kernel.pid) == "checkpointed"
