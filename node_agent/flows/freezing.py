@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from node_agent import memcg, policy, procs
@@ -18,8 +19,6 @@ from node_agent.devices.base import (
     GONE,
     LOCKED,
     NO_CUDA,
-    OS_ERROR,
-    OUT_OF_MEMORY,
     RUNNING,
     FreezeError,
     GpuInfo,
@@ -27,7 +26,8 @@ from node_agent.devices.base import (
 )
 from node_agent.flows import common
 from node_agent.flows.common import Caller, Conflict
-from node_agent.flows.freeze_calls import FROZEN_LEFT, DriverCalls
+from node_agent.flows.freeze_calls import DriverCalls
+from node_agent.flows.freeze_steps import FreezeSteps, Outcome
 from node_agent.flows.parking import NOT_NOW, notebook_only
 from node_agent.flows.room import Room
 from node_agent.ledger import KUBELET, Lease
@@ -48,18 +48,6 @@ PROVING = ("the agent is still checking that freezing works on this node (it fre
 ASK_AGAIN_MAX_S = 600.0
 
 
-@dataclass
-class Outcome:
-    """How a freeze or a thaw of a lease's processes ended: done (nothing set); ``failed``: it
-    did not happen and they run as before; ``wait``: a thaw found no room and is tried again
-    once there is; ``lost``: the driver left a process unable to run on (FAILED, or wedged), so
-    its kernel restarts from its durable checkpoint."""
-
-    failed: str | None = None
-    wait: str | None = None
-    lost: str | None = None
-
-
 class Freezing(Room):
     """The freezes and thaws under way (each runs the driver's calls off the loop, bounded), the
     frozen leases whose kernel asked for its GPU back, whether this node's driver has been seen
@@ -69,6 +57,8 @@ class Freezing(Room):
         super().__init__(ctx)
         self.freezer = ctx.freezer
         self.calls = DriverCalls(ctx.freezer, ctx.backend, ctx.config) if ctx.freezer else None
+        self.steps = (FreezeSteps(self.calls, ctx.backend, ctx.config, ctx.stats)
+                      if self.calls is not None else None)
         # Freezes and thaws under way, by lease, and when each began and may take till.
         self._acting: dict[str, asyncio.Future[Any]] = {}
         self._bounds: dict[str, tuple[float, float]] = {}
@@ -80,8 +70,11 @@ class Freezing(Room):
         self._proving: asyncio.Task[None] | None = None
         # Frozen leases whose process state the driver would not say: why, by lease.
         self._unknown: dict[str, str] = {}
-        # Frozen leases whose restore ran out of GPU memory once.
-        self._out_of_memory: set[str] = set()
+
+    @property
+    def _steps(self) -> FreezeSteps:
+        assert self.steps is not None, "a freeze or thaw on an agent that cannot freeze"
+        return self.steps
 
     # --- whether this node freezes ------------------------------------------------------
     async def probe(self) -> None:
@@ -375,11 +368,11 @@ class Freezing(Room):
         by_pid, held = await self._held_now(lease)
         self._moving(lease_id, held)
         blocker = self.memory_blocker(lease, held, by_pid)
-        outcome = Outcome(failed=blocker) if blocker else await self._freeze_pids(lease, by_pid, held)
+        outcome = Outcome(failed=blocker) if blocker else await self._steps.freeze(lease, by_pid, held)
         current = self.ledger.leases.get(lease_id)
         if current is None:  # released meanwhile: its processes must not stay frozen
             if outcome.failed is None and outcome.lost is None:
-                await self._thaw_back(lease.pids)
+                await self._steps.thaw_back(lease.pids)
             return "its lease was released during the freeze"
         lease = current
         if outcome.lost is not None:
@@ -436,109 +429,6 @@ class Freezing(Room):
                 by_pid[pid] = by_pid.get(pid, 0) + (used or 0)
         return by_pid, max(most, lease.usage)
 
-    async def _freeze_pids(self, lease: Lease, by_pid: Mapping[int, int], held: int) -> Outcome:
-        """Lock and checkpoint each process in turn, checking each: the driver's state after,
-        and (with NVML) that its memory left the GPU. On a failure the ones frozen are thawed
-        again, and what the driver left of the failed one is read and acted on."""
-        assert self.calls is not None
-        done: list[tuple[int, int]] = []
-        for pid, start in lease.pids:
-            try:
-                state = await self.calls.call("state", pid, start)
-            except FreezeError as exc:
-                if exc.kind == NO_CUDA:
-                    continue  # nothing of it is on a GPU: nothing to freeze
-                return await self._undo(done, Outcome(failed=f"the driver could not say how "
-                                                      f"process {pid} is: {exc}"))
-            if state != RUNNING:
-                return await self._undo(done, Outcome(failed=f"process {pid} is {state} already: "
-                                                      "something else froze it"))
-            for attempt in range(1, self.config.freeze_attempts + 1):
-                try:
-                    await self.calls.call("lock", pid, start,
-                                          timeout=self.config.freeze_lock_timeout)
-                    break
-                except FreezeError as exc:
-                    if exc.retry and attempt < self.config.freeze_attempts:
-                        continue
-                    tries = f" after {attempt} tries" if attempt > 1 else ""
-                    return await self._undo(done, Outcome(
-                        failed=f"the driver did not freeze process {pid}{tries}: {exc}"))
-            try:
-                await self.calls.call("checkpoint", pid, start, moves=by_pid.get(pid, held))
-            except FreezeError as exc:
-                return await self._undo(done, await self._after_failed_checkpoint(pid, start, exc))
-            mismatch = await self._frozen_as_said(lease, pid, start)
-            if mismatch is not None:
-                self.stats.freeze_mismatch("freeze")
-                await self._thaw_back(((pid, start),))
-                return await self._undo(done, Outcome(failed=mismatch))
-            done.append((pid, start))
-        return Outcome()
-
-    async def _after_failed_checkpoint(self, pid: int, start: int, exc: FreezeError) -> Outcome:
-        """A checkpoint failed: read what the driver left and act on it — locked, unlock it;
-        checkpointed after all, thaw it; FAILED, its kernel restarts from its checkpoint."""
-        assert self.calls is not None
-        failed = f"the driver did not checkpoint process {pid}: {exc}"
-        try:
-            state = await self.calls.call("state", pid, start)
-        except FreezeError as read:
-            state = None
-            failed += f"; its state could not be read ({read})"
-        if state == FAILED:
-            return Outcome(lost=f"{failed}; the driver left it FAILED, so it cannot run on")
-        if state in (LOCKED, CHECKPOINTED, None):
-            undone = await self._thaw_back(((pid, start),))
-            if undone is not None and state is not None:
-                return Outcome(lost=f"{failed}; and it could not be let run again ({undone})")
-            return Outcome(failed=f"{failed} (it was let run again)")
-        return Outcome(failed=failed)
-
-    async def _frozen_as_said(self, lease: Lease, pid: int, start: int) -> str | None:
-        """After a checkpoint: None when the driver says CHECKPOINTED and (with NVML) the
-        process's memory left its GPUs, else what did not match."""
-        assert self.calls is not None
-        try:
-            state = await self.calls.call("state", pid, start)
-        except FreezeError as exc:
-            return f"after its checkpoint the driver could not say how process {pid} is: {exc}"
-        if state != CHECKPOINTED:
-            return f"after its checkpoint the driver says process {pid} is {state}"
-        if self.backend.simulated:
-            return None
-        listed = await self.calls.held(lease.physical, [pid])
-        left = max((found.get(pid) or 0 for found in listed.values()), default=0)
-        if left > FROZEN_LEFT:
-            return (f"after its checkpoint NVML still lists {format_bytes(left)} of process "
-                    f"{pid} on its GPU")
-        return None
-
-    async def _undo(self, done: Sequence[tuple[int, int]], outcome: Outcome) -> Outcome:
-        """The processes frozen before a failure run again where they were."""
-        undone = await self._thaw_back(done)
-        if undone is not None and outcome.lost is None:
-            return Outcome(lost=f"{outcome.failed}; and {undone}")
-        return outcome
-
-    async def _thaw_back(self, pids: Sequence[tuple[int, int]]) -> str | None:
-        """Let each process run again where it was (a freeze undone): restored if checkpointed,
-        unlocked if locked. Why one could not be (None: all run)."""
-        assert self.calls is not None
-        for pid, start in pids:
-            try:
-                state = await self.calls.call("state", pid, start)
-                if state == CHECKPOINTED:
-                    await self.calls.call("restore", pid, start)
-                    state = LOCKED
-                if state == LOCKED:
-                    await self.calls.call("unlock", pid, start)
-            except FreezeError as exc:
-                if exc.kind in (GONE, NO_CUDA):
-                    continue
-                return f"process {pid} could not be let run again: {exc}"
-        return None
-
     # --- thawing -----------------------------------------------------------------------
     def ask_to_thaw(self, lease_id: str) -> None:
         """The frozen lease's kernel asked for its GPU back (a cell waits), from now on."""
@@ -551,7 +441,8 @@ class Freezing(Room):
         """The lease was released: nothing of it is kept."""
         self._thaw_asked.pop(lease_id, None)
         self._unknown.pop(lease_id, None)
-        self._out_of_memory.discard(lease_id)
+        if self.steps is not None:
+            self.steps.out_of_memory.discard(lease_id)
 
     def start_thaw(self, lease: Lease, logical: tuple[str, ...], physical: tuple[str, ...],
                    how: str) -> Lease:
@@ -654,7 +545,8 @@ class Freezing(Room):
         lease = self.ledger.leases[lease_id]
         started = time.monotonic()
         self._moving(lease_id, lease.frozen_bytes)
-        outcome = await self._thaw_pids(lease, self._pairs(moves))
+        outcome = await self._steps.thaw(lease, self._pairs(moves), functools.partial(
+            self._thaw_room, lease, lease.physical))
         lease = self.ledger.leases.get(lease_id)  # type: ignore[assignment]
         if lease is None or lease.state != "thawing":
             return  # released (or stopped) meanwhile
@@ -674,7 +566,9 @@ class Freezing(Room):
                                   "of its last completed cell come back from disk; what was in "
                                   f"its frozen process is lost): {why}", "thaw_failed")
             return
-        self._out_of_memory.discard(lease_id)
+        self._steps.out_of_memory.discard(lease_id)
+        if outcome.note is not None:
+            self.ledger.update(lease_id, fallback=outcome.note)
         seconds = time.monotonic() - started
         now = time.time()
         frozen_for = now - (lease.frozen_at or now)
@@ -696,72 +590,6 @@ class Freezing(Room):
         self.stats.unparked(how, lease_id)
         log.info("lease %s %s (thaw %.2fs)", lease_id, reason, seconds)
 
-    async def _thaw_pids(self, lease: Lease, pairs: Mapping[str, str] | None) -> Outcome:
-        """Restore and unlock each process still frozen, checking the GPU's room again just
-        before the first restore and the driver's state after each."""
-        assert self.calls is not None
-        checked = False
-        for pid, start in lease.pids:
-            try:
-                state = await self.calls.call("state", pid, start)
-            except FreezeError as exc:
-                if exc.kind in (NO_CUDA, GONE):
-                    continue  # none of it was frozen, or it ended (the poll lets it go)
-                return Outcome(lost=f"the driver could not say how process {pid} is: {exc}")
-            if state == RUNNING:
-                continue  # thawed already (a thaw that raced this one)
-            if state == FAILED:
-                return Outcome(lost=f"the driver lost process {pid}'s GPU state (FAILED)")
-            if state == CHECKPOINTED:
-                if not checked:
-                    short = self._thaw_room(lease, lease.physical, await self.calls.gpus())
-                    if short is not None:
-                        return Outcome(wait=short)
-                    checked = True
-                try:
-                    await self.calls.call("restore", pid, start, pairs,
-                                          moves=lease.frozen_bytes)
-                except FreezeError as exc:
-                    return self._after_failed_restore(lease, pid, exc)
-            try:
-                await self.calls.call("unlock", pid, start)
-                state = await self.calls.call("state", pid, start)
-            except FreezeError as exc:
-                return Outcome(lost=f"process {pid} could not be let run again: {exc}")
-            if state != RUNNING:
-                self.stats.freeze_mismatch("thaw")
-                return Outcome(lost=f"after its thaw the driver says process {pid} is {state}")
-        return await self._thawed_as_said(lease)
-
-    def _after_failed_restore(self, lease: Lease, pid: int, exc: FreezeError) -> Outcome:
-        """A restore that ran out of GPU memory waits for room and is tried again; one that
-        fails after that (the driver refuses every later one, cuda-checkpoint#44), or for any
-        other reason, leaves the process unable to run on."""
-        if exc.kind == OUT_OF_MEMORY and lease.id not in self._out_of_memory:
-            self._out_of_memory.add(lease.id)
-            return Outcome(wait=f"its restore ran out of GPU memory and is tried again once "
-                                f"there is room: {exc}")
-        if exc.kind in (OUT_OF_MEMORY, OS_ERROR) and lease.id in self._out_of_memory:
-            return Outcome(lost=f"after a restore that ran out of GPU memory the driver will not "
-                                f"restore process {pid} again (cuda-checkpoint#44): {exc}")
-        return Outcome(lost=f"the driver did not thaw process {pid}: {exc}")
-
-    async def _thawed_as_said(self, lease: Lease) -> Outcome:
-        """After a thaw, with NVML: its processes are listed on its GPUs again, holding memory
-        (a mismatch is counted and said; the kernel runs, and the agent trusts the driver's
-        RUNNING)."""
-        assert self.calls is not None
-        if self.backend.simulated or lease.frozen_bytes <= FROZEN_LEFT:
-            return Outcome()
-        pids = [pid for pid, _ in lease.pids]
-        listed = await self.calls.held(lease.physical, pids)
-        back = max((sum(u or 0 for u in found.values()) for found in listed.values()), default=0)
-        if back <= FROZEN_LEFT:
-            self.stats.freeze_mismatch("thaw")
-            self.ledger.update(lease.id, fallback=f"after its thaw NVML lists {format_bytes(back)} "
-                               f"of the {format_bytes(lease.frozen_bytes)} it froze")
-        return Outcome()
-
     # --- moves by freezing -------------------------------------------------------------
     def move_by_freezing(self, lease: Lease, reason: str, body: dict[str, Any]) -> None:
         """Move a ``migrating`` lease to its target by freezing it and thawing it there, in the
@@ -776,14 +604,15 @@ class Freezing(Room):
         started = time.monotonic()
         by_pid, held = await self._held_now(lease)
         self._moving(lease_id, held)
-        outcome = await self._freeze_pids(lease, by_pid, held)
+        outcome = await self._steps.freeze(lease, by_pid, held)
         if outcome.failed is None and outcome.lost is None:
             moving = replace(lease, physical=lease.target, frozen_bytes=held)
-            outcome = await self._thaw_pids(moving, self._pairs(moves))
+            outcome = await self._steps.thaw(moving, self._pairs(moves), functools.partial(
+                self._thaw_room, moving, moving.physical))
             why = outcome.failed or outcome.lost or outcome.wait
             if why is not None:
                 # Thawed where it was, it can still be moved the old way; if not, it restarts.
-                undone = await self._thaw_back(lease.pids)
+                undone = await self._steps.thaw_back(lease.pids)
                 if undone is not None:
                     current = self.ledger.leases.get(lease_id)
                     if current is not None and current.state == "migrating":
@@ -889,7 +718,7 @@ class Freezing(Room):
             self.ledger.update(lease_id, state="active", reason="running: a freeze was cut "
                                "short by an agent restart")
             if states & {LOCKED, CHECKPOINTED}:
-                await self._thaw_back(lease.pids)
+                await self._steps.thaw_back(lease.pids)
         elif lease.state == "thawing":
             moved = set(lease.physical) != set(lease.frozen_on)
             await self._thaw(lease_id, dict(zip(lease.frozen_on, lease.physical, strict=True))
