@@ -40,6 +40,8 @@ FROZEN_LEFT = 64 * MiB
 # How long the canary may take to start and hold its memory (CUDA's first start takes
 # seconds), and to answer after its thaw.
 CANARY_START_S = 60.0
+# How the canary's verdict begins where it could not run yet (it is tried again later).
+NOT_YET = "not yet checked"
 # The call names people read: the driver's own.
 SYMBOLS = {"state": "cuCheckpointProcessGetState", "lock": "cuCheckpointProcessLock",
            "checkpoint": "cuCheckpointProcessCheckpoint",
@@ -159,7 +161,7 @@ class DriverCalls:
         room = [g for g in gpus if g.healthy
                 and g.memory_free >= canary_process.CANARY_BYTES + g.context_size + 64 * MiB]
         if not room:
-            return ("not yet checked: no GPU has room for the agent's test process "
+            return (f"{NOT_YET}: no GPU has room for the agent's test process "
                     f"({format_bytes(canary_process.CANARY_BYTES)} and a CUDA context)")
         gpu = max(room, key=lambda g: g.memory_free)
         loop = asyncio.get_running_loop()

@@ -26,7 +26,7 @@ from node_agent.devices.base import (
 )
 from node_agent.flows import common
 from node_agent.flows.common import Caller, Conflict
-from node_agent.flows.freeze_calls import DriverCalls
+from node_agent.flows.freeze_calls import NOT_YET, DriverCalls
 from node_agent.flows.freeze_steps import FreezeSteps, Outcome
 from node_agent.flows.parking import NOT_NOW, notebook_only
 from node_agent.flows.room import Room
@@ -43,6 +43,9 @@ T = TypeVar("T")
 GiB = 2**30
 PROVING = ("the agent is still checking that freezing works on this node (it freezes and thaws "
            "a small CUDA process of its own first)")
+# How often a driver that was not usable, or a canary that found no room, is tried again: ten
+# polls, between a second and REPROBE_S.
+REPROBE_S = 30.0
 # A frozen lease whose state the driver would not say after an agent restart is asked again
 # after a poll interval (a second at least), twice as long each time, up to ASK_AGAIN_MAX_S.
 ASK_AGAIN_MAX_S = 600.0
@@ -68,6 +71,16 @@ class Freezing(Room):
         # this freezer needs no proof).
         self._proof: str | None = PROVING if ctx.freezer and ctx.freezer.needs_proof else None
         self._proving: asyncio.Task[None] | None = None
+        # What the driver said of itself when last asked, off the loop (a failed cuInit is
+        # asked again after REPROBE_S), and whether it remaps; never asked on the loop.
+        self._driver_why: str | None = None
+        self._can_remap = False
+        if ctx.freezer is not None and ctx.freezer.needs_proof:
+            self._driver_why = "the agent has not asked the CUDA driver yet"
+        elif ctx.freezer is not None:  # the simulation answers at once
+            self._driver_why, self._can_remap = ctx.freezer.unavailable(), ctx.freezer.can_remap()
+        self._probed = -REPROBE_S
+        self._probing: asyncio.Future[None] | None = None
         # Frozen leases whose process state the driver would not say: why, by lease.
         self._unknown: dict[str, str] = {}
 
@@ -82,15 +95,38 @@ class Freezing(Room):
         take seconds: not on the loop, not unbounded."""
         if self.freezer is None or self.calls is None:
             return
+        freezer = self.freezer
+        self._probed = time.monotonic()
         try:
-            why = await self.calls.run("cuInit", self.freezer.unavailable,
+            why = await self.calls.run("cuInit", freezer.unavailable,
                                        self.config.freeze_call_timeout)
+            remap = why is None and await self.calls.run(
+                "cuDriverGetVersion", freezer.can_remap, self.config.freeze_call_timeout)
         except FreezeError as exc:
-            why = str(exc)
+            why, remap = str(exc), False
+        self._driver_why, self._can_remap = why, remap
         if why:
             log.info("freezing: not available: %s", why)
         else:
-            log.info("freezing: by %s", self.freezer.name)
+            log.info("freezing: by %s", freezer.name)
+
+    def _probe_again(self) -> None:
+        """Ask the driver again in the background, at most every REPROBE_S, where it was not
+        usable (a cuInit that failed) or the canary found no room: it may be by now."""
+        if (self.calls is None or not self.config.freeze
+                or (self._probing is not None and not self._probing.done())
+                or time.monotonic() - self._probed
+                < min(REPROBE_S, max(1.0, 10 * self.config.poll_interval))
+                or not (self._driver_why or (self._proof or "").startswith(NOT_YET))):
+            return
+
+        async def again() -> None:
+            await self.probe()
+            if self._driver_why is None and (self._proving is None or self._proving.done()):
+                self.prove()
+
+        with contextlib.suppress(RuntimeError):  # no running loop: asked again later
+            self._probing = asyncio.ensure_future(again())
 
     def prove(self) -> None:
         """Freeze and thaw a CUDA process of the agent's own, in the background: until that
@@ -98,7 +134,7 @@ class Freezing(Room):
         on a user's kernel)."""
         if self.calls is None or self._proof is None or not self.config.freeze:
             return
-        if self.freezer is not None and self.freezer.unavailable() is not None:
+        if self._driver_why is not None:
             return
         calls = self.calls
 
@@ -117,7 +153,8 @@ class Freezing(Room):
             return "freezing is turned off on this node (--no-freeze)"
         if self.freezer is None or self.calls is None:
             return "this agent has no way to freeze processes"
-        return self.freezer.unavailable() or self.calls.stalled() or self._proof
+        self._probe_again()
+        return self._driver_why or self.calls.stalled() or self._proof
 
     def status(self) -> dict[str, Any]:
         """Whether this node freezes notebooks (and why not), whether a thaw can land on another
@@ -126,8 +163,7 @@ class Freezing(Room):
         why = self.node_blocker()
         return {"available": why is None, "why": why,
                 "freezer": self.freezer.name if self.freezer is not None else None,
-                "remap": why is None and self.config.freeze_remap and self.freezer is not None
-                and self.freezer.can_remap(),
+                "remap": why is None and self.config.freeze_remap and self._can_remap,
                 "frozen_bytes": self.frozen_bytes(), "budget": self.freeze_budget(),
                 "budget_per_user": self.user_budget(),
                 "stop_grace": round(self.stop_grace(), 1),
@@ -524,7 +560,7 @@ class Freezing(Room):
             return "thawing onto another GPU is off on this node (--freeze-remap turns it on)"
         if len(physical) != len(lease.frozen_on or lease.physical):
             return "it would run on another number of GPUs"
-        if not self.freezer.can_remap():
+        if not self._can_remap:
             return "this driver thaws a process only onto the GPUs it was frozen on (r580 remaps)"
         names = {g.uuid: g.name for g in self.ctx.gpus}
         if any(names.get(old) != names.get(new)

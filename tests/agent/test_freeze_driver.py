@@ -677,3 +677,19 @@ def test_the_embedded_agent_s_supervisor_waits_for_a_freeze_under_way(
     asyncio.run(supervisor.stop())
     assert node.agent.process is not None and node.agent.process.returncode == 0
     assert node.fake.state(kernel.pid) == "checkpointed"
+
+
+def test_a_driver_that_failed_to_start_is_asked_again_off_the_loop(
+    driver: Callable[..., Node]
+) -> None:
+    """A transient cuInit failure says nothing for good: freezing is off, then on, and the
+    node view never waits for the driver."""
+    node = driver("r580", proven=False,
+                  before=lambda fake: fake.fail("init", "CUDA_ERROR_NO_DEVICE", once=False))
+    c = node.client()
+    freezing = wait_for(lambda: (f := c.node()["freezing"])["why"]
+                        and "cuInit failed" in f["why"] and f, what="the failed cuInit said")
+    assert not freezing["available"] and "CUDA_ERROR_NO_DEVICE" in freezing["why"]
+    node.fake.clear_script()
+    assert wait_for(lambda: c.node()["freezing"]["available"], timeout=30,
+                    what="the driver asked again, and the canary passed")
