@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -283,6 +284,9 @@ def test_a_call_that_does_not_return_turns_freezing_off_while_the_api_answers(
                         and f, what="freezing off")
     assert not freezing["available"] and "cuCheckpointProcessCheckpoint" in freezing["why"]
     assert c.lease(other["id"])["state"] == "active"  # the API answers meanwhile
+    status = subprocess.run([sys.executable, "-m", "node_agent", "--socket", node.agent.socket,
+                             "status"], capture_output=True, text=True, timeout=30, check=False)
+    assert "freezing: off (the CUDA driver has not answered" in status.stdout, status.stdout
     with pytest.raises(AgentError) as err:
         c.freeze(other["id"])
     assert "has not answered" in err.value.message
