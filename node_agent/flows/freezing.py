@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpufrac.agent")
 T = TypeVar("T")
 
-GiB = 2**30
 PROVING = ("the agent is still checking that freezing works on this node (it freezes and thaws "
            "a small CUDA process of its own first)")
 # How often a driver that was not usable, or a canary that found no room, is tried again: ten
