@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness.agent import ROOT, AgentProcess
+from harness.agent import ROOT, AgentProcess, ChildProcess
 
 from .fake_cuda import VARIANTS, FakeCuda, Target, build
 
@@ -62,7 +62,7 @@ def start_agent(shared_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
         agent.stop()
 
 
-class Holder:
+class Holder(ChildProcess):
     """A real process that holds as much memory as a test tells it to."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
@@ -83,14 +83,6 @@ class Holder:
         self.proc.stdin.write(f"{mib}\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "held"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-from harness.agent import ROOT
+from harness.agent import ROOT, ChildProcess
 
 SOURCE = Path(__file__).with_name("fake_cuda.c")
 TARGET = Path(__file__).with_name("target.py")
@@ -205,7 +205,7 @@ class FakeCuda:
             os.close(fd)
 
 
-class Target:
+class Target(ChildProcess):
     """A small CUDA program (target.py) on the stand-in or a real driver: it holds device and
     host memory, queues work, and answers one line per command. A command sent while it is
     frozen is answered once it is thawed: :meth:`send` then :meth:`answer`."""
@@ -250,11 +250,3 @@ class Target:
     def hold(self, mib: int) -> None:
         """Hold ``mib`` more MiB of device memory (as the simulated node's Holder does)."""
         assert self.ask(f"alloc {mib}") == "ok"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait()
