@@ -156,44 +156,26 @@ class Worker:
             self.process.wait()
 
 
-class DriverTimes(logging.Handler):
-    """The driver's split times, from what DriverFreezer logs of each freeze and thaw."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.last: dict[str, float] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args: tuple[Any, ...] = record.args if isinstance(record.args, tuple) else ()
-        msg = str(record.msg)
-        if msg.startswith("froze pid") and len(args) == 3:
-            self.last.update(lock=float(args[1]), checkpoint=float(args[2]))
-        elif msg.startswith("thawed pid") and len(args) == 4:
-            self.last.update(restore=float(args[2]), unlock=float(args[3]))
-
-
-def freeze_thaw(freezer: DriverFreezer, times: DriverTimes, pid: int) -> dict[str, float]:
-    times.last = {}
+def freeze_thaw(freezer: DriverFreezer, pid: int) -> dict[str, float]:
+    """The driver's four calls on ``pid``, each timed, and what NVML lists before and frozen."""
     before = nvml_memory_of(pid)
-    t0 = time.perf_counter()
-    freezer.freeze(pid, lock_timeout=60)
-    frozen = time.perf_counter() - t0
+    lock = timed(lambda: freezer.lock(pid, timeout=60))
+    checkpoint = timed(lambda: freezer.checkpoint(pid))
     after = nvml_memory_of(pid)
-    t0 = time.perf_counter()
-    freezer.thaw(pid)
-    thawed = time.perf_counter() - t0
-    return {"freeze_s": frozen, "thaw_s": thawed, "nvml_before": before, "nvml_frozen": after,
-            **{f"{k}_s": v for k, v in times.last.items()}}
+    restore = timed(lambda: freezer.restore(pid))
+    unlock = timed(lambda: freezer.unlock(pid))
+    return {"freeze_s": lock + checkpoint, "thaw_s": restore + unlock, "nvml_before": before,
+            "nvml_frozen": after, "lock_s": lock, "checkpoint_s": checkpoint,
+            "restore_s": restore, "unlock_s": unlock}
 
 
-def driver_rounds(gib: int, runs: int, freezer: DriverFreezer, times: DriverTimes
-                  ) -> list[dict[str, float]]:
+def driver_rounds(gib: int, runs: int, freezer: DriverFreezer) -> list[dict[str, float]]:
     """(i): a plain process holding S, frozen and thawed by the driver."""
     worker = Worker(gib)
     try:
         rounds = []
         for i in range(runs):
-            got = freeze_thaw(freezer, times, worker.pid)
+            got = freeze_thaw(freezer, worker.pid)
             if not worker.ask("check")["ok"]:
                 raise RuntimeError("the tensors changed across the driver's freeze and thaw")
             rounds.append(got)
@@ -204,7 +186,7 @@ def driver_rounds(gib: int, runs: int, freezer: DriverFreezer, times: DriverTime
         worker.close()
 
 
-def pinned_rounds(gib: int, runs: int, freezer: DriverFreezer, times: DriverTimes
+def pinned_rounds(gib: int, runs: int, freezer: DriverFreezer
                   ) -> tuple[float, list[dict[str, float]]]:
     """(ii) and (iii): pinned bandwidth, then offload + freeze the context + thaw + reload."""
     worker = Worker(gib)
@@ -214,7 +196,7 @@ def pinned_rounds(gib: int, runs: int, freezer: DriverFreezer, times: DriverTime
         for i in range(runs):
             d2h, h2d = worker.ask("d2h")["seconds"], worker.ask("h2d")["seconds"]
             offload = worker.ask("offload")
-            got = freeze_thaw(freezer, times, worker.pid)
+            got = freeze_thaw(freezer, worker.pid)
             reload = worker.ask("reload")["seconds"]
             if not worker.ask("check")["ok"]:
                 raise RuntimeError("the tensors changed across offload, freeze, thaw and reload")
@@ -334,14 +316,13 @@ def main() -> int:
     if why is not None:
         print(f"{NEEDS_GPU}: {why}")
         return 0
-    freezer, times = DriverFreezer(), DriverTimes()
-    logging.getLogger("node_agent.devices.cuda").addHandler(times)
+    freezer = DriverFreezer()
     logging.getLogger("node_agent.devices.cuda").setLevel(logging.INFO)
     gib, runs = args.gib, args.runs
     say(f"(i) the driver's checkpoint of {gib} GiB")
-    driver = medians(driver_rounds(gib, runs, freezer, times))
+    driver = medians(driver_rounds(gib, runs, freezer))
     say(f"(ii)+(iii) pinned copies of {gib} GiB, and offload before the freeze")
-    pin_s, pinned_list = pinned_rounds(gib, runs, freezer, times)
+    pin_s, pinned_list = pinned_rounds(gib, runs, freezer)
     pinned = medians(pinned_list)
     project: dict[str, float] = {}
     if not args.skip_project:

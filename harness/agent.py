@@ -64,6 +64,21 @@ def nvml_memory_of(pid: int) -> int:
         pynvml.nvmlShutdown()
 
 
+class ChildProcess:
+    """A process a test started (``proc``): whether it still runs, and its end."""
+
+    proc: subprocess.Popen[str]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGKILL it if it runs, and reap it."""
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:

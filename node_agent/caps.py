@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 
 # What caps GPU memory in frameworks other than PyTorch (capped by the kernel hook), set from
 # the lease: JAX allocates as it goes up to a fraction, CuPy's pool has a byte limit,
@@ -38,7 +39,38 @@ def framework_caps(limit: int, context: int, total: int | None, devices: int,
     return caps
 
 
-def mps_running() -> bool:
-    """Whether a CUDA MPS control daemon listens on this machine (its pipe directory)."""
+def mps_running(uid: int | None = None) -> bool:
+    """Whether a CUDA MPS control daemon serves this machine (``uid`` None), or the processes of
+    user ``uid``: its pipe directory and control pipe belong to root (a system daemon) or to
+    that user, nobody else may write into the directory, and nvidia-cuda-mps-control runs as
+    their owner. A path any user can create decides nothing: MPS serves only its own user's
+    clients, so one user's daemon (or a fake directory) never turns freezing off for others."""
     folder = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return os.path.exists(os.path.join(folder, "control"))
+    try:
+        where = os.lstat(folder)
+        control = os.lstat(os.path.join(folder, "control"))
+    except OSError:
+        return False
+    owners = {0} if uid is None else {0, uid}
+    if (not stat.S_ISDIR(where.st_mode) or where.st_uid not in owners
+            or where.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            or not (stat.S_ISFIFO(control.st_mode) or stat.S_ISSOCK(control.st_mode))
+            or control.st_uid != where.st_uid):
+        return False
+    return _daemon_runs(where.st_uid)
+
+
+def _daemon_runs(uid: int) -> bool:
+    """Whether nvidia-cuda-mps-control runs as ``uid`` (its name is cut to 15 characters)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/comm") as f:
+                if f.read().strip() != "nvidia-cuda-mps":
+                    continue
+            if os.stat(f"/proc/{entry.name}").st_uid == uid:
+                return True
+        except OSError:
+            continue
+    return False

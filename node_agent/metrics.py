@@ -38,9 +38,12 @@ RUNNING = ("active", "shrinking", "migrating")
 # appears only at its first event hides that event from rate() and increase().
 MOVE_CAUSES = ("compaction", "request_changed")
 SHRINK_CAUSES = ("reclaim", "limit")
-KILL_CAUSES = ("reclaim", "limit", "migrate_timeout", "thaw_failed", "thaw_elsewhere")
+KILL_CAUSES = ("reclaim", "limit", "migrate_timeout", "thaw_failed", "thaw_elsewhere",
+               "freeze_failed")
 # Why a lease's processes were frozen.
 FREEZE_CAUSES = ("park", "reclaim", "limit", "job", "move")
+# The steps after which the agent checks the driver's word (its state, NVML's listing).
+FREEZE_STEPS = ("freeze", "thaw")
 
 
 def hostname() -> str:
@@ -206,6 +209,10 @@ def _events(stats: AgentStats, host: str) -> Iterator[Metric]:
     yield _counter("gpufrac_freeze_fallbacks", "Freezes that could not be used, so a checkpoint "
                    "and restart (or a stop) stood in, by cause.", stats.freeze_fallbacks,
                    FREEZE_CAUSES, host)
+    yield _counter("gpufrac_freeze_mismatches", "Freezes and thaws after which the driver's "
+                   "state or NVML's listing did not match what the driver said it did, by step; "
+                   "each fell back or restarted its kernel.", stats.freeze_mismatches,
+                   FREEZE_STEPS, host)
     for name, help_text, hist in (
         ("gpufrac_freeze_duration_seconds", "How long the driver took to freeze a lease's "
          "processes.", stats.freeze_seconds),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import select
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -199,6 +201,40 @@ def is_alive(pid: int, start_time: int) -> bool:
     return st is not None and st.state != "Z" and st.start_time == start_time
 
 
+class Pin:
+    """A process held by a pidfd: whether it still runs is asked of the descriptor, which never
+    follows a pid number to another process."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def alive(self) -> bool:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return not poller.poll(0)  # readable once it has exited
+
+
+@contextlib.contextmanager
+def pinned(pid: int, start_time: int) -> Iterator[Pin]:
+    """Hold process ``pid`` for the block, if it is still the one that started at
+    ``start_time``; ProcessLookupError if not (it ended, or the pid names another process).
+
+    The pidfd is opened before the start time is checked, so the process checked is the one
+    held: what acts on the pid number within the block (a signal, a driver call) acts on it
+    unless it ends meanwhile, which ``Pin.alive`` tells afterwards.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as exc:
+        raise ProcessLookupError(f"no process {pid}") from exc
+    try:
+        if not is_alive(pid, start_time):
+            raise ProcessLookupError(f"process {pid} is not the one that started at {start_time}")
+        yield Pin(fd)
+    finally:
+        os.close(fd)
+
+
 def kill(pid: int, start_time: int) -> bool:
     """SIGKILL the process if it is still the one registered; True when a signal was sent.
 
@@ -206,18 +242,11 @@ def kill(pid: int, start_time: int) -> bool:
     check and the signal is never hit.
     """
     try:
-        fd = os.pidfd_open(pid)
-    except (ProcessLookupError, OSError):
-        return False
-    try:
-        if not is_alive(pid, start_time):
-            return False
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-        return True
+        with pinned(pid, start_time) as pin:
+            signal.pidfd_send_signal(pin.fd, signal.SIGKILL)
+            return True
     except ProcessLookupError:
         return False
-    finally:
-        os.close(fd)
 
 
 class ProcessWatch:

@@ -65,12 +65,14 @@ class Agent:
         await self.ctx.polling.tick()
         self.ctx.usage.adopt()
         self.ctx.freezing.resume_freezes()
+        self.ctx.freezing.prove()
         self.ctx.polling.run()
 
     async def stop(self) -> None:
         await self.ctx.polling.stop()
-        # A freeze or thaw is left to finish: stopping the caller mid-call desyncs the driver.
-        await self.ctx.freezing.settled()
+        # A freeze or thaw may finish within its bound: a caller stopped mid-call is said to
+        # leave the driver out of step.
+        await self.ctx.freezing.stop()
         self.ctx.usage.close()
 
     async def tick(self) -> None:

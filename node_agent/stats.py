@@ -129,6 +129,8 @@ class AgentStats:
     # the driver took to freeze and to thaw.
     freezes: Counter[str] = field(default_factory=Counter)
     freeze_fallbacks: Counter[str] = field(default_factory=Counter)
+    # What the driver said and what the agent found did not match, by step (freeze, thaw).
+    freeze_mismatches: Counter[str] = field(default_factory=Counter)
     freeze_seconds: Histogram = field(default_factory=lambda: Histogram(MOVE_BUCKETS))
     thaw_seconds: Histogram = field(default_factory=lambda: Histogram(MOVE_BUCKETS))
     offloads: Counter[str] = field(default_factory=Counter)  # by reason
@@ -165,6 +167,9 @@ class AgentStats:
 
     def freeze_fell_back(self, cause: str) -> None:
         self.freeze_fallbacks[cause] += 1
+
+    def freeze_mismatch(self, step: str) -> None:
+        self.freeze_mismatches[step] += 1
 
     def thawed(self, seconds: float) -> None:
         self.thaw_seconds.observe(seconds)

@@ -96,10 +96,13 @@ class EmbeddedAgent:
             return "(no log)"
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after the grace period."""
+        """SIGTERM, then SIGKILL after the grace period, or after what the agent says its
+        freezes and thaws under way may still take, if longer: a driver call cut short is said
+        to leave the driver out of step with the process it froze."""
         process, self.process = self.process, None
         if process is None or process.poll() is not None:
             return
+        grace_s = max(grace_s, await self._freeze_grace())
         process.terminate()
         try:
             await asyncio.to_thread(process.wait, grace_s)
@@ -108,3 +111,13 @@ class EmbeddedAgent:
             process.kill()
             await asyncio.to_thread(process.wait)
         self.log.info("stopped embedded GPU agent (pid %s)", process.pid)
+
+    async def _freeze_grace(self) -> float:
+        """Seconds the agent's freezes and thaws under way may still take (0: none, or it does
+        not answer), and a little for its own stop."""
+        try:
+            node = await AgentLink(self.socket_path, timeout=2.0).node()
+        except AgentUnavailable:
+            return 0.0
+        pending = float((node.get("freezing") or {}).get("stop_grace") or 0)
+        return pending + 2.0 if pending > 0 else 0.0

@@ -80,8 +80,8 @@ def node_model(
     """``GET /api/gpufrac/node``: the GPUs, which of this user's leases sit on each, the agent,
     and what is wrong with this server's c.GpuFrac settings."""
     if node is None:
-        return {"simulated": False, "backend": None, "mps": False, "agent": agent, "gpus": [],
-                "leases": [], "config_problems": config_problems}
+        return {"simulated": False, "backend": None, "mps": False, "freezing": None,
+                "agent": agent, "gpus": [], "leases": [], "config_problems": config_problems}
     simulated = bool(node.get("simulated"))
     gpus = []
     for gpu in node.get("gpus", []):
@@ -101,6 +101,10 @@ def node_model(
         "simulated": simulated,
         "backend": node.get("backend"),
         "mps": bool(node.get("mps")),
+        # Whether the node freezes kernels, and why not (the driver, a call that hangs, the
+        # agent's own test of it): kernels parked or reclaimed are checkpointed otherwise.
+        "freezing": {key: freezing.get(key) for key in ("available", "why")}
+        if isinstance(freezing := node.get("freezing"), dict) else None,
         "agent": agent,
         "gpus": gpus,
         "leases": leases,

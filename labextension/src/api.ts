@@ -244,6 +244,11 @@ export interface INodeInfo {
   backend: string | null;
   /** Whether CUDA MPS runs on the node: only then are compute shares held. */
   mps?: boolean;
+  /**
+   * Whether the node freezes kernels, and why not; null when the agent did
+   * not say (absent from older servers).
+   */
+  freezing?: { available: boolean; why: string | null } | null;
   agent?: {
     socket?: string;
     embedded?: boolean;

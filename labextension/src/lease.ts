@@ -7,6 +7,7 @@ import {
   FROZEN_IN_HOST_MEMORY,
   IKernelStatus,
   ILease,
+  INodeInfo,
   IRecoveryPoint,
   IShareSource
 } from './api';
@@ -145,6 +146,24 @@ export function computeLine(
     ? trans.__('held by CUDA MPS')
     : trans.__('not enforced: no CUDA MPS');
   return trans.__('%1; share %2 of the compute (%3)', usedText, share, held);
+}
+
+/**
+ * What the node table says of freezing: nothing while the node freezes (or
+ * did not say), else that it does not and why — a kernel parked or reclaimed
+ * here is then checkpointed and restarted instead.
+ */
+export function freezingLine(
+  freezing: INodeInfo['freezing'],
+  trans: ITrans = defaultTrans
+): string | null {
+  if (!freezing || freezing.available) {
+    return null;
+  }
+  return trans.__(
+    'Freezing is off on this node: %1. A kernel parked or reclaimed here is checkpointed and restarted instead.',
+    (freezing.why ?? trans.__('the agent did not say why')).replace(/\.$/, '')
+  );
 }
 
 /** "45 s", "3 min", "2 h 4 min": how long ago, as people read it. */

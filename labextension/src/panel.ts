@@ -13,6 +13,7 @@ import { historyEntries } from './history';
 import {
   askedFor,
   computeLine,
+  freezingLine,
   leaseStateWords,
   recoveryPointLine,
   stateKept,
@@ -400,6 +401,13 @@ export class GpuFracPanel extends Widget {
           trans.__('This node is simulated: no real GPU is used.')
         )
       : null;
+    const freezingOff = freezingLine(node.freezing, trans);
+    const freezing = freezingOff
+      ? h.p(
+          { className: 'jp-gpufrac-Panel-note', dataset: { freezing: 'off' } },
+          freezingOff
+        )
+      : null;
     // Each lease where its kernel's account puts it: the GPU it runs on, or
     // the "no GPU" row while it is parked or waiting for one.
     const placed = node.leases.map(lease => {
@@ -496,6 +504,7 @@ export class GpuFracPanel extends Widget {
       'node',
       trans.__('GPUs on this node'),
       simulated,
+      freezing,
       this._agentNote(),
       table
     );

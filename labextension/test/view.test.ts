@@ -19,6 +19,7 @@ import { historyEntries } from '../src/history';
 import {
   askedFor,
   computeLine,
+  freezingLine,
   leaseStateWords,
   recoveryPointLine,
   stateKept,
@@ -385,6 +386,23 @@ test('compute is shown against its share and says whether it holds', () => {
     computeLine({ ...lease, compute_request: null, compute_usage: null }, true),
     null
   );
+});
+
+test('the node table says when freezing is off, and why, never when it is on', () => {
+  assert.equal(freezingLine({ available: true, why: null }), null);
+  assert.equal(freezingLine(null), null);
+  assert.equal(freezingLine(undefined), null);
+  const off = freezingLine({
+    available: false,
+    why: 'the CUDA driver has not answered cuCheckpointProcessLock(4242) within 40 s; freezing is off on this node until it does.'
+  });
+  assert.ok(off?.startsWith('Freezing is off on this node: the CUDA driver'));
+  assert.ok(
+    off?.includes(
+      'until it does. A kernel parked or reclaimed here is checkpointed'
+    )
+  );
+  assert.ok(!off?.includes('..'));
 });
 
 test('every kernel state of the contract has words and help; one is a success', () => {

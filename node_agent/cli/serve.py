@@ -209,6 +209,18 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         "bytes. Default: --freeze-budget-share of the node's RAM. Past it kernels fall back to "
         "a checkpoint and restart.",
     ).tag(config=True, expect="a memory size such as 64Gi")
+    freeze_budget_per_user = Union(
+        [Int(min=0), Unicode()], default_value=_AGENT.freeze_budget_per_user, allow_none=True,
+        help="Host memory one user's frozen GPU state may take on this node, as a size such as "
+        "16Gi or bytes. Default: half of the node's budget. Past it that user's kernels fall "
+        "back to a checkpoint and restart; others' still freeze.",
+    ).tag(config=True, expect="a memory size such as 16Gi")
+    freeze_call_timeout = Float(
+        _AGENT.freeze_call_timeout, min=0.1,
+        help="Seconds a driver call may take beyond its copy (4 s per GiB it moves) and a "
+        "lock's own timeout. A call that takes longer turns freezing off on this node until it "
+        "returns; the agent goes on answering meanwhile.",
+    ).tag(config=True)
     freeze_budget_share = Float(
         _AGENT.freeze_budget_share, min=0, max=1,
         help="The share of the node's RAM frozen GPU state may take (without --freeze-budget).",
@@ -275,7 +287,8 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
             "max-gpus-per-user", "admin-group", "tcp", "token-file",
             "log-level", "kubelet-socket", "gpu-resource", "kubelet-interval", "container-logs",
             "reservation-namespace", "freeze-lock-timeout", "freeze-attempts", "freeze-budget",
-            "freeze-budget-share", "freezer", "thaw-wait")},
+            "freeze-budget-share", "freezer", "thaw-wait", "freeze-budget-per-user",
+            "freeze-call-timeout")},
     }
     flags = {
         **GpuFracAgent.flags,
@@ -300,6 +313,8 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(AgentConfig)}
         return AgentConfig(**{**values, "context_size": _size(self.context_size, "--context-size"),
                               "freeze_budget": _size(self.freeze_budget, "--freeze-budget"),
+                              "freeze_budget_per_user": _size(self.freeze_budget_per_user,
+                                                              "--freeze-budget-per-user"),
                               "max_bytes_per_user": _size(self.max_bytes_per_user,
                                                           "--max-bytes-per-user")})
 

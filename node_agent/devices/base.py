@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,12 +28,25 @@ class NoPermission(DeviceError):
 
 
 class FreezeError(DeviceError):
-    """The driver did not freeze or thaw a process. ``retry``: trying again may work (a lock
-    that timed out behind a long kernel); otherwise fall back to a checkpoint and restart."""
+    """The driver did not do what was asked of a process. ``kind`` says what the agent can make
+    of it: TIMEOUT (a lock behind long GPU work: trying again may work), NO_CUDA (the process
+    never initialised CUDA: nothing of it is on a GPU), GONE (it ended), OUT_OF_MEMORY (a
+    restore without room), NOT_PERMITTED, NOT_SUPPORTED, ILLEGAL_STATE, OS_ERROR (304: after a
+    restore out of memory, the process is wedged), or OTHER."""
 
-    def __init__(self, message: str, *, retry: bool = False) -> None:
+    def __init__(self, message: str, *, kind: str = "other") -> None:  # OTHER
         super().__init__(message)
-        self.retry = retry
+        self.kind = kind
+
+    @property
+    def retry(self) -> bool:
+        """Trying again may work: a lock that timed out behind a long kernel."""
+        return self.kind == TIMEOUT
+
+
+TIMEOUT, NO_CUDA, GONE, OUT_OF_MEMORY = "timeout", "no_cuda", "gone", "out_of_memory"
+NOT_PERMITTED, NOT_SUPPORTED, ILLEGAL_STATE, OS_ERROR, OTHER = (
+    "not_permitted", "not_supported", "illegal_state", "os_error", "other")
 
 
 # A process's state as the driver's checkpoint API reports it (cuCheckpointProcessGetState).
@@ -88,11 +101,16 @@ class Sweep:
 
 @runtime_checkable
 class Freezer(Protocol):
-    """Freezes a live process: its GPU memory and CUDA context go to its own host memory and
-    the GPU is given back while its CPU threads run on; a thaw brings them back. Calls block
-    for seconds (the driver copies the memory): the agent runs them off its event loop."""
+    """The driver's checkpoint calls on a live process, one step each: RUNNING -> lock ->
+    LOCKED -> checkpoint (its GPU memory and context go to its own host memory and the GPU is
+    given back; its CPU threads run on, its CUDA calls wait) -> CHECKPOINTED -> restore ->
+    LOCKED -> unlock -> RUNNING. Each call blocks (a copy takes seconds per GiB; a call can
+    hang): the agent runs them off its event loop, each with a deadline, and reads the state
+    after any failure rather than guessing it."""
 
     name: str
+    # Whether the agent must first see it freeze and thaw a process of its own (a real driver).
+    needs_proof: bool
 
     def unavailable(self) -> str | None:
         """Why no process can be frozen on this node (None: they can): said in words a person
@@ -104,20 +122,44 @@ class Freezer(Protocol):
         ...
 
     def state(self, pid: int) -> str:
-        """RUNNING, LOCKED, CHECKPOINTED or FAILED. Raises FreezeError."""
+        """RUNNING, LOCKED, CHECKPOINTED or FAILED. Raises FreezeError (NO_CUDA for a process
+        that never initialised CUDA)."""
         ...
 
-    def freeze(self, pid: int, *, lock_timeout: float) -> None:
-        """Lock ``pid`` (waiting at most ``lock_timeout`` seconds for its submitted work), then
-        checkpoint it. On failure the process is left running (unlocked) where the driver
-        allows, and FreezeError says why (``retry`` for a lock timeout)."""
+    def lock(self, pid: int, *, timeout: float) -> None:
+        """Block the process's CUDA calls once its submitted work is done, waiting at most
+        ``timeout`` seconds for that work (FreezeError TIMEOUT: it runs on)."""
         ...
 
-    def thaw(self, pid: int, remap: Mapping[str, str] | None = None) -> None:
-        """Restore ``pid`` (onto other GPUs: ``remap`` old UUID -> new UUID, covering every GPU
-        it used) and unlock it; one left locked (a freeze cut short) is only unlocked. Raises
-        FreezeError."""
+    def checkpoint(self, pid: int) -> None:
+        """Copy a LOCKED process's GPU memory into its host memory and release its GPUs."""
         ...
+
+    def restore(self, pid: int, pairs: Mapping[str, str] | None = None) -> None:
+        """Bring a CHECKPOINTED process's GPU memory back (onto other GPUs: ``pairs``, old UUID
+        -> new UUID, a permutation of every GPU of the node); it is LOCKED after."""
+        ...
+
+    def unlock(self, pid: int) -> None:
+        """Let a LOCKED process's CUDA calls run again."""
+        ...
+
+
+def full_permutation(moves: Mapping[str, str], gpus: Sequence[str]) -> dict[str, str]:
+    """The GPU pairs of a remapped restore: the driver wants every GPU it sees named once as old
+    and once as new (cuda-checkpoint#35), so the GPUs no move names are paired among
+    themselves, each with itself where it can. ``moves``: old UUID -> new UUID."""
+    if len(set(moves.values())) != len(moves) or not set(moves) | set(moves.values()) <= set(gpus):
+        raise ValueError(f"not a remap of this node's GPUs: {dict(moves)}")
+    pairs = dict(moves)
+    left_old = [g for g in gpus if g not in pairs]
+    left_new = [g for g in gpus if g not in pairs.values()]
+    for old in [g for g in left_old if g in left_new]:
+        pairs[old] = old
+    for old, new in zip([g for g in left_old if g not in pairs],
+                        [g for g in left_new if g not in pairs.values()], strict=True):
+        pairs[old] = new
+    return pairs
 
 
 @runtime_checkable

@@ -12,7 +12,22 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from node_agent.devices.base import CHECKPOINTED, FAILED, LOCKED, RUNNING, FreezeError
+from node_agent.devices.base import (
+    CHECKPOINTED,
+    FAILED,
+    GONE,
+    ILLEGAL_STATE,
+    LOCKED,
+    NO_CUDA,
+    NOT_PERMITTED,
+    NOT_SUPPORTED,
+    OS_ERROR,
+    OTHER,
+    OUT_OF_MEMORY,
+    RUNNING,
+    TIMEOUT,
+    FreezeError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +146,11 @@ class _Driver:
 
 class DriverFreezer:
     """The Freezer of a real node: the driver moves a process's GPU memory and context into its
-    own host memory (freeze) and back (thaw). ``library`` is found as the dynamic linker finds
-    it (LD_LIBRARY_PATH, then the system's paths), or is a path."""
+    own host memory (checkpoint) and back (restore). ``library`` is found as the dynamic linker
+    finds it (LD_LIBRARY_PATH, then the system's paths), or is a path."""
 
     name = "cuda-driver"
+    needs_proof = True
 
     def __init__(self, library: str = "libcuda.so.1") -> None:
         self._library = library
@@ -163,58 +179,48 @@ class DriverFreezer:
                               f"{out.value}, which this agent does not know")
         return state
 
-    def freeze(self, pid: int, *, lock_timeout: float) -> None:
+    def lock(self, pid: int, *, timeout: float) -> None:
         driver = self._usable()
-        args = CUcheckpointLockArgs(timeoutMs=_milliseconds(lock_timeout))
+        args = CUcheckpointLockArgs(timeoutMs=_milliseconds(timeout))
         started = time.monotonic()
-        self._call(driver, "cuCheckpointProcessLock", pid, ctypes.byref(args),
-                   timeout=lock_timeout)
-        locked = time.monotonic()
-        try:
-            self._call(driver, "cuCheckpointProcessCheckpoint", pid, None)
-        except FreezeError as exc:
-            # Leave the process as it was: running, its GPU memory where it is.
-            try:
-                self._call(driver, "cuCheckpointProcessUnlock", pid, None)
-            except FreezeError as unlock_exc:
-                log.warning("pid %s stays locked after a failed checkpoint: %s", pid, unlock_exc)
-                raise FreezeError(f"{exc}; and it could not be unlocked again, so its CUDA calls "
-                                  f"block: {unlock_exc}") from exc
-            raise FreezeError(f"{exc} (the process was unlocked again and runs on)") from exc
-        log.info("froze pid %s: lock %.3fs, checkpoint %.3fs", pid, locked - started,
-                 time.monotonic() - locked)
+        self._call(driver, "cuCheckpointProcessLock", pid, ctypes.byref(args), timeout=timeout)
+        log.debug("locked pid %s in %.3fs", pid, time.monotonic() - started)
 
-    def thaw(self, pid: int, remap: Mapping[str, str] | None = None) -> None:
+    def checkpoint(self, pid: int) -> None:
         driver = self._usable()
+        started = time.monotonic()
+        self._call(driver, "cuCheckpointProcessCheckpoint", pid, None)
+        log.info("checkpointed pid %s in %.3fs", pid, time.monotonic() - started)
+
+    def restore(self, pid: int, pairs: Mapping[str, str] | None = None) -> None:
+        driver = self._usable()
+        args: CUcheckpointRestoreArgs | None = None
         # Identity pairs are no remap: left out, the driver restores where the process was (an
         # identity remap has been reported to fail under CUDA_VISIBLE_DEVICES).
-        pairs = {old: new for old, new in (remap or {}).items() if old.lower() != new.lower()}
-        args: CUcheckpointRestoreArgs | None = None
-        if pairs:
+        if pairs and any(old.lower() != new.lower() for old, new in pairs.items()):
             if driver.version < REMAP_VERSION:
                 raise FreezeError(
                     f"pid {pid} cannot be restored onto other GPUs: the NVIDIA driver (CUDA "
                     f"{cuda_version_text(driver.version)}) restores onto the same GPUs only; "
                     "remapping needs r580 / CUDA 13.0")
-            # Every GPU it used, with the unmoved ones as identity pairs: the driver wants all.
-            everything = dict(remap or {})
+            if {o.lower() for o in pairs} != {n.lower() for n in pairs.values()}:
+                raise FreezeError(f"the GPU pairs for pid {pid} are not a permutation of the "
+                                  "node's GPUs, which the driver needs (cuda-checkpoint#35)")
             # The args keep the array alive (ctypes holds it in their _objects).
-            array = (CUcheckpointGpuPair * len(everything))(
+            array = (CUcheckpointGpuPair * len(pairs))(
                 *(CUcheckpointGpuPair(parse_uuid(old), parse_uuid(new))
-                  for old, new in everything.items()))
+                  for old, new in pairs.items()))
             args = CUcheckpointRestoreArgs(
                 gpuPairs=ctypes.cast(array, ctypes.POINTER(CUcheckpointGpuPair)),
-                gpuPairsCount=len(everything))
+                gpuPairsCount=len(pairs))
         started = time.monotonic()
-        # Locked, not checkpointed: a freeze (or a thaw) cut short; unlocking finishes it.
-        if self.state(pid) != LOCKED:
-            self._call(driver, "cuCheckpointProcessRestore", pid,
-                       None if args is None else ctypes.byref(args))
-        restored = time.monotonic()
-        self._call(driver, "cuCheckpointProcessUnlock", pid, None)
-        log.info("thawed pid %s%s: restore %.3fs, unlock %.3fs", pid,
-                 f" onto {sorted(pairs.values())}" if pairs else "", restored - started,
-                 time.monotonic() - restored)
+        self._call(driver, "cuCheckpointProcessRestore", pid,
+                   None if args is None else ctypes.byref(args))
+        log.info("restored pid %s%s in %.3fs", pid, " onto other GPUs" if args else "",
+                 time.monotonic() - started)
+
+    def unlock(self, pid: int) -> None:
+        self._call(self._usable(), "cuCheckpointProcessUnlock", pid, None)
 
     # --- helpers -----------------------------------------------------------------------
     def _usable_or_none(self) -> _Driver | None:
@@ -226,7 +232,8 @@ class DriverFreezer:
         with self._lock:
             reason = self._init_locked()
             if reason is not None or self._driver is None:
-                raise FreezeError(f"no process can be frozen on this node: {reason}")
+                raise FreezeError(f"no process can be frozen on this node: {reason}",
+                                  kind=NOT_SUPPORTED)
             return self._driver
 
     def _init_locked(self) -> str | None:
@@ -279,44 +286,45 @@ class DriverFreezer:
         if ret == CUDA_SUCCESS:
             return
         what = f"{symbol}({pid}) failed with {driver.result_name(ret)}"
-        retry = False
+        kind = OTHER
         if not _exists(pid):
-            advice = "the process no longer exists"
+            kind, advice = GONE, "the process no longer exists"
         # cuda.h lists NOT_READY among the lock's results: read as the timeout's other name.
         elif symbol == "cuCheckpointProcessLock" and ret in (CUDA_ERROR_TIMEOUT,
                                                               CUDA_ERROR_NOT_READY):
-            retry = True
+            kind = TIMEOUT
             advice = (f"its submitted GPU work did not finish within {timeout}s; it runs on "
                       "unlocked, and a later try may succeed")
+        elif ret == CUDA_ERROR_NOT_INITIALIZED:
+            # What cuda-checkpoint says of a process without CUDA ("initialization error").
+            kind, advice = NO_CUDA, "the process has not initialised CUDA: none of it is on a GPU"
         elif ret == CUDA_ERROR_NOT_SUPPORTED:
+            kind = NOT_SUPPORTED
             advice = ("the driver refuses to checkpoint this process: it uses something the "
                       "checkpoint API does not support (UVM/managed memory, CUDA IPC, MPS, MIG, "
                       "peer-to-peer between GPUs, multi-process NCCL)")
         elif ret == CUDA_ERROR_OUT_OF_MEMORY:
-            advice = ("the GPU has not enough free memory for it; a failed restore can wedge the "
-                      "process for good (only killing it ends that)")
+            kind = OUT_OF_MEMORY
+            advice = ("the GPU has not enough free memory for it; after such a restore the "
+                      "driver has refused every later one (cuda-checkpoint#44)")
         elif ret == CUDA_ERROR_ILLEGAL_STATE:
-            advice = "the process is not in the state this call needs"
-        elif ret in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED):
-            advice = "the process may not use CUDA (yet), or the driver rejected the arguments"
+            kind, advice = ILLEGAL_STATE, "the process is not in the state this call needs"
+        elif ret == CUDA_ERROR_INVALID_VALUE:
+            advice = "the driver rejected the arguments"
         elif ret == CUDA_ERROR_NOT_PERMITTED:
-            advice = "the agent may not act on this process; run it as root or as its user"
+            kind = NOT_PERMITTED
+            advice = ("the driver refused the agent: as root this happens while persistence mode "
+                      "is off (turn it on with `nvidia-smi -pm 1` or nvidia-persistenced; "
+                      "cuda-checkpoint#25), and the agent and the process must share a PID "
+                      "namespace")
         elif ret == CUDA_ERROR_OPERATING_SYSTEM:
-            advice = ("an OS call failed; after a failed restore this does not pass, and only "
-                      "killing the process ends it")
+            kind = OS_ERROR
+            advice = ("an OS call failed: after a restore that ran out of memory this does not "
+                      "pass (cuda-checkpoint#44); asked for a state, it has come from a "
+                      "restricted container (cuda-checkpoint#37)")
         else:
             advice = "see the driver's message"
-        if symbol in ("cuCheckpointProcessRestore", "cuCheckpointProcessUnlock") and _exists(pid):
-            # A failed thaw may have left it wedged: say so where the agent decides.
-            advice += f"; the process is now {self._state_text(driver, pid)}"
-        raise FreezeError(f"{what}: {advice}", retry=retry)
-
-    @staticmethod
-    def _state_text(driver: _Driver, pid: int) -> str:
-        out = ctypes.c_int(-1)
-        if driver.lib.cuCheckpointProcessGetState(pid, ctypes.byref(out)) != CUDA_SUCCESS:
-            return "in a state the driver will not say"
-        return repr(STATES.get(out.value, out.value))
+        raise FreezeError(f"{what}: {advice}", kind=kind)
 
 
 def _milliseconds(seconds: float) -> int:

@@ -14,7 +14,11 @@ from typing import NamedTuple
 from node_agent import procs
 from node_agent.devices.base import (
     CHECKPOINTED,
-    FAILED,
+    GONE,
+    ILLEGAL_STATE,
+    LOCKED,
+    OS_ERROR,
+    OUT_OF_MEMORY,
     RUNNING,
     FreezeError,
     GpuInfo,
@@ -350,30 +354,34 @@ class SimulatedFreezer:
     """Freezing on a simulated node: the process's device memory leaves its GPU (the agent
     untracks it, and tracks it again on the thaw, holding what it held) and the process runs on.
 
-    A real frozen process also runs on; only its next CUDA call waits, and a simulated kernel
-    makes none, so a cell that was running goes on, while the next one waits for the thaw (the
-    kernel asks for its GPU back before it runs, as a parked one does). Faults are scripted
-    with :meth:`fail`.
+    Each pid goes through the driver's states and refuses a call out of order as the driver
+    does. A real frozen process also runs on; only its next CUDA call waits, and a simulated
+    kernel makes none, so a cell that was running goes on, while the next one waits for the
+    thaw (the kernel asks for its GPU back before it runs, as a parked one does). Faults are
+    scripted with :meth:`fail`.
     """
 
     name = "simulated"
+    needs_proof = False
 
     def __init__(self, backend: SimulatedBackend) -> None:
         self.backend = backend
         self._lock = threading.Lock()
         self._states: dict[int, str] = {}
-        # (call, pid or None for any) -> (message, retry, times left; -1: always)
-        self._faults: dict[tuple[str, int | None], tuple[str, bool, int]] = {}
+        self._wedged: set[int] = set()
+        # (call, pid or None for any) -> (message, kind, times left; -1: always)
+        self._faults: dict[tuple[str, int | None], tuple[str, str, int]] = {}
         self.calls: list[tuple[str, int, dict[str, str] | None]] = []
 
-    def fail(self, call: str, message: str, *, pid: int | None = None, retry: bool = False,
+    def fail(self, call: str, message: str, *, pid: int | None = None, kind: str = "other",
              times: int = 1) -> None:
-        """Make the next ``times`` (-1: every) ``call`` ("freeze" or "thaw") of ``pid`` (None:
-        of any process) fail with ``message``."""
-        if call not in ("freeze", "thaw"):
-            raise ValueError(f"call: expected 'freeze' or 'thaw', got {call!r}")
+        """Make the next ``times`` (-1: every) ``call`` (lock, checkpoint, restore, unlock) of
+        ``pid`` (None: of any process) fail with ``message``; a restore that fails
+        OUT_OF_MEMORY leaves the process checkpointed for good, as the driver does."""
+        if call not in STEPS:
+            raise ValueError(f"call: expected one of {STEPS}, got {call!r}")
         with self._lock:
-            self._faults[(call, pid)] = (message, retry, times)
+            self._faults[(call, pid)] = (message, kind, times)
 
     def unavailable(self) -> str | None:
         return None
@@ -383,43 +391,59 @@ class SimulatedFreezer:
 
     def state(self, pid: int) -> str:
         with self._lock:
+            if procs.stat(pid) is None:
+                self._states.pop(pid, None)
+                raise FreezeError(f"process {pid} has exited", kind=GONE)
             return self._states.get(pid, RUNNING)
 
-    def freeze(self, pid: int, *, lock_timeout: float) -> None:
-        self._act("freeze", pid, None)
+    def lock(self, pid: int, *, timeout: float) -> None:
+        self._act("lock", pid, RUNNING, LOCKED)
 
-    def thaw(self, pid: int, remap: Mapping[str, str] | None = None) -> None:
-        for old, new in (remap or {}).items():
+    def checkpoint(self, pid: int) -> None:
+        self._act("checkpoint", pid, LOCKED, CHECKPOINTED)
+
+    def restore(self, pid: int, pairs: Mapping[str, str] | None = None) -> None:
+        for old, new in (pairs or {}).items():
             if self.backend.model(old) != self.backend.model(new):
                 raise FreezeError(f"cannot thaw onto {new}: another model than {old}")
-        self._act("thaw", pid, dict(remap) if remap else None)
+        self._act("restore", pid, CHECKPOINTED, LOCKED, dict(pairs) if pairs else None)
 
-    def _act(self, call: str, pid: int, remap: dict[str, str] | None) -> None:
+    def unlock(self, pid: int) -> None:
+        self._act("unlock", pid, LOCKED, RUNNING)
+
+    def _act(self, call: str, pid: int, before: str, after: str,
+             pairs: dict[str, str] | None = None) -> None:
         with self._lock:
-            self.calls.append((call, pid, remap))
+            self.calls.append((call, pid, pairs))
             st = procs.stat(pid)
             if st is None or st.state == "Z":
                 self._states.pop(pid, None)
-                raise FreezeError(f"process {pid} has exited")
-            want = RUNNING if call == "freeze" else CHECKPOINTED
-            if self._states.get(pid, RUNNING) != want:
-                raise FreezeError(f"process {pid} is {self._states.get(pid, RUNNING)}, "
-                                  f"not {want}")
+                raise FreezeError(f"process {pid} has exited", kind=GONE)
+            if call == "restore" and pid in self._wedged:
+                raise FreezeError(f"process {pid} cannot be restored after a restore that ran "
+                                  "out of memory", kind=OS_ERROR)
             for key in ((call, pid), (call, None)):
                 fault = self._faults.get(key)
                 if fault is None:
                     continue
-                message, retry, times = fault
+                message, kind, times = fault
                 if times > 0:
                     times -= 1
                 if times == 0:
                     del self._faults[key]
                 else:
-                    self._faults[key] = (message, retry, times)
-                if call == "thaw" and not retry:
-                    self._states[pid] = FAILED  # a failed restore wedges the process
-                raise FreezeError(message, retry=retry)
-            self._states[pid] = CHECKPOINTED if call == "freeze" else RUNNING
+                    self._faults[key] = (message, kind, times)
+                if call == "restore" and kind == OUT_OF_MEMORY:
+                    self._wedged.add(pid)
+                raise FreezeError(message, kind=kind)
+            if self._states.get(pid, RUNNING) != before:
+                raise FreezeError(f"process {pid} is {self._states.get(pid, RUNNING)}, "
+                                  f"not {before}", kind=ILLEGAL_STATE)
+            self._states[pid] = after
+
+
+# The driver's calls a simulated fault can stand in for.
+STEPS = ("lock", "checkpoint", "restore", "unlock")
 
 
 def _unhealthy(info: GpuInfo, error: str) -> GpuInfo:

@@ -90,6 +90,12 @@ class AgentConfig:
     # its RAM). Frozen memory lives in the kernels' own processes: the host must hold it.
     freeze_budget: int | None = None
     freeze_budget_share: float = 0.5
+    # What one user's frozen state may take of it (None: half of it): one user cannot take
+    # all of a node's room for frozen kernels.
+    freeze_budget_per_user: int | None = None
+    # How long a driver call may take beyond its copy (SECONDS_PER_GIB per GiB moved) and a
+    # lock's own timeout; past it freezing is off on the node until the call returns.
+    freeze_call_timeout: float = 30.0
     # Move a notebook by freezing it and thawing it on the other GPU (driver r580+, the same
     # model). Off by default: a process that CUDA_VISIBLE_DEVICES restricts, as every kernel
     # is, has been reported to fail even a remap onto its own GPU; no hardware here showed

@@ -209,25 +209,36 @@ class Usage(Room):
                  ) -> tuple[int, int | None]:
         """The lease's usage and compute use in ``m``: what its processes (``found``: GPU ->
         pids) hold on the GPUs it runs on, the most on any one; where the backend does not
-        say, what its client reported."""
+        say, what its client reported — never more than the backend can confirm: nothing
+        where it lists the GPU's processes and none of the lease's, else what the GPU uses
+        beyond the processes it accounts for (a report is a claim on the freeze budget)."""
         usage = 0
         seen = False
         compute: int | None = None
+        confirmed: int | None = None  # the most the backend allows a report (None: no bound)
         for uuid in lease.physical:
             listed = m.processes.get(uuid)
+            gpu = next((g for g in m.gpus if g.uuid == uuid), None)
             if listed is None:
+                if gpu is not None:
+                    confirmed = max(confirmed or 0, gpu.memory_used)
                 continue
             mine = found.get(uuid, [])
             held = [listed[pid] for pid in mine]
             if held and all(h is not None for h in held):
                 seen = True
                 usage = max(usage, sum(h or 0 for h in held))
+            else:
+                others = sum(h or 0 for pid, h in listed.items() if pid not in mine)
+                room = max(0, gpu.memory_used - others) if mine and gpu is not None else 0
+                confirmed = max(confirmed or 0, room)
             sampled = m.utilization.get(uuid)
             if sampled is not None:
                 busy = min(100, sum(sampled.get(pid, 0) for pid in mine))
                 compute = busy if compute is None else max(compute, busy)
         if not seen and lease.id in self._reported:
-            usage = self._reported[lease.id]
+            reported = self._reported[lease.id]
+            usage = reported if confirmed is None else min(reported, confirmed)
         return usage, compute
 
     def recount(self, lease_id: str) -> None:

@@ -1,7 +1,8 @@
-"""Fixtures that run a real agent process on a temporary Unix socket."""
+"""Fixtures that run a real agent process on a temporary Unix socket, and the stand-in libcuda."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness.agent import AgentProcess
+from harness.agent import ROOT, AgentProcess, ChildProcess
+
+from .fake_cuda import VARIANTS, FakeCuda, Target, build
 
 if TYPE_CHECKING:
     from harness.kubelet import FakeKubelet
@@ -59,7 +62,7 @@ def start_agent(shared_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
         agent.stop()
 
 
-class Holder:
+class Holder(ChildProcess):
     """A real process that holds as much memory as a test tells it to."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
@@ -80,14 +83,6 @@ class Holder:
         self.proc.stdin.write(f"{mib}\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "held"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture
@@ -141,3 +136,111 @@ def k8s_agent(start_agent: Callable[..., AgentProcess], kubelet: FakeKubelet) ->
 def pods_leases(agent: AgentProcess) -> dict[str, dict[str, Any]]:
     return {lease["name"]: lease for lease in agent.client().leases()
             if lease["planned_by"] == "kubelet"}
+
+
+# --- the stand-in libcuda (fake_cuda/) ----------------------------------------------------
+
+OLD = "GPU-5ca1ab1e-0000-4000-8000-000000000000"
+SAME = "GPU-5ca1ab1e-0000-4000-8000-000000000002"
+GPU = 2**30
+CONTEXT = 16 * 2**20
+
+# Drives one DriverFreezer in a fresh process (libcuda found through LD_LIBRARY_PATH, as on a
+# node): argv[1] is a JSON list of [operation, arguments...], argv[2] the library if not the
+# default. Prints one {"ok": value} or {"error": message, "kind": kind} per operation.
+DRIVE = """
+import json, sys, threading, time
+from node_agent.devices import DriverFreezer
+from node_agent.devices.base import FreezeError
+freezer = DriverFreezer(*sys.argv[2:])
+
+def checkpoint_all(pids):
+    errors = []
+    def one(pid):
+        try:
+            freezer.lock(pid, timeout=5)
+            freezer.checkpoint(pid)
+        except FreezeError as exc:
+            errors.append(str(exc))
+    threads = [threading.Thread(target=one, args=(pid,)) for pid in pids]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"seconds": time.monotonic() - started, "errors": errors}
+
+out = []
+for op, *args in json.loads(sys.argv[1]):
+    try:
+        if op == "unavailable":
+            value = freezer.unavailable()
+        elif op == "can_remap":
+            value = freezer.can_remap()
+        elif op == "lock":
+            value = freezer.lock(args[0], timeout=args[1])
+        elif op == "checkpoint_all":
+            value = checkpoint_all(*args)
+        else:
+            value = getattr(freezer, op)(*args)
+        out.append({"ok": value})
+    except FreezeError as exc:
+        out.append({"error": str(exc), "kind": exc.kind})
+print(json.dumps(out))
+"""
+
+Drive = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="session")
+def libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One fake libcuda.so.1 per driver generation."""
+    root = tmp_path_factory.mktemp("libcuda")
+    return {variant: build(variant, root / variant) for variant in VARIANTS}
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeCuda:
+    return FakeCuda(tmp_path / "cuda")
+
+
+@pytest.fixture
+def drive(fake: FakeCuda, libraries: dict[str, Path], tmp_path: Path) -> Drive:
+    """Runs the operations through ``variant``'s library; ``library`` overrides the name."""
+
+    def run(variant: str, *ops: list[Any], library: str | None = None,
+            timeout: float = 60) -> list[dict[str, Any]]:
+        argv = [sys.executable, "-c", DRIVE, json.dumps(ops), *([library] if library else [])]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, **fake.env(libraries[variant])})
+        assert done.returncode == 0, done.stderr
+        results: list[dict[str, Any]] = json.loads(done.stdout)
+        return results
+
+    return run
+
+
+@pytest.fixture
+def started(fake: FakeCuda, libraries: dict[str, Path]) -> Iterator[Callable[..., Target]]:
+    """Starts small CUDA programs on the stand-in (a node of two 1 GiB GPUs: OLD and SAME)."""
+    fake.gpus([(OLD, GPU, CONTEXT), (SAME, GPU, CONTEXT)])
+    made: list[Target] = []
+
+    def start(gpu: str = OLD, *, mib: int = 8, cuda: bool = True) -> Target:
+        made.append(Target({**fake.env(libraries["r580"]), "CUDA_VISIBLE_DEVICES": gpu},
+                           cuda=cuda))
+        if cuda and mib:
+            made[-1].hold(mib)
+        return made[-1]
+
+    yield start
+    for t in made:
+        t.stop()
+
+
+@pytest.fixture
+def target(started: Callable[..., Target]) -> int:
+    """A CUDA process holding 8 MiB on GPU OLD."""
+    return started().pid
+
+

@@ -112,7 +112,8 @@ def test_an_absurd_usage_or_observation_never_breaks_metrics_or_the_poll(agent: 
     lease = agent.create_lease(ADMIN, ask("0.25"))
     agent.report_usage(ADMIN, lease.id, 10**400)  # past the API's bounds: the service clamps
     asyncio.run(agent.tick())
-    assert agent.ledger.leases[lease.id].usage == 2**63 - 1
+    # And never above what the node confirms: no process of the lease is on its GPU.
+    assert agent.ledger.leases[lease.id].usage == 0
     agent.stats.observed(Observation("offload", "park", 10**400))
     agent.stats.observed(Observation("checkpoint", "cell", 10**400, 10**400, float("inf")))
     agent.stats.observed(Observation("checkpoint", "cell", 1, 1, float("nan")))

@@ -31,6 +31,7 @@ async def test_node_lists_gpus_and_agent(jp_fetch: Any, agent: AgentProcess) -> 
     assert node["simulated"] is True and node["backend"] == "simulated"
     assert node["agent"] == {"socket": agent.socket, "embedded": False, "available": True, "error": None}
     assert node["config_problems"] == []
+    assert node["freezing"] == {"available": True, "why": None}
     assert [gpu["index"] for gpu in node["gpus"]] == [0, 1]
     gpu = node["gpus"][0]
     assert gpu["memory_total"] == 2 * 2**30 and gpu["simulated"] is True and gpu["leases"] == []

@@ -15,7 +15,15 @@
  *   sample <gpu index> <pid> <timestamp µs> <SM utilization %>
  * state: ok; lost (every query answers GPU_IS_LOST); nohandle (the handle cannot be had);
  * noperm (the handle is refused for permissions).
+ *
+ * Where FAKE_CUDA_STATE names the folder of the libcuda stand-in (tests/agent/fake_cuda/), its
+ * CUDA processes are listed too, with what they hold on their GPU now: as on a real node, NVML
+ * stops listing a process whose memory a checkpoint released, and lists it again once restored.
  */
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <strings.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +98,52 @@ static proc_t procs[MAX_PROCS];
 static int gpu_count, proc_count, initialised;
 static char driver[32] = "550.54.15";
 
+/* A process's start time (field 22 of /proc/<pid>/stat); 0 when it cannot be read. */
+static unsigned long long started(unsigned int pid) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    unsigned long long value = 0;
+    for (int field = 0; p && field < 20; field++) p = strchr(p + 1, ' ');
+    if (p) sscanf(p + 1, "%llu", &value);
+    return value;
+}
+
+/* The libcuda stand-in's live processes that hold memory, as compute processes. */
+static void add_cuda_processes(void) {
+    const char *root = getenv("FAKE_CUDA_STATE");
+    DIR *dir = root ? opendir(root) : NULL;
+    if (!dir) return;
+    struct dirent *entry;
+    while ((entry = readdir(dir)) != NULL && proc_count < MAX_PROCS) {
+        unsigned int pid;
+        char path[4096], state[32], uuid[96];
+        unsigned long long start, device, context, copy;
+        int wedged;
+        if (sscanf(entry->d_name, "proc-%u", &pid) != 1 || strchr(entry->d_name, '.')) continue;
+        snprintf(path, sizeof path, "%s/%s", root, entry->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        int ok = fscanf(f, "%llu %31s %95s %llu %llu %llu %d", &start, state, uuid, &device,
+                        &context, &copy, &wedged) == 7;
+        fclose(f);
+        if (!ok || device + context == 0 || started(pid) != start ||
+            (kill((int)pid, 0) != 0 && errno == ESRCH)) continue;
+        for (int g = 0; g < gpu_count; g++) {
+            if (strcasecmp(gpus[g].uuid, uuid) != 0) continue;
+            proc_t p = {.gpu = g, .pid = pid, .used = device + context};
+            snprintf(p.kind, sizeof p.kind, "compute");
+            procs[proc_count++] = p;
+        }
+    }
+    closedir(dir);
+}
+
 static int load(void) {
     const char *path = getenv("FAKE_NVML_NODE");
     FILE *f = path ? fopen(path, "r") : NULL;
@@ -122,6 +176,7 @@ static int load(void) {
         }
     }
     fclose(f);
+    add_cuda_processes();
     return SUCCESS;
 }
 

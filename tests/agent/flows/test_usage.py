@@ -20,7 +20,7 @@ import pytest
 from harness.agent import AgentProcess, wait_for
 from node_agent.client import AgentError
 from node_agent.quantities import parse_quantity
-from node_agent.service import ACTIONS, NOTICES, Agent, Resize
+from node_agent.service import ACTIONS, NOTICES, Agent, Caller, Resize
 
 from ..conftest import Holder, notebook_holding
 from .conftest import ME, ask
@@ -152,21 +152,25 @@ def kinds(agent: Agent) -> list[tuple[str, dict[str, object]]]:
     return [(d.kind, d.body) for d in directives]
 
 
-def test_the_follower_hears_of_a_new_share_and_of_a_burst_as_they_happen(agent: Agent) -> None:
+def test_the_follower_hears_of_a_new_share_and_of_a_burst_as_they_happen(
+    agent: Agent, holders: Callable[..., Holder]
+) -> None:
     """No polling: a resize and the start of a burst each leave one notice for the lease."""
     lease = agent.create_lease(ME, ask("0.25", "1"))
     agent.resize(ME, lease.id, Resize(request=parse_quantity("0.5", "request")))
     [(kind, body)] = kinds(agent)
     assert kind == "resized" and (body["request_spec"], body["limit_spec"]) == ("0.5", "1")
-    above = lease.request * 2 + 1
-    agent.report_usage(ME, lease.id, above)
+    kernel = holders(CUDA_VISIBLE_DEVICES=lease.physical[0])
+    agent.register_pid(Caller(uid=0, admin=True), lease.id, kernel.pid)  # root's process
+    kernel.hold(600)  # above its request of 512 MiB
     asyncio.run(agent.tick())
-    agent.report_usage(ME, lease.id, 0)
+    kernel.hold(0)
     asyncio.run(agent.tick())
-    agent.report_usage(ME, lease.id, above)
+    kernel.hold(600)
     asyncio.run(agent.tick())  # bursting again at once: not said twice in a minute
     said = [body for kind, body in kinds(agent) if kind == "bursting"]
-    assert len(said) == 1 and said[0]["usage"] == above and said[0]["request"] == 2 * lease.request
+    assert len(said) == 1 and said[0]["usage"] > 600 * 2**20
+    assert said[0]["request"] == 2 * lease.request
     # Asked for by default are only the directives that ask for something.
     actions, last = asyncio.run(
         agent.wait_directives(ME, client="t", lease_id=None, after=0, timeout=0))
