@@ -274,10 +274,10 @@ def checkpoint_dir_of(root: str, kernel_id: str) -> str:
 def kernel_checkpoint_dir(root: str, kernel_id: str) -> str:
     """The kernel's own checkpoint directory, created 0700 (checkpoints are unpickled).
 
-    Both folders are opened without following a link and checked ours alone; raises
-    UnsafeCheckpointError or OSError (the caller starts the kernel without checkpoints).
+    Both folders are opened without following a link and checked ours alone (a root deleted
+    meanwhile is made again, 0700, and marked); raises UnsafeCheckpointError or OSError (the
+    caller starts the kernel without checkpoints).
     """
-    os.close(store.open_private_dir(Path(root), create=True))
     path = checkpoint_dir_of(root, kernel_id)
     store.ensure_private_dir(Path(path))
     return path

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.checkpoint_disk import adopt_root
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.events import KernelEventLog
 from node_agent.quantities import QuantityError, parse_quantity
@@ -152,7 +153,16 @@ def checkpoint_folder_problem(checkpoint_root: str) -> str | None:
         if problem is not None:
             return problem
         try:
-            os.close(store.open_private_dir(folder, create=True))
+            if folder != root:
+                os.close(store.open_private_dir(folder, create=True))
+                continue
+            fd = store.open_root(folder)
+            try:
+                # A root an earlier version made is marked now, when it holds only what this
+                # project puts there; else the retention sweep leaves it alone.
+                adopt_root(fd, folder)
+            finally:
+                os.close(fd)
         except (OSError, store.UnsafeCheckpointError) as exc:
             return f"{folder} cannot be used ({exc})"
     return None
