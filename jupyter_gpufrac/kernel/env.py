@@ -69,6 +69,9 @@ class KernelEnv:
     checkpoint_user_budget: int | None = None
     # Bytes one snapshot may copy into memory at a cell's end (None: unbounded).
     checkpoint_staging_budget: int | None = None
+    # The disk budgets that are shares of the space free for checkpoints ("kernel", "user"):
+    # measured again as the disk changes, not fixed at the launch.
+    checkpoint_disk_shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def has_lease(self) -> bool:
@@ -143,6 +146,22 @@ def default_checkpoint_dir(kernel_id: str | None, home: Path | None = None) -> P
     return base / (kernel_id or f"pid-{os.getpid()}")
 
 
+def _disk_shares(raw: str, problems: list[str]) -> dict[str, float]:
+    """``{"kernel": 0.25, "user": 0.5}`` (either may be absent) from CHECKPOINT_DISK_SHARES."""
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not all(
+            key in ("kernel", "user") and isinstance(value, int | float)
+            and not isinstance(value, bool) and 0 <= value <= 1 for key, value in data.items()):
+        problems.append(f"{contract.CHECKPOINT_DISK_SHARES} is not the expected JSON: {raw[:80]!r}")
+        return {}
+    return {key: float(value) for key, value in data.items()}
+
+
 def _share_source(raw: str, problems: list[str],
                   variable: str = contract.SHARE_SOURCE) -> dict[str, str | None]:
     """``{"request": text, "limit": text or None}`` from ``variable``'s JSON."""
@@ -183,6 +202,7 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     kernel_budget = _int(env, contract.CHECKPOINT_KERNEL_BUDGET, problems)
     user_budget = _int(env, contract.CHECKPOINT_USER_BUDGET, problems)
     staging_budget = _int(env, contract.CHECKPOINT_STAGING_BUDGET, problems)
+    disk_shares = _disk_shares(env.get(contract.CHECKPOINT_DISK_SHARES, ""), problems)
     return KernelEnv(
         lease_id=env.get(contract.LEASE_ID, "").strip() or None,
         agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
@@ -215,4 +235,5 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_kernel_budget=kernel_budget,
         checkpoint_user_budget=user_budget,
         checkpoint_staging_budget=staging_budget,
+        checkpoint_disk_shares=disk_shares,
     )

@@ -44,7 +44,9 @@ def mark_shut_down(root: str, kernel_id: str, keep_s: float, log: logging.Logger
         if write_marker(folder, now, now + keep_s):
             log.info("kernel %s: shut down; its checkpoint in %s is kept until %s", kernel_id,
                      folder, time.strftime("%Y-%m-%d %H:%M", time.localtime(now + keep_s)))
-    except (OSError, UnsafeCheckpointError) as err:
+    except (OSError, UnsafeCheckpointError, OverflowError, ValueError) as err:
+        # A shutdown goes on whatever happens here (a keep time past the calendar's end,
+        # too): the user asked for it, and its lease is given back already.
         log.warning("kernel %s: could not mark its checkpoint as shut down: %s", kernel_id, err)
 
 

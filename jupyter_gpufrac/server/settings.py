@@ -42,6 +42,9 @@ class KernelSettings:
     checkpoint_kernel_budget: int | None = None
     checkpoint_user_budget: int | None = None
     checkpoint_staging_budget: int | None = None
+    # Those of the two disk budgets set as shares of the space free for checkpoints ("kernel",
+    # "user"): each kernel measures the disk again as it changes (their bytes above are None).
+    checkpoint_disk_shares: dict[str, float] = field(default_factory=dict)
     # Set as the server stops: the kernels it shuts down then were not shut down by their users.
     server_stopping: bool = False
 

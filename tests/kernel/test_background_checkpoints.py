@@ -21,6 +21,7 @@ import torch
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store, tensor_io
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
+from jupyter_gpufrac.server.kernel_channel import restore_summary
 
 from .kernels import running_kernel, wait_written
 
@@ -230,6 +231,33 @@ def test_a_kernel_killed_mid_write_restores_the_previous_checkpoint(ckdir: Path)
         assert report["checkpoint_cell"] == good, report
         assert f"after cell [{good}]" in report["message"]
         assert k.value("a.sum().item()") == 2**18
+
+
+def test_a_restore_after_a_failed_write_says_which_cells_ran_after_the_checkpoint(
+        ckdir: Path) -> None:
+    """Finding 8: cell [2] changed a variable, its checkpoint was never written, and the kernel
+    died. Every variable comes back (as after cell [1]), and the restore said so as a success,
+    "restored 2 of 2 variables", without a word of cell [2]."""
+    env = {"GPUFRAC_CHECKPOINT_DIR": str(ckdir), store.SLOW_ENV: "0.5"}
+    with running_kernel(env) as k:
+        assert k.run("import torch\na = torch.ones(2**18)\nn = 1").status == "ok"
+        wait_written(k, timeout=120)
+        assert k.run("a = torch.full((2**24,), 2.0)\nn = 2").status == "ok"  # 8 slow chunks
+        os.kill(k.pid, signal.SIGKILL)
+    reason = {"cause": "oom_killed", "message": "killed mid-write"}
+    env.update({contract.RESTORE: "1", "GPUFRAC_RESTART_REASON": json.dumps(reason)})
+    env.pop(store.SLOW_ENV)
+    with running_kernel(env) as k:
+        report = k.ask(contract.ASK_RESTORE_REPORT)["report"]
+        assert (report["checkpoint_cell"], report["last_cell"]) == (1, 2), report
+        assert sorted(report["restored"]) == ["a", "n", "torch"] and report["ok"] is False
+        assert "Cell [2] ran after the checkpoint" in report["message"]
+        summary = restore_summary(report, 60)
+        assert summary["ok"] is False
+        assert summary["message"] == (
+            "restored 3 of 3 variables; cell [2] ran after the checkpoint (taken after cell "
+            "[1]): re-run it if you need its effects."), summary["message"]
+        assert k.value("n") == 1
 
 
 def test_a_removed_folder_never_breaks_a_cell_in_a_kernel(ckdir: Path) -> None:
