@@ -42,25 +42,32 @@ def pod() -> Iterator[tuple[int, int]]:
     outer.wait()
 
 
-def test_a_pid_of_another_namespace_is_found_without_a_scan_per_call(
-    pod: tuple[int, int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    shell, sleep = pod
-    scans = 0
+@pytest.fixture
+def scans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each scan of /proc made from now on (a scan is due at the first asking)."""
+    made: list[str] = []
     scandir = os.scandir
 
     def counted(path: Any) -> Any:
-        nonlocal scans
-        scans += path == "/proc"
+        if path == "/proc":
+            made.append(path)
         return scandir(path)
 
     monkeypatch.setattr(procs.os, "scandir", counted)
+    monkeypatch.setattr(procs, "_scanned_at", -math.inf)
+    return made
+
+
+def test_a_pid_of_another_namespace_is_found_without_a_scan_per_call(
+    pod: tuple[int, int], scans: list[str]
+) -> None:
+    shell, sleep = pod
     assert procs.as_seen_here(shell, 1) == shell
     started = time.perf_counter()
     for _ in range(50):
         assert procs.as_seen_here(shell, 2) == sleep
     took = time.perf_counter() - started
-    assert scans <= 1, f"{scans} scans of /proc for 50 registrations"
+    assert len(scans) <= 1, f"{len(scans)} scans of /proc for 50 registrations"
     assert took < 0.5
     # Not a pid of that namespace: None, and the searching never finds one of another.
     assert procs.as_seen_here(shell, 7777) is None
@@ -88,21 +95,11 @@ def test_a_remembered_pid_reused_by_another_process_is_not_answered(
 
 
 def test_asking_again_and_again_for_a_pid_nobody_has_scans_proc_at_most_once(
-    pod: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+    pod: tuple[int, int], scans: list[str]
 ) -> None:
     """Finding 4: a caller in a PID namespace of its own asks for pids that are nowhere; the
     agent read all of /proc for each (150 ms per call with 1,000 sleepers there)."""
     shell, _ = pod
-    scans = 0
-    scandir = os.scandir
-
-    def counted(path: Any) -> Any:
-        nonlocal scans
-        scans += path == "/proc"
-        return scandir(path)
-
-    monkeypatch.setattr(procs.os, "scandir", counted)
-    monkeypatch.setattr(procs, "_scanned_at", -math.inf)
     for missing in range(1000, 1050):
         assert procs.as_seen_here(shell, missing) is None
-    assert scans == 1
+    assert len(scans) == 1
