@@ -129,8 +129,9 @@ class GpuFrac(ExtensionApp):
     checkpoint_kernel_budget = NotedUnicode(
         "25%",
         help="The most disk one kernel's checkpoint may take: a share of the space free for "
-        "checkpoints when the server starts (free disk under checkpoint_dir plus what your "
-        "checkpoints there already take), like 25%, or a size like 20GiB, 500M or bytes. A "
+        "checkpoints (free disk under checkpoint_dir plus what your checkpoints there already "
+        "take, measured again by each kernel as the disk fills and empties), like 25%, or a "
+        "size like 20GiB, 500M or bytes. A "
         "checkpoint protects the variables that fit, smallest first, and names the others "
         "(%gpu, the panel, a restore). 0: nothing is protected.",
     ).tag(config=True)
@@ -138,8 +139,8 @@ class GpuFrac(ExtensionApp):
     checkpoint_user_budget = NotedUnicode(
         "50%",
         help="The most disk all your kernels' checkpoints may take together (shut-down kernels' "
-        "kept ones count too): a share of the space free for checkpoints when the server starts "
-        "(see checkpoint_kernel_budget), like 50%, or a size like 100GiB or bytes.",
+        "kept ones count too): a share of the space free for checkpoints (see "
+        "checkpoint_kernel_budget), like 50%, or a size like 100GiB or bytes.",
     ).tag(config=True)
 
     checkpoint_staging_budget = NotedUnicode(

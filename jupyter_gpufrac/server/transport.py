@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -21,8 +23,16 @@ PORT_ROOM = 6
 @functools.cache
 def _spare_folder() -> str:
     """A folder of this server's own (0700, a name nobody can guess) for sockets whose path
-    would be too long in the runtime folder."""
-    return tempfile.mkdtemp(prefix="gpufrac-ipc-")
+    would be too long in the runtime folder; removed as the server exits (empty by then:
+    jupyter_client removes a kernel's sockets as it shuts it down)."""
+    folder = tempfile.mkdtemp(prefix="gpufrac-ipc-")
+    atexit.register(_remove_if_empty, folder)
+    return folder
+
+
+def _remove_if_empty(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def ipc_prefix(connection_file: str, kernel_id: str) -> str:
