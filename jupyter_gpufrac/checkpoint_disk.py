@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 
 # Written by the server into the folder of a kernel its user shut down (not at a restart, not
@@ -66,10 +67,27 @@ def clear_marker(folder: Path) -> None:
 
 def read_marker(folder: Path) -> Marker | None:
     """The folder's shutdown marker, or None (none, unreadable, a link, not ours, malformed)."""
+    with _opened(folder, None) as fd:
+        return None if fd is None else marker_in(fd)
+
+
+def marker_in(folder_fd: int) -> Marker | None:
+    """:func:`read_marker` of a folder held open (not looked up again by its path)."""
     try:
-        data = json.loads(store.read_file(Path(folder), SHUTDOWN_MARKER))
-    except (OSError, ValueError, store.UnsafeCheckpointError):
+        fd = os.open(SHUTDOWN_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=folder_fd)
+    except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or \
+                st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None
+        data = json.loads(os.read(fd, 65536))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
     if not isinstance(data, dict):
         return None
     when, until = data.get("time"), data.get("keep_until")
@@ -78,6 +96,41 @@ def read_marker(folder: Path) -> Marker | None:
     if not isinstance(until, int | float) or isinstance(until, bool):
         until = None
     return Marker(float(when), None if until is None else float(until))
+
+
+# The remembered %gpu requests beside the kernel folders.
+REQUEST_FILES = contract.LAST_REQUEST_FILE.split("{", 1)[0]
+# What only a kernel's checkpoint folder holds: a folder without one of them is not one.
+KERNEL_FOLDER_SIGNS = (store.BLOB_DIR, store.STATE_FILE, store.CELLS_FILE, SHUTDOWN_MARKER)
+
+
+def is_kernel_folder(folder_fd: int) -> bool:
+    """Whether the open folder is a kernel's checkpoint folder, as this project makes them."""
+    for name in KERNEL_FOLDER_SIGNS:
+        try:
+            st = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if (stat.S_ISDIR(st.st_mode) if name == store.BLOB_DIR else stat.S_ISREG(st.st_mode)) \
+                and st.st_uid == os.geteuid():
+            return True
+    return False
+
+
+def adopt_root(root_fd: int, shown: Path) -> bool:
+    """Mark an open, checked checkpoint root that an earlier version made without a mark,
+    when all it holds is what this project puts there (kernel folders, the shared blobs, the
+    remembered requests); False when it holds anything else (then it is never swept)."""
+    if store.root_marked(root_fd):
+        return True
+    for name in os.listdir(root_fd):
+        if name in (store.CONTENT_DIR, store.ROOT_MARK) or name.startswith(REQUEST_FILES):
+            continue
+        with _opened(name, root_fd) as fd:
+            if fd is None or not is_kernel_folder(fd):
+                return False
+    store.mark_root(root_fd, shown)
+    return True
 
 
 @dataclass
@@ -204,14 +257,14 @@ def measure(root: Path, limit: int = MAX_ENTRIES) -> Usage:
                     continue
                 tree = walk(fd, Tree(bytes=st.st_blocks * 512, linked=linked),
                             limit=max(limit - entries, 0))
+                marker = marker_in(fd)
             entries += tree.entries
             usage.complete = usage.complete and tree.complete
             usage.repeated += tree.repeated
             if name == store.CONTENT_DIR:
                 usage.shared += tree.bytes
                 continue
-            usage.folders.append(Folder(name, tree.bytes, tree.last_write,
-                                        read_marker(Path(root) / name)))
+            usage.folders.append(Folder(name, tree.bytes, tree.last_write, marker))
     return usage
 
 

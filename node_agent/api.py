@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hmac
 import json
@@ -13,13 +14,14 @@ import resource
 import socket
 import struct
 import time
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from tornado import httpserver, httputil, ioloop, iostream, netutil, web
 
 from node_agent import policy
-from node_agent.metrics import render_metrics
+from node_agent.metrics import RenderedMetrics
 from node_agent.quantities import Quantity, QuantityError, parse_quantity
 from node_agent.service import (
     ACTIONS,
@@ -58,6 +60,16 @@ MAX_OBSERVED_SECONDS = 86400.0
 LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+TOKEN_REQUIRED = "a token is required over TCP: send 'Authorization: token <token>'"
+
+
+def token_matches(token: str | None, authorization: str) -> bool:
+    """Whether an ``Authorization`` header carries the TCP token (in constant time)."""
+    # Bytes: compare_digest refuses str with characters outside ASCII.
+    return bool(token) and hmac.compare_digest(authorization.encode("utf-8", "replace"),
+                                               f"token {token}".encode())
+
+
 class ApiError(Exception):
     """A refused request: HTTP status, the field at fault (or None) and what was expected."""
 
@@ -91,6 +103,20 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defau
             or (low is not None and value < low) or (high is not None and value > high)):
         raise ApiError(400, name, f"expected {expected}, got {_shown(value)}")
     return value
+
+
+NOT_TEXT = ("expected text, got a string that is not valid Unicode (a lone surrogate such as "
+            "\\ud800 has no UTF-8 form)")
+
+
+def _text_ok(text: str) -> bool:
+    """Whether ``text`` is text: JSON's \\u escapes can name lone surrogates, which no UTF-8
+    store, log or answer can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _shown(value: Any) -> str:
@@ -288,11 +314,9 @@ class BaseHandler(web.RequestHandler):
                 stream.gpufrac_caller = caller  # type: ignore[union-attr]
             return caller
         # TCP exists only when a token is configured; a token holder is an admin.
-        # Bytes: compare_digest refuses str with characters outside ASCII.
-        header = self.request.headers.get("Authorization", "").encode("utf-8", "replace")
-        if self._token and hmac.compare_digest(header, f"token {self._token}".encode()):
+        if token_matches(self._token, self.request.headers.get("Authorization", "")):
             return Caller(uid=-1, admin=True)
-        raise ApiError(401, None, "a token is required over TCP: send 'Authorization: token <token>'")
+        raise ApiError(401, None, TOKEN_REQUIRED)
 
     def body(self) -> dict[str, Any]:
         """The request's JSON object; every field a scalar, or a list of GPU UUIDs where a
@@ -309,12 +333,25 @@ class BaseHandler(web.RequestHandler):
         if not isinstance(value, dict):
             raise ApiError(400, None, "body: expected a JSON object")
         for key, item in value.items():
+            if not _text_ok(key):
+                raise ApiError(400, None, f"body: a field name is not text: {key!r}"[:MAX_TEXT])
             if isinstance(item, list) and key in GPU_LISTS:
+                if not all(_text_ok(u) for u in item if isinstance(u, str)):
+                    raise ApiError(400, key, NOT_TEXT)
                 continue  # checked, with the rest of its body, by its parser
             if not isinstance(item, str | int | float | bool | type(None)):
                 raise ApiError(400, key[:MAX_ID], "expected a string, number, true/false or null, "
                                                   f"got {type(item).__name__}")
+            if isinstance(item, str) and not _text_ok(item):
+                raise ApiError(400, key[:MAX_ID], NOT_TEXT)
         return value
+
+    def log_exception(self, typ: type[BaseException] | None, value: BaseException | None,
+                      tb: Any) -> None:
+        if isinstance(value, web.HTTPError) and value.status_code < 500:
+            return  # a refusal (Tornado's own, such as a query argument that is not UTF-8):
+            # the request log has it, at debug level
+        super().log_exception(typ, value, tb)
 
     def lease_body(self, lease_id: str) -> dict[str, Any]:
         """The body of a request about one lease. A lease the caller cannot see is a 404
@@ -322,6 +359,16 @@ class BaseHandler(web.RequestHandler):
         body = self.body()
         self.agent.lease(self.caller, lease_id)
         return body
+
+    def leave_turn(self) -> None:
+        """Give back this request's turn among its user's (see Turns): it is done, or it is
+        about to wait on something other than the agent's loop."""
+        leave = getattr(self.request.connection, "gpufrac_leave", None)
+        if leave is not None:
+            leave()
+
+    def on_finish(self) -> None:
+        self.leave_turn()
 
     def reply(self, value: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -404,9 +451,10 @@ class LeaseHandler(LeaseRoute):
 
 
 class PidsHandler(LeaseRoute):
-    def post(self, lease_id: str) -> None:
+    async def post(self, lease_id: str) -> None:
         pid = parse_pid(self.lease_body(lease_id))
-        self.reply(self.agent.register_pid(self.caller, lease_id, pid).to_json())
+        here = await self.agent.locate_pid(self.caller, pid)
+        self.reply(self.agent.register_pid(self.caller, lease_id, pid, here).to_json())
 
 
 class UsageHandler(LeaseRoute):
@@ -439,6 +487,7 @@ class FreezeHandler(LeaseRoute):
         # Answered once the driver has frozen the lease's processes (seconds for GiB), or
         # with a 409 that says why freezing cannot be used, for the caller's fallback.
         reason = parse_park(self.lease_body(lease_id))
+        self.leave_turn()  # the driver takes seconds: the user's other requests go on
         lease = await self.agent.freeze(self.caller, lease_id, reason)
         self.reply(lease.to_json())
 
@@ -456,6 +505,7 @@ class UnparkHandler(LeaseRoute):
         lease = self.agent.unpark(self.caller, lease_id)
         if lease.state == "thawing":
             # A short thaw is answered done: the waiting cell need not poll for it.
+            self.leave_turn()
             lease = await self.agent.acted(lease.id, THAW_ANSWER_S) or lease
         self.reply(lease.to_json())
 
@@ -476,18 +526,25 @@ class DirectivesHandler(BaseHandler):
             if unknown or not kinds:
                 raise ApiError(400, "kinds", "expected a comma-separated list of "
                                f"{', '.join(KINDS)}, got {named[:MAX_TEXT]!r}")
+        after = int(self.query_number("after", 0, int, -1, 2**63 - 1))
+        timeout = self.query_number("timeout", 0.0, float, 0, MAX_WAIT)
+        if timeout:
+            self.leave_turn()  # a long-poll waits for an event, at no cost to the loop
         found, last = await self.agent.wait_directives(
-            self.caller, client=client, lease_id=lease_id, kinds=kinds,
-            after=int(self.query_number("after", 0, int, -1, 2**63 - 1)),
-            timeout=self.query_number("timeout", 0.0, float, 0, MAX_WAIT),
-        )
+            self.caller, client=client, lease_id=lease_id, kinds=kinds, after=after,
+            timeout=timeout)
         self.reply({"directives": [d.to_json() for d in found], "last": last})
 
 
 class MetricsHandler(BaseHandler):
+    def initialize(self, agent: Agent, admin_gid: int | None, token: str | None,
+                   rendered: RenderedMetrics | None = None) -> None:
+        super().initialize(agent, admin_gid, token)
+        self._rendered = rendered or RenderedMetrics()
+
     def get(self) -> None:
         self.set_header("Content-Type", "text/plain; version=0.0.4")
-        self.finish(render_metrics(self.agent, self.caller))
+        self.finish(self._rendered.get(self.agent, self.caller))
 
 
 class NoEndpoint(BaseHandler):
@@ -515,18 +572,47 @@ def make_app(agent: Agent, admin_gid: int | None = None, token: str | None = Non
             (lease + "/freeze", FreezeHandler, args),
             (lease + "/unpark", UnparkHandler, args),
             (r"/v1/directives", DirectivesHandler, args),
-            (r"/metrics", MetricsHandler, args),
+            (r"/metrics", MetricsHandler, {**args, "rendered": RenderedMetrics()}),
         ],
         default_handler_class=NoEndpoint,
         default_handler_args=args,
-        log_function=_log_request,
+        log_function=_RequestLog(),
     )
 
 
-def _log_request(handler: web.RequestHandler) -> None:
-    status = handler.get_status()
-    level = logging.DEBUG if status < 400 else logging.INFO
-    log.log(level, "%d %s %s", status, handler.request.method, handler.request.uri)
+# Refused requests (4xx) logged at debug level, at most this many a second: a client that
+# keeps sending bad requests must not turn into a flood of log.
+REFUSALS_LOGGED_PER_S = 10
+
+
+class _RequestLog:
+    """Tornado's access log for the agent: answers at debug level (refusals rate-limited,
+    the ones left out counted in the next line), server errors as warnings."""
+
+    def __init__(self) -> None:
+        self._second = 0
+        self._logged = 0
+        self._left_out = 0
+
+    def __call__(self, handler: web.RequestHandler) -> None:
+        status = handler.get_status()
+        request = handler.request
+        if status >= 500:
+            log.warning("%d %s %s", status, request.method, request.uri)
+            return
+        if status < 400 or not log.isEnabledFor(logging.DEBUG):
+            log.debug("%d %s %s", status, request.method, request.uri)
+            return
+        second = int(time.monotonic())
+        if second != self._second:
+            self._second, self._logged = second, 0
+        if self._logged >= REFUSALS_LOGGED_PER_S:
+            self._left_out += 1
+            return
+        self._logged += 1
+        left_out, self._left_out = self._left_out, 0
+        log.debug("%d %s %s%s", status, request.method, (request.uri or "")[:MAX_TEXT],
+                  f" ({left_out} more refusals not logged)" if left_out else "")
 
 
 # Requests are small JSON documents: past MAX_JSON the handler answers 413, and past
@@ -538,34 +624,86 @@ MAX_HEADERS = 16 * 1024
 REQUEST_TIMEOUT = 10.0
 # Connections one uid may hold at once (root is not counted: it runs the system's servers).
 CONNECTIONS_PER_USER = 256
-# TCP connections one peer address may hold, and all of them together; counted before a token
-# is read, since a connection costs a descriptor whether or not it ever sends one.
-TCP_CONNECTIONS_PER_PEER = 64
+# TCP connections that have not shown the token yet, all together: past it the oldest of them
+# is closed for a new one, so that connections that never send a token cannot keep out the
+# one that does (it shows the token with its first request). Peer addresses are not counted:
+# every local user shares 127.0.0.1 with the token holder.
+TCP_UNAUTHENTICATED = 256
+# TCP connections that have shown the token (the token holder's), all together.
 TCP_CONNECTIONS = 256
-# Request bodies being read, all connections together, and one caller's (uid's, or TCP peer's)
-# share of that: past them a new body is answered 503 before any of it is read.
+# Request bodies being read, all connections together, and one caller's (a uid's, or the TCP
+# token holder's) share of that: past them a new body is answered 503 before any of it is read;
+# over TCP only once the token has been checked.
 BODY_BUFFER = 16 * 1024 * 1024
 BODY_BUFFER_PER_CALLER = 4 * 1024 * 1024
 BACKLOG = 4096
+# The key of TCP connections in the body accounting: one caller, the token holder.
+TCP = "tcp"
+# Requests of one uid (not root) served at once, from their headers to their answer; the rest
+# wait their turn, in order, unread. However many connections one user floods from, another
+# user's request waits behind this many of theirs, not all of them. A long-poll (and a freeze
+# or an unpark that waits) gives its turn back while it waits.
+TURNS_PER_USER = 4
+
+
+class Turns:
+    """Whose requests are served now: at most ``per_user`` of each uid's at once, the others
+    waiting in the order they came."""
+
+    def __init__(self, per_user: int = TURNS_PER_USER) -> None:
+        self._per_user = per_user
+        self._busy: dict[int, int] = {}
+        self._waiting: dict[int, deque[asyncio.Future[None]]] = {}
+
+    def take(self, uid: int) -> asyncio.Future[None] | None:
+        """None when ``uid``'s request is served now; else a future done at its turn."""
+        busy = self._busy.get(uid, 0)
+        if busy < self._per_user:
+            self._busy[uid] = busy + 1
+            return None
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(uid, deque()).append(waiter)
+        return waiter
+
+    def give_back(self, uid: int) -> None:
+        """One of ``uid``'s requests is done (or waits now): the next of its own goes on."""
+        waiting = self._waiting.get(uid)
+        while waiting:
+            waiter = waiting.popleft()
+            if not waiter.done():  # not given up (its connection closed)
+                waiter.set_result(None)  # the turn passes on: as many busy as before
+                return
+        self._waiting.pop(uid, None)
+        busy = self._busy.get(uid, 1) - 1
+        if busy > 0:
+            self._busy[uid] = busy
+        else:
+            self._busy.pop(uid, None)
 
 
 class AgentServer(httpserver.HTTPServer):
     """Tornado's HTTP server with the hygiene the agent needs: connection limits per uid (Unix
-    socket) and per peer address (TCP), a bound on request bodies buffered at once, and an
+    socket), TCP connections counted once their token is checked (those without one apart,
+    the oldest closed for a new one), a bound on request bodies buffered at once, and an
     accept loop that backs off at the descriptor limit instead of spinning."""
 
     def initialize(self, *args: Any, connections_per_user: int = CONNECTIONS_PER_USER,
-                   tcp_per_peer: int = TCP_CONNECTIONS_PER_PEER,
+                   tcp_unauthenticated: int = TCP_UNAUTHENTICATED,
                    tcp_connections: int = TCP_CONNECTIONS, body_buffer: int = BODY_BUFFER,
                    body_buffer_per_caller: int = BODY_BUFFER_PER_CALLER, **kwargs: Any) -> None:
         super().initialize(*args, **kwargs)
         self._per_user = connections_per_user
-        self._tcp_per_peer = tcp_per_peer
+        self._tcp_unauthenticated = tcp_unauthenticated
         self._tcp_total = tcp_connections
-        self._tcp_open = 0
-        # Keyed by uid (Unix socket) or by peer address, a str (TCP): they never collide.
-        self._open: dict[int | str, int] = {}
-        self._key_of: dict[int, int | str] = {}  # id(stream) -> its key
+        self.tcp_token: str | None = None
+        # TCP connections by id(stream): those yet to show the token (oldest first), and those
+        # that did.
+        self._pending: OrderedDict[int, iostream.IOStream] = OrderedDict()
+        self._admitted: set[int] = set()
+        # Unix socket connections per uid.
+        self._open: dict[int, int] = {}
+        self._key_of: dict[int, int | str] = {}  # id(stream) -> its uid, or TCP
+        self.turns = Turns()
         self._body_total = body_buffer
         self._body_per_caller = body_buffer_per_caller
         self._buffering = 0
@@ -613,48 +751,62 @@ class AgentServer(httpserver.HTTPServer):
 
     def handle_stream(self, stream: iostream.IOStream, address: Any) -> None:
         sock = stream.socket
-        key: int | str
-        if sock.family == socket.AF_UNIX:
-            stream.gpufrac_peer = peer_credentials(sock)  # type: ignore[attr-defined]
-            uid: int = stream.gpufrac_peer[1]  # type: ignore[attr-defined]
-            key, limit, who = uid, self._per_user if uid > 0 else 0, f"uid {uid}"
-        else:
-            # By address, before any token is read: a peer without one costs descriptors too.
-            key = str(address[0] if isinstance(address, tuple) else address)
-            limit = self._tcp_per_peer
-            who = key
-            if self._tcp_open >= self._tcp_total:
-                self._warn("%d TCP connections, the limit; refusing one from %s", self._tcp_open, who)
-                _refuse(stream, f"too many TCP connections (at most {self._tcp_total} at once); "
-                                "try again later")
-                return
-        if limit and self._open.get(key, 0) >= limit:
-            self._warn("%s holds %d connections, the limit; refusing one", who, limit)
-            _refuse(stream, f"too many connections from {who} (at most {limit} at once); "
+        if sock.family != socket.AF_UNIX:
+            if len(self._pending) >= self._tcp_unauthenticated:
+                # Full of connections that never showed the token: the oldest makes room.
+                _, oldest = self._pending.popitem(last=False)
+                self._warn("%d TCP connections have not shown the token; closing the oldest",
+                           self._tcp_unauthenticated)
+                oldest.close()
+            self._pending[id(stream)] = stream
+            self._key_of[id(stream)] = TCP
+            super().handle_stream(stream, address)
+            return
+        stream.gpufrac_peer = peer_credentials(sock)  # type: ignore[attr-defined]
+        uid: int = stream.gpufrac_peer[1]  # type: ignore[attr-defined]
+        limit = self._per_user if uid > 0 else 0
+        if limit and self._open.get(uid, 0) >= limit:
+            self._warn("uid %s holds %d connections, the limit; refusing one", uid, limit)
+            _refuse(stream, f"too many connections from uid {uid} (at most {limit} at once); "
                             "close some and try again")
             return
-        self._open[key] = self._open.get(key, 0) + 1
-        self._key_of[id(stream)] = key
-        if isinstance(key, str):
-            self._tcp_open += 1
+        self._open[uid] = self._open.get(uid, 0) + 1
+        self._key_of[id(stream)] = uid
         super().handle_stream(stream, address)
+
+    def admit_tcp(self, stream: object, authorization: str) -> tuple[int, str] | None:
+        """A TCP request's headers have come: None when the connection may go on (its token is
+        right, and it is counted among the token holder's), else the status and message."""
+        if not token_matches(self.tcp_token, authorization):
+            return 401, TOKEN_REQUIRED
+        key = id(stream)
+        if key in self._pending:
+            if len(self._admitted) >= self._tcp_total:
+                self._warn("%d TCP connections with the token, the limit; refusing one",
+                           self._tcp_total)
+                return 503, (f"too many TCP connections (at most {self._tcp_total} at once); "
+                             "close some and try again")
+            del self._pending[key]
+            self._admitted.add(key)
+        return None
 
     def on_close(self, server_conn: object) -> None:
         stream = getattr(server_conn, "stream", None)
         key = self._key_of.pop(id(stream), None)
-        if key is not None:
+        if key == TCP:
+            self._pending.pop(id(stream), None)
+            self._admitted.discard(id(stream))
+        elif isinstance(key, int):
             self._open[key] -= 1
             if not self._open[key]:
                 del self._open[key]
-            if isinstance(key, str):
-                self._tcp_open -= 1
         super().on_close(server_conn)
 
     def start_request(self, server_conn: object, request_conn: httputil.HTTPConnection
                       ) -> httputil.HTTPMessageDelegate:
         inner = super().start_request(server_conn, request_conn)
-        key = self._key_of.get(id(getattr(request_conn, "stream", None)), "")
-        return _BoundedBody(self, key, inner, request_conn)
+        stream = getattr(request_conn, "stream", None)
+        return _BoundedBody(self, self._key_of.get(id(stream), TCP), inner, request_conn, stream)
 
     def reserve_body(self, key: int | str, size: int) -> bool:
         """Count ``size`` bytes of a body about to be read against the bounds; False: over them."""
@@ -690,16 +842,56 @@ class _BoundedBody(httputil.HTTPMessageDelegate):
     body over them is answered 503 and its connection closed unread."""
 
     def __init__(self, server: AgentServer, key: int | str, inner: httputil.HTTPMessageDelegate,
-                 conn: httputil.HTTPConnection) -> None:
+                 conn: httputil.HTTPConnection, stream: object) -> None:
         self._server = server
         self._key = key
         self._inner = inner
         self._conn = conn
+        self._stream = stream
         self._held = 0
         self._refused = False
+        self._turn = False
+        self._waiter: asyncio.Future[None] | None = None
 
     def headers_received(self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine,
                          headers: httputil.HTTPHeaders) -> Awaitable[None] | None:
+        if self._key == TCP:
+            # The token first: a connection without it is answered and closed before its
+            # body is read or counted, and never takes a slot of the token holder's.
+            refused = self._server.admit_tcp(self._stream, headers.get("Authorization", ""))
+            if refused is not None:
+                self._refuse(*refused)
+                return None
+        elif isinstance(self._key, int) and self._key > 0:
+            self._waiter = self._server.turns.take(self._key)
+            if self._waiter is not None:
+                return self._at_turn(start_line, headers)
+            self._took_turn()
+        return self._admitted(start_line, headers)
+
+    async def _at_turn(self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine,
+                       headers: httputil.HTTPHeaders) -> None:
+        assert self._waiter is not None
+        await self._waiter
+        self._took_turn()
+        done = self._admitted(start_line, headers)
+        if done is not None:
+            await done
+
+    def _took_turn(self) -> None:
+        self._waiter = None
+        self._turn = True
+        # The handler gives the turn back when it is done, or when it starts a long wait.
+        self._conn.gpufrac_leave = self._leave_turn  # type: ignore[attr-defined]
+
+    def _leave_turn(self) -> None:
+        if self._turn:
+            self._turn = False
+            assert isinstance(self._key, int)
+            self._server.turns.give_back(self._key)
+
+    def _admitted(self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine,
+                  headers: httputil.HTTPHeaders) -> Awaitable[None] | None:
         size = 0
         if "Content-Length" in headers:
             try:
@@ -709,18 +901,22 @@ class _BoundedBody(httputil.HTTPMessageDelegate):
         elif headers.get("Transfer-Encoding", "").lower() == "chunked":
             size = MAX_BODY
         if size < 0 or not self._server.reserve_body(self._key, max(size, 0)):
-            self._refused = True
-            body = _error_json("the agent is reading too many request bodies at once; "
-                               "try again in a moment")
-            self._conn.write_headers(
-                httputil.ResponseStartLine("HTTP/1.1", 503, "Service Unavailable"),
-                httputil.HTTPHeaders({"Content-Type": "application/json", "Connection": "close",
-                                      "Content-Length": str(len(body))}), body)
-            # Finished before the body is read: Tornado closes the connection, body unread.
-            self._conn.finish()
+            self._refuse(503, "the agent is reading too many request bodies at once; "
+                              "try again in a moment")
             return None
         self._held = max(size, 0)
         return self._inner.headers_received(start_line, headers)
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._refused = True
+        self._leave_turn()
+        body = _error_json(message)
+        self._conn.write_headers(
+            httputil.ResponseStartLine("HTTP/1.1", status, httputil.responses.get(status, "")),
+            httputil.HTTPHeaders({"Content-Type": "application/json", "Connection": "close",
+                                  "Content-Length": str(len(body))}), body)
+        # Finished before the body is read: Tornado closes the connection, body unread.
+        self._conn.finish()
 
     def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         return None if self._refused else self._inner.data_received(chunk)
@@ -732,6 +928,9 @@ class _BoundedBody(httputil.HTTPMessageDelegate):
 
     def on_connection_close(self) -> None:
         self._release()
+        if self._waiter is not None:
+            self._waiter.cancel()  # gone before its turn came
+        self._leave_turn()
         if not self._refused:
             self._inner.on_connection_close()
 
@@ -779,7 +978,8 @@ def listen_unix(app: web.Application, path: str) -> AgentServer:
     return server
 
 
-def listen_tcp(server: AgentServer, host: str, port: int) -> None:
-    """Serve ``server`` on TCP too (requests need the token): through the same accept loop
+def listen_tcp(server: AgentServer, host: str, port: int, token: str) -> None:
+    """Serve ``server`` on TCP too (requests need ``token``): through the same accept loop
     and limits as the Unix socket."""
+    server.tcp_token = token
     server.listen(port, host, backlog=BACKLOG)

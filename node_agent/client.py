@@ -41,6 +41,26 @@ def default_socket_path() -> str:
     return f"/tmp/gpufrac-{os.getuid()}/agent.sock"
 
 
+def own_socket_path(taken: str) -> str:
+    """Where this user's agent may listen when the per-user folder of ``taken`` (under /tmp)
+    is another user's: ``/run/user/<uid>/gpufrac`` when that runtime folder is the user's
+    alone (systemd makes it, even where XDG_RUNTIME_DIR is not passed on), else a new folder
+    of the user's own under /tmp with a name nobody can guess (made 0700 here)."""
+    uid = os.geteuid()
+    runtime = f"/run/user/{uid}"
+    try:
+        st = os.lstat(runtime)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == uid and \
+            not st.st_mode & 0o077:
+        return os.path.join(runtime, "gpufrac", os.path.basename(taken))
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix=f"gpufrac-{uid}-", dir="/tmp"),
+                        os.path.basename(taken))
+
+
 def personal_socket_folders() -> set[str]:
     """The per-user socket folders this user's defaults name."""
     folders = {f"/tmp/gpufrac-{os.geteuid()}"}

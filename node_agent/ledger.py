@@ -272,6 +272,9 @@ class Ledger:
         self._by_client: dict[tuple[int, str], list[Directive]] = {}
         self._expiry: list[tuple[float, str]] = []
         self._last_seq = 0
+        # Counts the changes made (each transaction, and each reload): a view built from the
+        # ledger is current while this has not moved.
+        self.revision = 0
         self._reload()
 
     def close(self) -> None:
@@ -432,6 +435,7 @@ class Ledger:
             self._db.execute("COMMIT")
         finally:
             self._depth = 0
+            self.revision += 1
 
     def insert(self, lease: Lease) -> Lease:
         with self.transaction():

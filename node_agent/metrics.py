@@ -290,3 +290,29 @@ def _lease_labels(lease: Lease) -> list[str]:
 def render_metrics(agent: Agent, caller: Caller) -> str:
     """The Prometheus text exposition of what ``caller`` may see."""
     return generate_latest(AgentCollector(agent, caller)).decode()
+
+
+# Views kept rendered at once (one per user who asks, and the admins'); past it the oldest goes.
+MAX_VIEWS = 1024
+
+
+class RenderedMetrics:
+    """/metrics as rendered for each view (the admins', or one user's), served again while
+    nothing it shows has changed (the ledger, the stats, the GPUs measured at each poll):
+    under a flood of scrapes a view is rendered at most once per poll, not once a request."""
+
+    def __init__(self) -> None:
+        self._views: dict[object, tuple[tuple[object, ...], str]] = {}
+
+    def get(self, agent: Agent, caller: Caller) -> str:
+        view: object = "admin" if caller.admin else caller.uid
+        version = (agent.ledger.revision, agent.stats.tally(), agent.counters["ticks"])
+        kept = self._views.get(view)
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        text = render_metrics(agent, caller)
+        self._views.pop(view, None)
+        if len(self._views) >= MAX_VIEWS:
+            del self._views[next(iter(self._views))]
+        self._views[view] = (version, text)
+        return text

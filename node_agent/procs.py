@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import select
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,6 +88,12 @@ def stat(pid: int) -> Stat | None:
                 int(fields[11]) + int(fields[12]), int(fields[21]) * PAGE_SIZE)
 
 
+@functools.cache
+def own_namespace() -> str | None:
+    """The agent's own PID namespace (it never changes)."""
+    return pid_namespace("self")
+
+
 def pid_namespace(pid: int | str) -> str | None:
     """The process's PID namespace (``pid:[inode]``), or None when it cannot be read."""
     try:
@@ -113,8 +122,15 @@ def _innermost_pid(pid: int) -> int | None:
 
 # Where each process of another PID namespace is here: (namespace, its pid there) -> (pid
 # here, start time). Built by one scan of /proc, and scanned again only when a pid asked for is
-# not in it: a registration costs a few reads, not one per process of the node.
+# neither the caller, nor one of its descendants, nor in it, and at most once per SCAN_EVERY_S
+# on the whole node: a registration costs a few reads, not one per process of the node.
 _elsewhere: dict[tuple[str, int], tuple[int, int]] = {}
+_lock = threading.Lock()
+_scanned_at = -math.inf
+SCAN_EVERY_S = 10.0
+# A kernel is the caller's child (or a spare's): its descendants are read first, this deep.
+DESCENDANT_DEPTH = 4
+DESCENDANTS = 512
 
 
 def as_seen_here(caller: int, pid: int) -> int | None:
@@ -122,20 +138,65 @@ def as_seen_here(caller: int, pid: int) -> int | None:
     when no such process is visible here.
 
     A kernel in a container (a Kubernetes pod) is numbered in the pod's namespace, and only
-    the caller's own namespace is searched: a pod cannot name a process of another.
+    the caller's own namespace is searched: a pod cannot name a process of another. Blocking
+    file reads: run it off the event loop.
     """
+    global _scanned_at
     theirs = pid_namespace(caller)
     if theirs is None:
         return None  # gone, or not ours to read: which process it means cannot be told
-    if theirs == pid_namespace("self"):
+    if theirs == own_namespace():
         return pid
     if _innermost_pid(caller) == pid:
         return caller  # a kernel registers itself: no search at all
-    found = _remembered(theirs, pid)
-    if found is None:
-        _scan_elsewhere()
+    with _lock:
         found = _remembered(theirs, pid)
+    if found is None:
+        found = _descendant(caller, theirs, pid)
+    if found is None:
+        with _lock:
+            # Asked for a pid nothing above finds, a caller gets the last scan's answer: one
+            # that asks again and again cannot make the agent read all of /proc each time.
+            if time.monotonic() - _scanned_at >= SCAN_EVERY_S:
+                _scan_elsewhere()
+                _scanned_at = time.monotonic()
+            found = _remembered(theirs, pid)
     return found
+
+
+def children(pid: int) -> list[int]:
+    """The children of every thread of the process (one read each), or [] when gone."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                found += [int(child) for child in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _descendant(caller: int, namespace: str, pid: int) -> int | None:
+    """The caller's descendant that is ``pid`` in ``namespace`` (checked by start time against
+    a pid that changed hands while it was read), or None."""
+    level, seen = [caller], 0
+    for _ in range(DESCENDANT_DEPTH):
+        level = [child for parent in level for child in children(parent)][:DESCENDANTS - seen]
+        seen += len(level)
+        for here in level:
+            before = stat(here)
+            if before is None or _innermost_pid(here) != pid or pid_namespace(here) != namespace:
+                continue
+            after = stat(here)
+            if after is not None and after.start_time == before.start_time:
+                return here
+        if not level or seen >= DESCENDANTS:
+            break
+    return None
 
 
 def _remembered(namespace: str, pid: int) -> int | None:
@@ -154,7 +215,7 @@ def _remembered(namespace: str, pid: int) -> int | None:
 
 def _scan_elsewhere() -> None:
     """Read where every process of another PID namespace is (see ``_elsewhere``)."""
-    ours = pid_namespace("self")
+    ours = own_namespace()
     found: dict[tuple[str, int], tuple[int, int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():

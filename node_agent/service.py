@@ -153,8 +153,13 @@ class Agent:
     def release(self, caller: Caller, lease_id: str) -> None:
         self.ctx.placement.release(caller, lease_id)
 
-    def register_pid(self, caller: Caller, lease_id: str, pid: int) -> Lease:
-        return self.ctx.usage.register_pid(caller, lease_id, pid)
+    async def locate_pid(self, caller: Caller, pid: int) -> int:
+        """The agent's number for the caller's process ``pid`` (another PID namespace's)."""
+        return await self.ctx.usage.locate(caller, pid)
+
+    def register_pid(self, caller: Caller, lease_id: str, pid: int,
+                     here: int | None = None) -> Lease:
+        return self.ctx.usage.register_pid(caller, lease_id, pid, here)
 
     def report_usage(self, caller: Caller, lease_id: str, used: int) -> None:
         """What a client says its processes hold, where the backend cannot see them."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from node_agent.quantities import MAX_COUNT
 
@@ -138,6 +138,19 @@ class AgentStats:
     # Moves not ended yet: lease id -> monotonic start. A move under way when the agent
     # restarted is not timed (its start is lost with the process), rather than timed wrong.
     _moving: dict[str, float] = field(default_factory=dict)
+
+    def tally(self) -> float:
+        """Every count and sum so far, added up: each only grows, so any new event changes
+        this figure (a view of the stats is current while it has not moved)."""
+        total = 0.0
+        for f in fields(self):
+            value = getattr(self, f.name)
+            for item in value.values() if isinstance(value, dict) else (value,):
+                if isinstance(item, Histogram):
+                    total += sum(item.counts) + item.total
+                elif isinstance(item, int | float):
+                    total += item
+        return total
 
     def move_started(self, lease_id: str, cause: str) -> None:
         self.moves_started[cause] += 1

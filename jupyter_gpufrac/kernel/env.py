@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jupyter_gpufrac import contract
 
@@ -69,6 +70,9 @@ class KernelEnv:
     checkpoint_user_budget: int | None = None
     # Bytes one snapshot may copy into memory at a cell's end (None: unbounded).
     checkpoint_staging_budget: int | None = None
+    # The disk budgets that are shares of the space free for checkpoints ("kernel", "user"):
+    # measured again as the disk changes, not fixed at the launch.
+    checkpoint_disk_shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def has_lease(self) -> bool:
@@ -143,20 +147,35 @@ def default_checkpoint_dir(kernel_id: str | None, home: Path | None = None) -> P
     return base / (kernel_id or f"pid-{os.getpid()}")
 
 
-def _share_source(raw: str, problems: list[str],
-                  variable: str = contract.SHARE_SOURCE) -> dict[str, str | None]:
-    """``{"request": text, "limit": text or None}`` from ``variable``'s JSON."""
+def _json_object(raw: str, variable: str, problems: list[str],
+                 fits: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The JSON object in ``variable`` when it ``fits``; else {} (said in ``problems``)."""
     if not raw.strip():
         return {}
     try:
         data = json.loads(raw)
     except ValueError:
         data = None
-    if not isinstance(data, dict) or not all(
-            isinstance(data.get(k), str | None) for k in ("request", "limit")):
+    if not isinstance(data, dict) or not fits(data):
         problems.append(f"{variable} is not the expected JSON: {raw[:80]!r}")
         return {}
-    return {"request": data.get("request"), "limit": data.get("limit")}
+    return data
+
+
+def _disk_shares(raw: str, problems: list[str]) -> dict[str, float]:
+    """``{"kernel": 0.25, "user": 0.5}`` (either may be absent) from CHECKPOINT_DISK_SHARES."""
+    data = _json_object(raw, contract.CHECKPOINT_DISK_SHARES, problems, lambda d: all(
+        key in ("kernel", "user") and isinstance(value, int | float)
+        and not isinstance(value, bool) and 0 <= value <= 1 for key, value in d.items()))
+    return {key: float(value) for key, value in data.items()}
+
+
+def _share_source(raw: str, problems: list[str],
+                  variable: str = contract.SHARE_SOURCE) -> dict[str, str | None]:
+    """``{"request": text, "limit": text or None}`` from ``variable``'s JSON."""
+    data = _json_object(raw, variable, problems, lambda d: all(
+        isinstance(d.get(k), str | None) for k in ("request", "limit")))
+    return {"request": data.get("request"), "limit": data.get("limit")} if data else {}
 
 
 def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelEnv:
@@ -183,6 +202,7 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     kernel_budget = _int(env, contract.CHECKPOINT_KERNEL_BUDGET, problems)
     user_budget = _int(env, contract.CHECKPOINT_USER_BUDGET, problems)
     staging_budget = _int(env, contract.CHECKPOINT_STAGING_BUDGET, problems)
+    disk_shares = _disk_shares(env.get(contract.CHECKPOINT_DISK_SHARES, ""), problems)
     return KernelEnv(
         lease_id=env.get(contract.LEASE_ID, "").strip() or None,
         agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
@@ -215,4 +235,5 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_kernel_budget=kernel_budget,
         checkpoint_user_budget=user_budget,
         checkpoint_staging_budget=staging_budget,
+        checkpoint_disk_shares=disk_shares,
     )

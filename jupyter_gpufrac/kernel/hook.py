@@ -34,6 +34,7 @@ from jupyter_gpufrac.kernel import (
 from jupyter_gpufrac.kernel.budget import DiskLimits
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
+from jupyter_gpufrac.kernel.disk_shares import SharedDiskLimits
 from jupyter_gpufrac.kernel.import_hook import after_import
 from jupyter_gpufrac.kernel.observations import ObservationSender
 from jupyter_gpufrac.kernel.state_file import header_generation
@@ -83,7 +84,11 @@ class GpuFracHook:
         self.checkpointer = Checkpointer(environment.checkpoint_dir)
         # Generations go on from the newest the server saw, whatever a restore loads.
         self.checkpointer.generation = environment.checkpoint_generation
-        if (environment.checkpoint_kernel_budget is not None
+        if environment.checkpoint_disk_shares:
+            self.checkpointer.limits = SharedDiskLimits(
+                environment.checkpoint_dir, environment.checkpoint_kernel_budget,
+                environment.checkpoint_user_budget, environment.checkpoint_disk_shares)
+        elif (environment.checkpoint_kernel_budget is not None
                 or environment.checkpoint_user_budget is not None):
             self.checkpointer.limits = DiskLimits(
                 environment.checkpoint_dir, environment.checkpoint_kernel_budget,
@@ -589,7 +594,10 @@ class GpuFracHook:
                 checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
                 moved_to_cpu_bytes=loaded.moved_to_cpu_bytes, rng=loaded.rng,
                 deferred=loaded.deferred, room=room,
-                ok=not loaded.lost and not newer and interrupted is None and not loaded.deferred,
+                # Cells that ran after the checkpoint (its write failed, or had not ended)
+                # lost their effects, whatever names came back.
+                ok=(not loaded.lost and not newer and interrupted is None and not loaded.deferred
+                    and not _ran_after(last_cell, loaded.execution_count)),
                 last_cell=last_cell if isinstance(last_cell, int) else None,
                 cpu_reason=("they did not fit in this kernel's GPU memory limit"
                             if cpu_fallback else "this kernel has no CUDA device"),
@@ -915,3 +923,9 @@ def _oom_handler(hook: GpuFracHook) -> Any:
             print(*extra, file=sys.stderr)
 
     return handler
+
+
+def _ran_after(last_cell: object, checkpoint_cell: object) -> bool:
+    """Whether cell ``last_cell`` ran after the checkpoint taken after ``checkpoint_cell``."""
+    return (isinstance(last_cell, int) and isinstance(checkpoint_cell, int)
+            and 0 < checkpoint_cell < last_cell)

@@ -170,18 +170,49 @@ def open_private_dir(path: Path, *, create: bool = False) -> int:
     """A descriptor of folder ``path``, checked ours alone (0700 when ``create`` makes it,
     with its parents); raises UnsafeCheckpointError, FileNotFoundError."""
     path = Path(path)
-    created = False
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        created = _mkdir_private(path, None)
-    fd = _open_checked(path, _DIR_FLAGS, None, path, directory=True)
+    if not create:
+        return _open_checked(path, _DIR_FLAGS, None, path, directory=True)
+    parent = make_private_dirs(path.parent)
+    try:
+        return _made_or_checked(path.name, parent, path)
+    finally:
+        os.close(parent)
+
+
+def _made_or_checked(name: str, parent_fd: int, shown: Path) -> int:
+    """Folder ``name`` of ``parent_fd``, made 0700 when missing, opened and checked ours
+    alone."""
+    created = _mkdir_private(name, parent_fd)
+    fd = _open_checked(name, _DIR_FLAGS, parent_fd, shown, directory=True)
     if created:
-        # mkdir's mode is filtered by the umask; say exactly what we want.
+        # mkdir's mode is filtered by the umask (and a setgid parent adds its bit): say
+        # exactly what we want.
         try:
             os.fchmod(fd, 0o700)
         except BaseException:
             os.close(fd)
             raise
+    return fd
+
+
+def make_private_dirs(path: Path) -> int:
+    """A descriptor of folder ``path``; the folders missing on the way are made 0700 one by
+    one, each under its parent's descriptor and opened without following a link, so none can
+    be swapped between its making and its use (what exists already is opened as named)."""
+    path = Path(os.path.abspath(path))
+    missing: list[str] = []
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        missing.append(existing.name)
+        existing = existing.parent
+    fd = os.open(existing, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    for name in reversed(missing):
+        existing = existing / name
+        try:
+            sub = _made_or_checked(name, fd, existing)
+        finally:
+            os.close(fd)
+        fd = sub
     return fd
 
 
@@ -233,7 +264,8 @@ class CheckpointDir:
         others, FileNotFoundError for a missing one.
         """
         path = Path(path)
-        root = open_private_dir(path, create=create)
+        # A folder with blobs is a kernel's, in a checkpoint root: that root is checked too.
+        root = open_kernel_dir(path) if create and blobs else open_private_dir(path, create=create)
         if not blobs:
             return cls(path, root, -1)
         try:
@@ -651,3 +683,63 @@ def write_file(root: Path, name: str, data: bytes, *, durable: bool = True,
 def new_blob_name() -> str:
     """A fresh blob name; blobs are immutable once named, so names are never reused."""
     return uuid.uuid4().hex + ".bin"
+
+
+# In a checkpoint root (the folder of one user's kernel folders) made by this project: the
+# retention sweep removes nothing from a folder without it.
+ROOT_MARK = ".gpufrac-checkpoints"
+ROOT_MARK_TEXT = b'{"made_by": "jupyter-gpufrac", "holds": "kernel checkpoints"}\n'
+
+
+def open_root(path: Path) -> int:
+    """Checkpoint root ``path`` opened without following a link and checked the user's alone;
+    when missing (never made, or deleted under running kernels) it is made 0700, its missing
+    parents too, and marked (:data:`ROOT_MARK`) — never left with the umask's modes."""
+    path = Path(path)
+    try:
+        return _open_checked(path, _DIR_FLAGS, None, path, directory=True)
+    except FileNotFoundError:
+        pass
+    fd = make_private_dirs(path)
+    try:
+        mark_root(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def mark_root(root_fd: int, shown: Path) -> None:
+    """Write :data:`ROOT_MARK` into the open, checked root (nothing when it is there)."""
+    try:
+        fd = os.open(ROOT_MARK, _CREATE_FLAGS, 0o600, dir_fd=root_fd)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(ROOT_MARK_TEXT)
+
+
+def root_marked(root_fd: int) -> bool:
+    """Whether the open root carries :data:`ROOT_MARK`: a regular file of the user's alone."""
+    try:
+        fd = os.open(ROOT_MARK, _READ_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return False
+    try:
+        _check(os.fstat(fd), Path(ROOT_MARK), directory=False)
+        return os.read(fd, 4096).startswith(ROOT_MARK_TEXT.rstrip())
+    except (OSError, UnsafeCheckpointError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def open_kernel_dir(path: Path) -> int:
+    """Kernel folder ``path`` (made 0700 when missing) under its checkpoint root, which is
+    :func:`open_root`'s: checked the user's alone each time, or made again and marked."""
+    path = Path(path)
+    root = open_root(path.parent)
+    try:
+        return _made_or_checked(path.name, root, path)
+    finally:
+        os.close(root)

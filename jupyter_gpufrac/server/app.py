@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import zmq
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Float, Int, List, Unicode, default, validate
+from traitlets import List, Unicode, default, validate
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import Usage, free_disk, measure
@@ -28,6 +28,13 @@ from jupyter_gpufrac.server.agent_link import (
     AgentUnavailable,
     server_client_name,
     server_client_prefix,
+)
+from jupyter_gpufrac.server.config_traits import (
+    NotedBool,
+    NotedFloat,
+    NotedInt,
+    NotedList,
+    NotedUnicode,
 )
 from jupyter_gpufrac.server.directive_listener import DirectiveListener
 from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
@@ -56,6 +63,12 @@ RECONNECT_IVL_MS = 10  # a kernel socket's first retry; then doubling, up to:
 RECONNECT_IVL_MAX_MS = 25
 # The REST kernel view measures the checkpoint folder at most this often (a walk of stat calls).
 CHECKPOINT_DISK_CACHE_S = 10.0
+# The ranges of the settings in seconds.
+HOUR = 3600.0
+DAY = 24 * HOUR
+YEAR = 365 * DAY
+KEEP_AT_MOST_S = 10 * YEAR
+MIN_SWEEP_INTERVAL_S = 0.1
 
 
 class GpuFrac(ExtensionApp):
@@ -65,71 +78,72 @@ class GpuFrac(ExtensionApp):
     load_other_extensions = True
 
     # Bad c.GpuFrac settings, each a sentence naming the setting and what was expected.
-    config_problems = List(Unicode())
+    config_problems = List(Unicode())  # not a setting: what is wrong with them
 
-    agent_socket = Unicode(
+    agent_socket = NotedUnicode(
         help="Unix socket of the node agent. Default: $GPUFRAC_AGENT_SOCKET, else the system "
         "agent's /run/gpufrac/agent.sock when it exists, else a per-user socket.",
     ).tag(config=True)
 
-    default_request = Unicode(
+    default_request = NotedUnicode(
         "0.25",
         help="GPU memory a kernel is guaranteed when its kernelspec (metadata.gpufrac.request) "
         "and the user's last %gpu request say nothing: a fraction of one GPU (0.25) or memory "
         "(2500M, 4G, 4Gi, bytes).",
     ).tag(config=True)
 
-    default_limit = Unicode(
+    default_limit = NotedUnicode(
         "1",
         help="Most GPU memory a kernel may burst to when nothing more specific says: a fraction "
         "or memory, at least default_request. RUNAI_GPU_MEMORY_LIMIT in the server's "
         "environment takes precedence. Empty: the limit is the request (no bursting).",
     ).tag(config=True)
 
-    migrate_grace_period = Float(
-        30.0,
+    migrate_grace_period = NotedFloat(
+        30.0, min=0, max=DAY,
         help="Seconds a running cell may finish before a kernel that must move is restarted "
         "from its last checkpoint instead of a fresh one.",
-    ).tag(config=True)
+    ).tag(config=True, unit="seconds")
 
-    checkpoint_dir = Unicode(
+    checkpoint_dir = NotedUnicode(
         help="Directory for kernel checkpoints (one 0700 subdirectory per kernel). "
         "Default: <jupyter data dir>/gpufrac/checkpoints.",
     ).tag(config=True)
 
-    checkpoint_keep_seconds = Float(
-        86400.0,
+    checkpoint_keep_seconds = NotedFloat(
+        86400.0, min=0, max=KEEP_AT_MOST_S,
         help="Seconds a kernel's checkpoint is kept after its user shut the kernel down, then "
         "removed (at a server start, or by the periodic sweep). A server stop or crash marks "
         "nothing: the checkpoints of the kernels it ran are removed once nothing was written in "
         "them for this long (and for two checkpoint_sweep_interval), so a notebook reopened "
         "after a crash can still find its state. 0: removed at the next sweep.",
-    ).tag(config=True)
+    ).tag(config=True, unit="seconds")
 
-    checkpoint_sweep_interval = Float(
-        3600.0,
+    checkpoint_sweep_interval = NotedFloat(
+        3600.0, min=0, max=DAY,
         help="Seconds between sweeps of the checkpoint folder for expired checkpoints (see "
         "checkpoint_keep_seconds); each sweep also marks this server's running kernels' folders "
         "as in use, for other servers of yours sharing the folder. 0: only at server start.",
-    ).tag(config=True)
+    ).tag(config=True, unit="seconds")
 
-    checkpoint_kernel_budget = Unicode(
+    checkpoint_kernel_budget = NotedUnicode(
         "25%",
         help="The most disk one kernel's checkpoint may take: a share of the space free for "
-        "checkpoints when the server starts (free disk under checkpoint_dir plus what your "
-        "checkpoints there already take), like 25%, or a size like 20GiB, 500M or bytes. A "
+        "checkpoints (free disk under checkpoint_dir plus what your checkpoints there already "
+        "take, measured again by each kernel as the disk fills and empties), like 25%, or a "
+        "size like 20GiB, 500M or bytes. A "
         "checkpoint protects the variables that fit, smallest first, and names the others "
         "(%gpu, the panel, a restore). 0: nothing is protected.",
     ).tag(config=True)
 
-    checkpoint_user_budget = Unicode(
+    checkpoint_user_budget = NotedUnicode(
         "50%",
         help="The most disk all your kernels' checkpoints may take together (shut-down kernels' "
-        "kept ones count too): a share of the space free for checkpoints when the server starts "
-        "(see checkpoint_kernel_budget), like 50%, or a size like 100GiB or bytes.",
+        "kept ones count too): a share of the space free for checkpoints (see "
+        "checkpoint_kernel_budget), like 50%, or a size like 100GiB or bytes.",
     ).tag(config=True)
 
-    checkpoint_staging_budget = Unicode(
+    checkpoint_staging_budget = NotedUnicode(
         "25%",
         help="The most memory one kernel's snapshot may copy at a cell's end, to be written in "
         "the background: its changed tensors and arrays (GPU ones into pinned host memory). A "
@@ -139,32 +153,32 @@ class GpuFrac(ExtensionApp):
         "panel, a restore). 0: nothing is copied.",
     ).tag(config=True)
 
-    embedded_agent = Bool(
+    embedded_agent = NotedBool(
         True,
         help="Start a node agent as a child process when none answers at agent_socket at "
         "server start, and stop it with the server.",
     ).tag(config=True)
 
-    embedded_agent_simulate = Unicode(
+    embedded_agent_simulate = NotedUnicode(
         "2x16GiB",
         help="The node the embedded agent simulates when NVML does not initialise "
         "(COUNTxMEMORY, e.g. 2x16GiB or 4xH100-80GB). Empty: no fallback, NVML or nothing.",
     ).tag(config=True)
 
-    embedded_agent_nvml = Bool(
+    embedded_agent_nvml = NotedBool(
         True,
         help="Whether the embedded agent tries NVML first. False: it always runs the simulated "
         "node of embedded_agent_simulate (a demo, or tests, on a machine with a GPU).",
     ).tag(config=True)
 
-    node_scheduler = Bool(
+    node_scheduler = NotedBool(
         True,
         help="The embedded agent's node scheduler: spread burstable kernels (limit above "
         "request) over idle GPUs and move them back when room is needed. False: every kernel "
         "runs where it is planned; memory is still taken back from borrowers.",
     ).tag(config=True)
 
-    max_workloads_per_gpu = Int(
+    max_workloads_per_gpu = NotedInt(
         None,
         allow_none=True,
         min=1,
@@ -172,33 +186,33 @@ class GpuFrac(ExtensionApp):
         "workloads per GPU). None: not enforced.",
     ).tag(config=True)
 
-    embedded_agent_timeout = Float(
-        30.0,
+    embedded_agent_timeout = NotedFloat(
+        30.0, min=0.1, max=HOUR,
         help="Seconds to wait for the embedded agent to answer before giving up on it.",
-    ).tag(config=True)
+    ).tag(config=True, unit="seconds")
 
-    lease_poll_interval = Float(
-        5.0,
+    lease_poll_interval = NotedFloat(
+        5.0, min=0.1, max=HOUR,
         help="Seconds between looks for a GPU share for kernels that started without one, and "
         "for kernels idle past park_after (bursting and %gpu request changes come from the "
         "agent as they happen).",
-    ).tag(config=True)
+    ).tag(config=True, unit="seconds")
 
-    park_after = Float(
-        900.0,
+    park_after = NotedFloat(
+        900.0, min=0, max=YEAR,
         help="Seconds a notebook kernel may stay idle before it is parked: checkpointed, "
         "restarted without a GPU (CUDA untouched, tensors in host memory), its lease holding no "
         "GPU memory. Its variables and the open notebook stay; its next cell gets a GPU first "
         "(any with room) and then runs. 0 turns parking off.",
-    ).tag(config=True)
+    ).tag(config=True, unit="seconds")
 
-    agent_check_interval = Float(
-        1.0,
+    agent_check_interval = NotedFloat(
+        1.0, min=0.1, max=HOUR,
         help="Seconds between checks that the agent answers; a lost agent is shown within "
         "this plus two seconds, and the embedded agent is restarted.",
-    ).tag(config=True)
+    ).tag(config=True, unit="seconds")
 
-    spare_kernels = Bool(
+    spare_kernels = NotedBool(
         help="Keep a pre-started kernel process for each ipykernel kernelspec in use, with "
         "ipykernel, the kernel hook and spare_kernel_imports imported and CUDA not initialised: "
         "a kernel that moves to another GPU or is restored after a kill starts in it (same "
@@ -211,15 +225,15 @@ class GpuFrac(ExtensionApp):
         "when less than 2 spares' worth is left.",
     ).tag(config=True)
 
-    spare_kernel_imports = List(
+    spare_kernel_imports = NotedList(
         Unicode(), ["torch"],
         help="Modules a spare kernel imports in advance, besides ipykernel and the kernel hook "
         "(never anything that initialises CUDA at import). A module the kernel's environment "
         "cannot import is skipped and named in the server log.",
     ).tag(config=True)
 
-    max_spare_kernels = Int(
-        2, min=0,
+    max_spare_kernels = NotedInt(
+        2, min=0, max=64,
         help="How many spare kernels the server keeps at most, one per kernelspec in use.",
     ).tag(config=True)
 
@@ -232,9 +246,7 @@ class GpuFrac(ExtensionApp):
 
     @default("agent_socket")
     def _default_agent_socket(self) -> str:
-        from node_agent.client import default_socket_path
-
-        return os.environ.get(contract.AGENT_SOCKET) or default_socket_path()
+        return default_agent_socket(self.log)
 
     @default("checkpoint_dir")
     def _default_checkpoint_dir(self) -> str:
@@ -252,19 +264,14 @@ class GpuFrac(ExtensionApp):
             return self._bad_setting(proposal, f"{err.field}: {err.message}")
         return value
 
-    @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval",
-              "agent_check_interval", "park_after", "checkpoint_keep_seconds",
-              "checkpoint_sweep_interval")
-    def _validate_seconds(self, proposal: Any) -> float:
+    @validate("checkpoint_sweep_interval")
+    def _validate_sweep_interval(self, proposal: Any) -> float:
         value = float(proposal.value)
-        smallest = 0.0 if proposal.trait.name in ("migrate_grace_period", "park_after",
-                                                   "checkpoint_keep_seconds",
-                                                   "checkpoint_sweep_interval") else 0.1
-        if not value >= smallest or value == float("inf"):
+        if 0 < value < MIN_SWEEP_INTERVAL_S:
+            # A sweep walks the folder: a sweep every nanosecond is a busy server.
             return self._bad_setting(
-                proposal,
-                f"c.GpuFrac.{proposal.trait.name}: expected seconds >= {smallest:g}, got {value!r}",
-            )
+                proposal, f"c.GpuFrac.checkpoint_sweep_interval: expected 0 (only at server "
+                f"start) or seconds from {MIN_SWEEP_INTERVAL_S:g} to {DAY:g}, got {value!r}")
         return value
 
     @validate("checkpoint_kernel_budget", "checkpoint_user_budget", "checkpoint_staging_budget")
@@ -278,17 +285,25 @@ class GpuFrac(ExtensionApp):
             return self._bad_setting(proposal, f"{err.field}: {err.message}")
         return value
 
-    def checkpoint_budgets(self) -> tuple[int, int]:
-        """(per-kernel, per-user) checkpoint budgets in bytes: shares of the space free for
-        checkpoints now, free disk plus what the user's checkpoints already take (file I/O)."""
-        shares = [parse_budget(spec, name) for name, spec in (
-            ("c.GpuFrac.checkpoint_kernel_budget", self.checkpoint_kernel_budget),
-            ("c.GpuFrac.checkpoint_user_budget", self.checkpoint_user_budget))]
+    def disk_budget_specs(self) -> dict[str, tuple[float | None, int | None]]:
+        """The two disk budgets as set: (share of the space free for checkpoints, or bytes)."""
+        return {"kernel": parse_budget(self.checkpoint_kernel_budget,
+                                       "c.GpuFrac.checkpoint_kernel_budget"),
+                "user": parse_budget(self.checkpoint_user_budget,
+                                     "c.GpuFrac.checkpoint_user_budget")}
+
+    def checkpoint_budgets(self, taken: int | None = None) -> tuple[int, int]:
+        """(per-kernel, per-user) checkpoint budgets in bytes now: a share is of the space free
+        for checkpoints, free disk plus what the user's checkpoints take (``taken``, when it
+        was just measured; else measured here: file I/O)."""
+        specs = self.disk_budget_specs()
         room = 0
-        if any(share is not None for share, _ in shares):
-            room = free_disk(Path(self.checkpoint_dir)) + measure(Path(self.checkpoint_dir)).total
+        if any(share is not None for share, _ in specs.values()):
+            if taken is None:
+                taken = measure(Path(self.checkpoint_dir)).total
+            room = free_disk(Path(self.checkpoint_dir)) + taken
         kernel, user = (int(share * room) if share is not None else int(nbytes or 0)
-                        for share, nbytes in shares)
+                        for share, nbytes in specs.values())
         return kernel, user
 
     def staging_budget(self) -> int:
@@ -324,6 +339,11 @@ class GpuFrac(ExtensionApp):
         runs."""
         self._note_problem(problem)
         return proposal.trait.default_value
+
+    def bad_value(self, name: str, problem: str) -> None:
+        """A value of the wrong type or out of range (config_traits): noted; the trait keeps
+        its default, and every other setting stands."""
+        self._note_problem(problem)
 
     def _note_problem(self, problem: str) -> None:
         """Said once in the log and in every kernel's widget; kernels get no GPU lease until
@@ -422,12 +442,20 @@ class GpuFrac(ExtensionApp):
             checkpoint_keep_seconds=self.checkpoint_keep_seconds,
             log=self.log,
         )
+        # A size is given to each kernel as bytes; a share, as the share: each kernel measures
+        # the disk again as it fills and empties (a disk full at the server's start must not
+        # fix its kernels' budgets for the server's life).
+        specs = self.disk_budget_specs()
+        self.kernel_settings.checkpoint_disk_shares = {
+            name: share for name, (share, _) in specs.items() if share is not None}
         (self.kernel_settings.checkpoint_kernel_budget,
-         self.kernel_settings.checkpoint_user_budget) = self.checkpoint_budgets()
+         self.kernel_settings.checkpoint_user_budget) = (
+            None if share is not None else int(nbytes or 0) for share, nbytes in specs.values())
         self.kernel_settings.checkpoint_staging_budget = self.staging_budget()
         self.check_folders()
         self.events.on_event = self._account_changed
-        self._disk: tuple[float, Usage] | None = None
+        # The checkpoint folder as last measured, and the disk budgets then.
+        self._disk: tuple[float, Usage, int, int] | None = None
         self.settings["gpufrac_app"] = self
         self.log.info(
             "gpufrac: agent socket %s, checkpoints in %s, client %s",
@@ -562,11 +590,10 @@ class GpuFrac(ExtensionApp):
             except OSError as err:
                 self.log.info("gpufrac: measuring %s: %s", self.checkpoint_dir, err)
                 return None
-            cached = self._disk = (now, usage)
-        settings = self.kernel_settings
-        return {**cached[1].model(kernel_id, now),
-                "kernel_budget": settings.checkpoint_kernel_budget,
-                "user_budget": settings.checkpoint_user_budget}
+            kernel, user = await asyncio.to_thread(self.checkpoint_budgets, usage.total)
+            cached = self._disk = (now, usage, kernel, user)
+        return {**cached[1].model(kernel_id, now), "kernel_budget": cached[2],
+                "user_budget": cached[3]}
 
     # -- following kernels -------------------------------------------------------------
 
@@ -821,6 +848,31 @@ class GpuFrac(ExtensionApp):
                               lease["id"], lease.get("kernel_id"), server_pid)
             except AgentError as err:
                 self.log.info("gpufrac: stale lease %s not released: %s", lease["id"], err)
+
+
+def default_agent_socket(log: Any) -> str:
+    """$GPUFRAC_AGENT_SOCKET, else the rule every part follows (``default_socket_path``);
+    where that names the per-user folder under /tmp and another user made it first (to
+    listen in, or by mistake), a folder of the user's own instead, named in the log with the
+    squatter's for an administrator, and given to kernels and terminals in the environment."""
+    from node_agent.client import (
+        default_socket_path,
+        own_socket_path,
+        personal_socket_folders,
+        socket_folder_problem,
+    )
+
+    chosen = os.environ.get(contract.AGENT_SOCKET) or default_socket_path()
+    folder = os.path.dirname(chosen)
+    problem = socket_folder_problem(chosen)
+    if os.environ.get(contract.AGENT_SOCKET) or problem is None or \
+            folder not in personal_socket_folders():
+        return chosen
+    instead = own_socket_path(chosen)
+    log.warning("gpufrac: the agent's usual socket folder %s cannot be used: %s. Using %s "
+                "instead; an administrator should remove %s.", folder, problem, instead, folder)
+    os.environ[contract.AGENT_SOCKET] = instead
+    return instead
 
 
 def _look_at_checkpoints(gpus: list[KernelGpu]) -> None:

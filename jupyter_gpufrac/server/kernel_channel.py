@@ -178,6 +178,19 @@ async def restore_report(kernel: Any, timeout: float) -> dict[str, Any] | None:
     return report if isinstance(report, dict) else None
 
 
+def cells_after(checkpoint_cell: object, last_cell: object) -> str | None:
+    """Which cells ran after the checkpoint a restore came from (their effects are lost,
+    whatever names came back), for people; None when none did."""
+    if not (isinstance(checkpoint_cell, int) and isinstance(last_cell, int)
+            and 0 < checkpoint_cell < last_cell):
+        return None
+    if last_cell == checkpoint_cell + 1:
+        return (f"cell [{last_cell}] ran after the checkpoint (taken after cell "
+                f"[{checkpoint_cell}]): re-run it if you need its effects")
+    return (f"cells [{checkpoint_cell + 1}] to [{last_cell}] ran after the checkpoint (taken "
+            f"after cell [{checkpoint_cell}]): re-run them if you need their effects")
+
+
 def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str, Any]:
     """What the server tells people about a restore: verified names only, never assumed success.
 
@@ -218,10 +231,13 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
             shown = [f"{name} ({lost_reasons[name]})" if name in lost_reasons else name
                      for name in lost]
             parts.append(f"not restored: {', '.join(shown)}")
+    after = None if error else cells_after(report.get("checkpoint_cell"), report.get("last_cell"))
+    if after:
+        parts.append(after)
     if interrupted:
         parts.append(f"the running cell {interrupted} was cut off: re-run it")
     ok = (bool(report.get("ok")) and not error and not lost and not interrupted
-          and not deferred and not older)
+          and not deferred and not older and not after)
     return {
         "ok": ok, "restored": restored, "lost": lost, "lost_reasons": lost_reasons,
         "deferred": deferred,

@@ -557,13 +557,11 @@ class Kernels:
 
     def get(self, kernel_id: str) -> KernelGpu | None:
         """The kernel's GPU state, or None (no such kernel, or not ours)."""
-        if self.kernel_manager is None:
+        # jupyter_server's get_kernel answers an unknown id with an HTTP 404, not a KeyError:
+        # a lease of the user's other server (its kernel unknown here) must not end a request.
+        if self.kernel_manager is None or kernel_id not in self.kernel_manager:
             return None
-        try:
-            kernel = self.kernel_manager.get_kernel(kernel_id)
-        except KeyError:
-            return None
-        return gpu_of(kernel)
+        return gpu_of(self.kernel_manager.get_kernel(kernel_id))
 
     def items(self) -> list[tuple[str, KernelGpu]]:
         """(kernel id, GPU state) of every kernel of ours."""

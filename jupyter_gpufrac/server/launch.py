@@ -200,6 +200,7 @@ def build_kernel_env(
     default_share: Mapping[str, str | None] | None = None,
     no_lease_reason: str | None = None,
     checkpoint_budgets: tuple[int | None, int | None, int | None] = (None, None, None),
+    checkpoint_disk_shares: Mapping[str, float] | None = None,
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -226,6 +227,10 @@ def build_kernel_env(
                             contract.CHECKPOINT_STAGING_BUDGET), checkpoint_budgets, strict=True):
         if budget is not None:
             env[key] = str(int(budget))
+    if checkpoint_disk_shares:
+        # Those set as shares of the free disk: the kernel measures the disk as it changes.
+        env[contract.CHECKPOINT_DISK_SHARES] = json.dumps(dict(checkpoint_disk_shares),
+                                                          sort_keys=True)
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -274,10 +279,10 @@ def checkpoint_dir_of(root: str, kernel_id: str) -> str:
 def kernel_checkpoint_dir(root: str, kernel_id: str) -> str:
     """The kernel's own checkpoint directory, created 0700 (checkpoints are unpickled).
 
-    Both folders are opened without following a link and checked ours alone; raises
-    UnsafeCheckpointError or OSError (the caller starts the kernel without checkpoints).
+    Both folders are opened without following a link and checked ours alone (a root deleted
+    meanwhile is made again, 0700, and marked); raises UnsafeCheckpointError or OSError (the
+    caller starts the kernel without checkpoints).
     """
-    os.close(store.open_private_dir(Path(root), create=True))
     path = checkpoint_dir_of(root, kernel_id)
     store.ensure_private_dir(Path(path))
     return path

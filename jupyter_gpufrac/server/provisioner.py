@@ -27,6 +27,7 @@ from jupyter_gpufrac.server.launch import (
 from jupyter_gpufrac.server.retention import mark_shut_down
 from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
 from jupyter_gpufrac.server.spares import SpareKey, SparePool
+from jupyter_gpufrac.server.transport import use_private_sockets
 
 EXTENSION_NAME = "jupyter_gpufrac"
 # In the provisioner's saved info: the newest checkpoint generation the server saw.
@@ -125,6 +126,9 @@ class GpuFracProvisioner(LocalProvisioner):
             # At a restart, before the launch: the newest state this server can know of.
             await asyncio.to_thread(gpu.look_at_checkpoint)
         kwargs["extra_arguments"] = kernel_arguments(kwargs.get("extra_arguments"), load_ext)
+        if load_ext:
+            # ipykernel takes Unix sockets from its connection file; other kernels may not.
+            use_private_sockets(self.parent, kernel_id, self.log)
         kwargs["env"] = build_kernel_env(
             kwargs.get("env") or os.environ,
             kernel_id=kernel_id,
@@ -145,6 +149,7 @@ class GpuFracProvisioner(LocalProvisioner):
             checkpoint_budgets=(settings.checkpoint_kernel_budget,
                                 settings.checkpoint_user_budget,
                                 settings.checkpoint_staging_budget),
+            checkpoint_disk_shares=settings.checkpoint_disk_shares,
         )
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result

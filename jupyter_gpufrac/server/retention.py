@@ -17,12 +17,12 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import (
     DIR_FLAGS,
     MAX_DEPTH,
-    ROOT_FLAGS,
     Marker,
-    read_marker,
+    is_kernel_folder,
+    marker_in,
     write_marker,
 )
-from jupyter_gpufrac.kernel.store import CONTENT_DIR, UnsafeCheckpointError
+from jupyter_gpufrac.kernel.store import CONTENT_DIR, ROOT_MARK, UnsafeCheckpointError, root_marked
 from node_agent.quantities import format_bytes
 
 
@@ -44,7 +44,9 @@ def mark_shut_down(root: str, kernel_id: str, keep_s: float, log: logging.Logger
         if write_marker(folder, now, now + keep_s):
             log.info("kernel %s: shut down; its checkpoint in %s is kept until %s", kernel_id,
                      folder, time.strftime("%Y-%m-%d %H:%M", time.localtime(now + keep_s)))
-    except (OSError, UnsafeCheckpointError) as err:
+    except (OSError, UnsafeCheckpointError, OverflowError, ValueError) as err:
+        # A shutdown goes on whatever happens here (a keep time past the calendar's end,
+        # too): the user asked for it, and its lease is given back already.
         log.warning("kernel %s: could not mark its checkpoint as shut down: %s", kernel_id, err)
 
 
@@ -88,10 +90,14 @@ def _newest_write(folder_fd: int) -> float:
 
 def remove_tree(parent_fd: int, name: str, depth: int = 0) -> int:
     """Remove directory ``name`` of ``parent_fd`` and everything in it through descriptors,
-    never following a link (a link is unlinked, its target left alone); the bytes freed."""
+    never following a link (a link is unlinked, its target left alone) and never entering a
+    folder that is not the user's (it stays, and so does every folder above it); the bytes
+    freed."""
     freed = 0
     fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise OSError(errno.EPERM, "not yours: left alone", name)
         for entry in os.listdir(fd):
             try:
                 st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
@@ -111,6 +117,21 @@ def remove_tree(parent_fd: int, name: str, depth: int = 0) -> int:
         os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
     return freed
+
+
+def root_problem(root_fd: int) -> str | None:
+    """Why nothing may be removed from the open checkpoint root, or None: it must be the
+    user's alone, and marked as made by this project (never a folder someone swapped in)."""
+    st = os.fstat(root_fd)
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to you"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}), so "
+                "what is in it may not be what your kernels wrote")
+    if not root_marked(root_fd):
+        return (f"it has no {ROOT_MARK} file, which jupyter-gpufrac leaves in the checkpoint "
+                "folders it makes: it may be another folder of yours put in its place")
+    return None
 
 
 def _expired(marker: Marker | None, last_write: float, now: float, keep_s: float,
@@ -134,21 +155,25 @@ def sweep(root: str, keep_s: float, running: Collection[str], orphan_after_s: fl
     without a marker, when nothing was written in it for ``max(keep_s, orphan_after_s)``. Never
     a folder of a kernel in ``running`` (this server's) nor one whose wake socket answers (a
     kernel of another server of this user sharing the folder), never a link, never another
-    user's folder.
+    user's folder, never a folder that is not a kernel's checkpoint; and nothing at all unless
+    ``root`` itself is the user's alone and marked as this project's (:func:`root_problem`).
     """
     now = time.time() if now is None else now
     removed: list[Removed] = []
     try:
-        # The root is the configured path, a link or not (like its parents); inside it nothing
-        # is followed.
-        root_fd = os.open(root, ROOT_FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
+        # Opened once, not followed if a link; everything below is reached from this
+        # descriptor: a root renamed or replaced meanwhile is never what is swept.
+        root_fd = os.open(root, DIR_FLAGS)
+    except FileNotFoundError:
+        return removed
+    except OSError as err:
+        log.warning("gpufrac: checkpoint folder %s was not swept: %s (a symbolic link or not a "
+                    "folder is never followed)", root, err.strerror)
         return removed
     try:
-        root_st = os.fstat(root_fd)
-        if root_st.st_uid != os.geteuid():
-            log.warning("gpufrac: checkpoint folder %s is not yours (uid %s): nothing removed",
-                        root, root_st.st_uid)
+        problem = root_problem(root_fd)
+        if problem is not None:
+            log.warning("gpufrac: checkpoint folder %s was not swept: %s", root, problem)
             return removed
         for name in sorted(os.listdir(root_fd)):
             if name == CONTENT_DIR:
@@ -206,11 +231,13 @@ def _sweep_one(root: str, root_fd: int, name: str, keep_s: float, orphan_after_s
     except OSError:
         return None  # replaced by a link since, or gone
     try:
-        # Checked on the descriptor: what is judged is what is removed.
-        if os.fstat(fd).st_ino != st.st_ino or _listening(fd):
+        # Checked on the descriptor: what is judged is what is removed. Only a kernel's
+        # folder, the user's alone, goes.
+        held = os.fstat(fd)
+        if held.st_ino != st.st_ino or held.st_mode & (stat.S_IWGRP | stat.S_IWOTH) \
+                or not is_kernel_folder(fd) or _listening(fd):
             return None
-        why = _expired(read_marker(Path(root) / name), _newest_write(fd), now, keep_s,
-                       orphan_after_s)
+        why = _expired(marker_in(fd), _newest_write(fd), now, keep_s, orphan_after_s)
     finally:
         os.close(fd)
     if why is None:

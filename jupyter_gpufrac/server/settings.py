@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.checkpoint_disk import adopt_root
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.events import KernelEventLog
 from node_agent.quantities import QuantityError, parse_quantity
@@ -41,6 +42,9 @@ class KernelSettings:
     checkpoint_kernel_budget: int | None = None
     checkpoint_user_budget: int | None = None
     checkpoint_staging_budget: int | None = None
+    # Those of the two disk budgets set as shares of the space free for checkpoints ("kernel",
+    # "user"): each kernel measures the disk again as it changes (their bytes above are None).
+    checkpoint_disk_shares: dict[str, float] = field(default_factory=dict)
     # Set as the server stops: the kernels it shuts down then were not shut down by their users.
     server_stopping: bool = False
 
@@ -152,7 +156,16 @@ def checkpoint_folder_problem(checkpoint_root: str) -> str | None:
         if problem is not None:
             return problem
         try:
-            os.close(store.open_private_dir(folder, create=True))
+            if folder != root:
+                os.close(store.open_private_dir(folder, create=True))
+                continue
+            fd = store.open_root(folder)
+            try:
+                # A root an earlier version made is marked now, when it holds only what this
+                # project puts there; else the retention sweep leaves it alone.
+                adopt_root(fd, folder)
+            finally:
+                os.close(fd)
         except (OSError, store.UnsafeCheckpointError) as exc:
             return f"{folder} cannot be used ({exc})"
     return None

@@ -56,7 +56,7 @@ def _expected(trait: TraitType[Any, Any]) -> str:
     if isinstance(trait, Enum):
         return "one of " + ", ".join(str(v) for v in trait.values or ())
     if isinstance(trait, (Int, Float)):
-        what = "a whole number" if isinstance(trait, Int) else "a number"
+        what = "a whole number" if isinstance(trait, Int) else "a finite number"
         # Float's open ends are infinities, Int's None.
         low = None if trait.min in (None, -math.inf) else trait.min
         high = None if trait.max in (None, math.inf) else trait.max
@@ -212,6 +212,11 @@ class GpuFracAgent(Command):
                 value = given.get_value(trait) if isinstance(given, DeferredConfig) else given
                 try:
                     self.set_trait(name, value)
+                    # traitlets lets NaN through any bounds (every comparison with it is
+                    # false), and infinities through open ones: neither is a setting.
+                    number = getattr(self, name)
+                    if isinstance(number, float) and not math.isfinite(number):
+                        raise TraitError(name)
                 except TraitError:
                     shown = str(given) if isinstance(given, DeferredConfig) else given
                     raise _BadValue(section, name, shown, _expected(trait)) from None

@@ -129,7 +129,7 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
     fallback_simulate = Unicode(None, allow_none=True,
                                 help="Use NVML when it starts, else this simulated node.",
                                 ).tag(config=True)
-    poll_interval = Float(_AGENT.poll_interval, min=0.01,
+    poll_interval = Float(_AGENT.poll_interval, min=0.01, max=3600,
                           help="Seconds between polls of the GPUs.").tag(config=True)
     reclaim_grace = Float(_AGENT.reclaim_grace, min=0,
                           help="Seconds a borrower has to shrink before it is killed.",
@@ -269,7 +269,7 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
         help="Namespaces of the pods that reserve a GPU for the fractional pods sharing it (KAI's "
         "binder --resource-reservation-namespace): their GPUs are not whole-GPU jobs.",
     ).tag(config=True)
-    kubelet_interval = Float(2.0, min=0.01, help="Seconds between looks at the kubelet's list of "
+    kubelet_interval = Float(2.0, min=0.01, max=3600, help="Seconds between looks at the kubelet's list of "
                              "pods' devices (its API has no watch).").tag(config=True)
     # Application's own trait, made to take lower-case names as well (traitlets turns names
     # into numbers as it applies them).
@@ -392,8 +392,8 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
                 agent.sync_cluster({})
             app = make_app(agent, admin_gid, token)
             server = listen_unix(app, socket_path)
-            if tcp:
-                listen_tcp(server, *tcp)
+            if tcp and token:
+                listen_tcp(server, *tcp, token)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -58,8 +58,15 @@ class Directives(Room):
         ``timeout`` seconds (MAX_WAIT at most), and where the next wait starts."""
         if lease_id is not None:
             self.ctx.lease(caller, lease_id)
-        if after < 0:  # "from now on": a new listener need not replay history
-            return [], self.ledger.last_seq()
+        owner_uid = None if lease_id is not None and caller.admin else caller.uid
+        if after < 0:
+            # "From now on": a new listener need not replay history. Its cursor is past the
+            # newest directive it may see, never the node's count, which would tell it of
+            # other users' activity.
+            seen = self.ledger.directives_after(
+                0, client=client if lease_id is None else None, lease_id=lease_id,
+                owner_uid=owner_uid)
+            return [], seen[-1].seq if seen else 0
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_WAIT)
         # A client name is anyone's to write on a lease, so by name a caller hears only of its
         # own leases (an admin too); an admin follows another user's lease by its id.
@@ -74,7 +81,7 @@ class Directives(Room):
                 event.clear()
                 own = self.ledger.directives_after(
                     after, client=client if lease_id is None else None, lease_id=lease_id,
-                    owner_uid=None if lease_id is not None and caller.admin else caller.uid)
+                    owner_uid=owner_uid)
                 # Past what the caller may see but did not ask for, so it is not read again,
                 # by this wait nor by the next.
                 after = max(own[-1].seq if own else after, 0)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from node_agent import policy, procs
 from node_agent.devices import DeviceError, GpuInfo, Sweep
-from node_agent.flows.common import Caller, Conflict, NotYours, Refused
+from node_agent.flows.common import Caller, Conflict, NotYours, OverQuota, Refused
 from node_agent.flows.room import Room
 from node_agent.kubelet import cgroups
 from node_agent.ledger import KUBELET, Lease
@@ -25,6 +27,8 @@ log = logging.getLogger("gpufrac.agent")
 CONTEXT_ESTIMATE = 500 * 2**20
 # A lease said to burst is not said to again for this long (seconds).
 BURSTING_QUIET_S = 60.0
+# Pid registrations from another PID namespace one uid may have looked up at once.
+LOOKUPS_PER_CALLER = 4
 
 
 def _less_used(gpu: GpuInfo, freed: int) -> GpuInfo:
@@ -50,6 +54,10 @@ class Usage(Room):
         self._children: dict[str, list[tuple[int, int]]] = {}
         # The processes polls look at, each read once while it lives.
         self._procs = procs.ProcessWatch()
+        # Pids of callers in other PID namespaces, looked up one at a time off the loop; how
+        # many of each uid's are waiting or running.
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="gpufrac-pids")
+        self._looking: dict[int, int] = {}
 
     def adopt(self) -> None:
         """At start: follow the live processes the ledger names on their GPUs again."""
@@ -59,18 +67,41 @@ class Usage(Room):
 
     def close(self) -> None:
         self._procs.close()
+        self._lookups.shutdown(wait=False, cancel_futures=True)
 
-    def register_pid(self, caller: Caller, lease_id: str, pid: int) -> Lease:
+    async def locate(self, caller: Caller, pid: int) -> int:
+        """Process ``pid`` as the agent numbers it: the caller's number for it, and a kernel in
+        a container has another here. Looked up in the lookups' own thread (file reads, and at
+        times a scan of /proc, never on the event loop), at most LOOKUPS_PER_CALLER of one
+        uid's at once: one user's flood waits behind itself, not others."""
+        if caller.pid is None or procs.pid_namespace(caller.pid) == procs.own_namespace():
+            return pid
+        busy = self._looking.get(caller.uid, 0)
+        if busy >= LOOKUPS_PER_CALLER:
+            raise OverQuota("pid", f"{busy} of your pid registrations from another PID namespace "
+                                   "are being looked up; wait for them and try again")
+        self._looking[caller.uid] = busy + 1
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(
+                self._lookups, procs.as_seen_here, caller.pid, pid)
+        finally:
+            left = self._looking[caller.uid] - 1
+            if left:
+                self._looking[caller.uid] = left
+            else:
+                del self._looking[caller.uid]
+        if found is None:
+            raise Refused("pid", f"no process {pid} in your PID namespace is visible to the "
+                                 "agent (on Kubernetes it needs hostPID: true)")
+        return found
+
+    def register_pid(self, caller: Caller, lease_id: str, pid: int,
+                     here: int | None = None) -> Lease:
+        """Give the lease process ``pid`` (``here``: the agent's number for it, from
+        :meth:`locate`, when the caller's differs)."""
         self.ctx.polling.wake()
         lease = self.ctx.lease(caller, lease_id)
-        asked = pid
-        if caller.pid is not None:
-            # The caller's number for it: a kernel in a container has another here.
-            found = procs.as_seen_here(caller.pid, pid)
-            if found is None:
-                raise Refused("pid", f"no process {pid} in your PID namespace is visible to the "
-                                     "agent (on Kubernetes it needs hostPID: true)")
-            pid = found
+        asked, pid = pid, pid if here is None else here
         ident = procs.identify(pid)
         if ident is None:
             raise Refused("pid", f"no running process {asked}")

@@ -16,7 +16,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from unix_users import as_user
 
-from harness.agent import AgentProcess, free_port, full_listen_queue, nvml_works, wait_for
+from harness.agent import (
+    AgentProcess,
+    free_port,
+    full_listen_queue,
+    http_bytes,
+    nvml_works,
+    raw_request,
+    wait_for,
+)
 from node_agent import procs
 from node_agent.client import AgentClient, AgentError, AgentUnavailable
 from node_agent.quantities import GiB
@@ -406,3 +414,19 @@ def test_bad_observations_name_the_field_and_count_nothing(
     reported = [s for f in text_string_to_metric_families(c.metrics()) for s in f.samples
                 if s.name.startswith(("gpufrac_checkpoint_", "gpufrac_offload"))]
     assert reported and all(s.value == 0 for s in reported), "nothing half-counted"
+
+
+@pytest.mark.parametrize("field", ["client", "name", "kernel_id", "request", "logical_gpus"])
+def test_a_lone_surrogate_in_any_field_is_a_400_naming_it(
+        start_agent: Callable[..., AgentProcess], field: str) -> None:
+    """Finding 9: JSON may name a lone surrogate (\\ud800), which no UTF-8 store can hold: the
+    ledger's insert raised and the agent answered 500."""
+    agent = start_agent()
+    body = {"client": "c", "request": "0.25", field: "\ud800"}
+    if field == "logical_gpus":
+        body[field] = ["GPU-\udfff"]
+    status, answer = raw_request(agent.socket, http_bytes(
+        "POST", "/v1/leases", json.dumps(body).encode()))
+    assert status == 400, (status, answer)
+    assert answer["error"]["field"] == field and "not valid Unicode" in answer["error"]["message"]
+    assert agent.client().leases() == []

@@ -142,16 +142,26 @@ def test_an_unreachable_default_socket_says_how_to_name_another(
 
 
 @pytest.mark.parametrize(("argv", "said"), [
-    (["serve", "--poll-interval", "abc"], "--poll-interval: expected a number of at least 0.01, got 'abc'"),
+    (["serve", "--poll-interval", "abc"],
+     "--poll-interval: expected a finite number from 0.01 to 3600, got 'abc'"),
+    # Finding 9: NaN passes traitlets' bounds, and an infinity an open one.
+    (["serve", "--poll-interval", "nan"],
+     "--poll-interval: expected a finite number from 0.01 to 3600, got nan"),
+    (["serve", "--freeze-budget-share", "nan"],
+     "--freeze-budget-share: expected a finite number from 0 to 1, got nan"),
+    (["serve", "--headroom", "nan"], "--headroom: expected a finite number from 0 to 1, got nan"),
+    (["serve", "--reclaim-grace", "inf"],
+     "--reclaim-grace: expected a finite number of at least 0, got inf"),
     (["serve", "--max-leases-per-user=0"], "--max-leases-per-user: expected a whole number of at least 1"),
-    (["serve", "--headroom", "2"], "--headroom: expected a number from 0 to 1, got 2.0"),
+    (["serve", "--headroom", "2"], "--headroom: expected a finite number from 0 to 1, got 2.0"),
     (["serve", "--log-level", "loud"], "--log-level: expected debug, info, warning or error, got 'loud'"),
     (["serve", "--max-workloads-per-gpu", "two"], "--max-workloads-per-gpu: expected a whole number"),
     (["serve", "--context-size", "0.5"], "--context-size: expected a memory size such as 500Mi, got '0.5'"),
     (["serve", "--tcp", "localhost"], "--tcp: expected HOST:PORT"),
     (["serve", "--bogus", "1"], "unrecognized option --bogus"),
     (["run", "--gpus", "0", "--", "true"], "--gpus: expected a whole number of at least 1, got 0"),
-    (["run", "--timeout", "soon", "--", "true"], "--timeout: expected a number of at least 0, got 'soon'"),
+    (["run", "--timeout", "soon", "--", "true"],
+     "--timeout: expected a finite number of at least 0, got 'soon'"),
     (["status", "extra"], "gpufrac-agent status: unexpected argument 'extra'"),
     (["release"], "gpufrac-agent release: expected one lease id"),
     ([], "gpufrac-agent: give a subcommand: one of serve, status, run, release, demo"),
@@ -223,7 +233,7 @@ def test_config_files_in_order_under_the_command_line(
 
     mine.write_text("c.ServeApp.poll_interval = 'often'\n")
     assert cli.main(["serve", "--config", str(mine)]) == 2
-    assert (f"{mine}: c.ServeApp.poll_interval: expected a number of at least 0.01, got 'often'"
+    assert (f"{mine}: c.ServeApp.poll_interval: expected a finite number from 0.01 to 3600, got 'often'"
             in capsys.readouterr().err)
     mine.write_text("c.ServeApp.poll_interval =\n")
     assert cli.main(["serve", "--config", str(mine)]) == 2

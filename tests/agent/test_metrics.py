@@ -3,6 +3,7 @@ shrinks and kills by cause; and the Grafana dashboard that reads them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -16,7 +17,12 @@ from prometheus_client.samples import Sample
 from unix_users import as_user
 
 from harness.agent import AgentProcess, wait_for
+from node_agent import metrics
 from node_agent.client import AgentClient
+from node_agent.devices.simulated import SimulatedBackend
+from node_agent.ledger import Ledger
+from node_agent.quantities import parse_quantity
+from node_agent.service import Agent, AgentConfig, Caller, CreateLease
 from node_agent.stats import MOVE_BUCKETS, AgentStats, Histogram
 
 from .conftest import Holder
@@ -266,3 +272,46 @@ def test_kernels_checkpoints_and_offloads_are_histograms_and_counters(
         lease["id"], {"kind": "offload", "reason": "park", "bytes": 1}))
     assert refused["status"] == 404 and "no lease" in refused["message"], refused
     assert _value(_samples(c.metrics()), "gpufrac_offloads_total", reason="park") == 0
+
+
+def test_a_flood_of_scrapes_renders_each_view_once_until_something_it_shows_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 4: 256 connections scraping /metrics made the agent render it for each; a
+    render is tens of ms, and another user's requests waited 1.3 s (p95). Each view (one
+    user's, the admins') is rendered once and served again until the ledger, the stats or a
+    poll changes what it shows."""
+    renders: list[object] = []
+    real = metrics.render_metrics
+
+    def counted(agent: Agent, caller: Caller) -> str:
+        renders.append(caller.uid)
+        return real(agent, caller)
+
+    monkeypatch.setattr(metrics, "render_metrics", counted)
+    ledger = Ledger(tmp_path / "state")
+    agent = Agent(SimulatedBackend("2x1GiB"), ledger, AgentConfig())
+    asyncio.run(agent.tick())
+    alice, mallory, admin = Caller(uid=1001), Caller(uid=1002), Caller(uid=0, admin=True)
+    wanted = parse_quantity("0.25", "request")
+    lease = agent.create_lease(alice, CreateLease(kind="notebook", client="a", request=wanted,
+                                                  limit=wanted))
+    rendered = metrics.RenderedMetrics()
+    try:
+        for _ in range(256):
+            assert lease.id not in rendered.get(agent, mallory)
+        assert lease.id in rendered.get(agent, alice) and lease.id in rendered.get(agent, admin)
+        assert renders == [1002, 1001, 0]
+        # A change in the ledger is shown at once, to each view.
+        agent.release(alice, lease.id)
+        assert lease.id not in rendered.get(agent, alice) and renders[-1] == 1001
+        for _ in range(10):
+            rendered.get(agent, alice)
+        assert len(renders) == 4
+        # So are the stats, and the figures of each poll.
+        agent.stats.shrink_asked("reclaim")
+        rendered.get(agent, admin)
+        asyncio.run(agent.tick())
+        rendered.get(agent, admin)
+        assert renders[4:] == [0, 0]
+    finally:
+        ledger.close()

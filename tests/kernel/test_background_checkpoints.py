@@ -21,6 +21,7 @@ import torch
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store, tensor_io
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError
+from jupyter_gpufrac.server.kernel_channel import restore_summary
 
 from .kernels import running_kernel, wait_written
 
@@ -209,6 +210,8 @@ def test_a_failed_write_is_told_once_and_names_the_last_good_cell(ckdir: Path) -
 
 
 def test_a_kernel_killed_mid_write_restores_the_previous_checkpoint(ckdir: Path) -> None:
+    """And says that cells [2] and [3] ran after it (finding 8: every variable came back, as
+    after cell [1], and the server said "restored 2 of 2 variables", a success)."""
     env = {"GPUFRAC_CHECKPOINT_DIR": str(ckdir), store.SLOW_ENV: "0.5"}
     with running_kernel(env) as k:
         assert k.run("import torch\na = torch.ones(2**18)").status == "ok"
@@ -230,6 +233,13 @@ def test_a_kernel_killed_mid_write_restores_the_previous_checkpoint(ckdir: Path)
         assert report["checkpoint_cell"] == good, report
         assert f"after cell [{good}]" in report["message"]
         assert k.value("a.sum().item()") == 2**18
+        assert report["last_cell"] == 3 and report["ok"] is False
+        assert "Cells [2] to [3] ran after the checkpoint" in report["message"]
+        summary = restore_summary(report, 60)
+        assert summary["ok"] is False
+        assert summary["message"] == (
+            "restored 2 of 2 variables; cells [2] to [3] ran after the checkpoint (taken after "
+            "cell [1]): re-run them if you need their effects."), summary["message"]
 
 
 def test_a_removed_folder_never_breaks_a_cell_in_a_kernel(ckdir: Path) -> None:

@@ -7,6 +7,7 @@ import os
 import pickle
 import select
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -135,7 +136,11 @@ def test_swapping_the_directory_during_loads_never_runs_the_attackers_pickle(
     # attacker cannot touch the files, but can rename the checkpoint directory itself.
     shared = arena.folder("shared", arena.attacker, 0o777)
     ckdir = shared / "ck"
-    run_as(arena.victim, lambda: victim_takes(ckdir))
+    # Written where the victim's kernel writes (a root of its own: a kernel writes into no
+    # other), then moved where the attacker can rename it.
+    written = arena.folder("victims", arena.victim, 0o700) / "ck"
+    run_as(arena.victim, lambda: victim_takes(written))
+    written.rename(ckdir)
     # A mirror of the victim's directory, the attacker's own, whose every blob runs its code.
     # Blob names are hashes of pickles an attacker can compute for guessable values; the test
     # copies them rather than guessing.
@@ -269,3 +274,49 @@ def test_planted_files_are_refused_before_a_byte_is_read(
     state_tampered = tamper.__name__.startswith("tamper_state")
     assert (seen["header"] is None) == state_tampered, seen["header"]
 
+
+
+@pytest.mark.parametrize("left", ["deleted", "link-planted"])
+def test_a_root_deleted_under_a_running_kernel_is_made_again_the_users_alone(
+        arena: Arena, left: str) -> None:
+    """Finding 7: the victim's checkpoint root, in a project folder the attacker's group may
+    write (setgid, as such folders are), is deleted under a running kernel whose umask is
+    002. Its next checkpoint makes the root again 0700 and marked (never drwxrwsr-x, open to
+    the group); a link planted in its place is refused, nothing written through it."""
+    project = arena.folder("project", arena.attacker, 0o2777)
+    root = project / "victims-checkpoints"
+    kernel_dir = root / "k1"
+    run_as(arena.victim, lambda: victim_takes(kernel_dir))
+    shutil.rmtree(root)
+    elsewhere = arena.folder("attackers", arena.attacker, 0o777)
+    if left == "link-planted":
+        os.symlink(elsewhere, root)
+        os.lchown(root, arena.attacker.uid, arena.attacker.gid)
+
+    def next_cell() -> str:
+        os.umask(0o002)
+        try:
+            victim_takes(kernel_dir)
+        except CheckpointError as exc:
+            return str(exc)
+        return "written"
+
+    said = run_as(arena.victim, next_cell)
+    if left == "deleted":
+        assert said == "written"
+        st = os.lstat(root)
+        assert (st.st_uid, oct(stat.S_IMODE(st.st_mode))) == (arena.victim.uid, "0o700")
+        assert oct(stat.S_IMODE(os.lstat(kernel_dir).st_mode)) == "0o700"
+        assert run_as(arena.victim, lambda: _marked(root))  # the retention sweep may clean it
+        assert run_as(arena.victim, lambda: load_outcome(kernel_dir)) == "ok"
+    else:
+        assert "symbolic link" in said, said
+        assert os.listdir(elsewhere) == []
+
+
+def _marked(root: Path) -> bool:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return store.root_marked(fd)
+    finally:
+        os.close(fd)

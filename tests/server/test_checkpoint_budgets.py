@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,9 @@ from harness.agent import AgentProcess
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import free_disk
 from jupyter_gpufrac.kernel import store
+from jupyter_gpufrac.kernel.disk_shares import SPACE_CACHE_S, SharedDiskLimits
 from jupyter_gpufrac.server.app import GpuFrac
+from node_agent.quantities import format_bytes
 
 from .conftest import gpufrac_config
 from .test_checkpoint_retention import gpufrac_app, start_kernel
@@ -142,3 +146,60 @@ class TestWritingShown:
         finally:
             client.stop_channels()
             await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MiB disk of its own (tmpfs), filled to 98% by a file ``filler`` on it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs",
+                              str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small disk of its own needs mount (root): {mounted.stderr.strip()}")
+    try:
+        filler = disk / "filler"
+        with open(filler, "wb") as out:
+            out.write(b"\0" * (32 * MiB - 640 * 1024))
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+class TestBudgetsFollowTheDisk:
+    @pytest.fixture
+    def jp_server_config(self, agent: AgentProcess, small_disk: Path) -> dict[str, Any]:
+        return gpufrac_config(agent.socket, checkpoint_dir=str(small_disk / "checkpoints"))
+
+    async def test_a_disk_full_when_the_server_started_does_not_fix_the_budgets(
+            self, jp_fetch: Any, jp_serverapp: Any, no_leases: AgentProcess,
+            small_disk: Path) -> None:
+        """Finding 8: the disk was 98% full as the server started; its per-kernel budget
+        (25% of what was free) stayed 160 KiB for the server's life. Once space is freed, a
+        kernel's budget is a quarter of what is free then."""
+        app = gpufrac_app(jp_serverapp)
+        (small_disk / "filler").unlink()
+        kernel_id = await start_kernel(jp_fetch, Path(app.checkpoint_dir))
+        try:
+            await run(jp_serverapp, kernel_id, "import torch\nfour_mib = torch.zeros(2**20)")
+            status = json.loads((await jp_fetch("api", "gpufrac", "kernels", kernel_id)).body)
+            assert status["checkpoint"]["unprotected"] == {}, status["checkpoint"]
+            assert status["checkpoint_disk"]["kernel_budget"] > 7 * MiB
+        finally:
+            await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+def test_a_share_of_a_full_disk_says_the_disk_is_short_and_follows_it(small_disk: Path) -> None:
+    folder = small_disk / "checkpoints" / "k1"
+    folder.mkdir(parents=True)
+    now = [0.0]
+    limits = SharedDiskLimits(folder, None, 100 * MiB, {"kernel": 0.25}, clock=lambda: now[0])
+    room = limits.room()
+    assert room is not None and room.bytes < 200 * 1024
+    assert room.why.startswith("over the per-kernel checkpoint budget of ")
+    assert f"25% of the {format_bytes(limits.space())} free for checkpoints now" in room.why
+    assert f"under {small_disk / 'checkpoints'}" in room.why and "free disk space there" in room.why
+    (small_disk / "filler").unlink()
+    now[0] += SPACE_CACHE_S
+    room = limits.room()
+    assert room is not None and room.bytes > 7 * MiB

@@ -26,8 +26,23 @@ def make_app(**traits: object) -> GpuFrac:
         ({"default_request": "lots"}, "c.GpuFrac.default_request: expected a fraction"),
         ({"default_request": "1.5"}, "c.GpuFrac.default_request: a fraction must be at most 1"),
         ({"default_limit": "-1"}, "c.GpuFrac.default_limit: expected a fraction"),
-        ({"migrate_grace_period": -5}, "c.GpuFrac.migrate_grace_period: expected seconds >= 0"),
-        ({"embedded_agent_timeout": 0}, "c.GpuFrac.embedded_agent_timeout: expected seconds >= 0.1"),
+        ({"migrate_grace_period": -5},
+         "c.GpuFrac.migrate_grace_period: expected seconds from 0 to 86400, got -5"),
+        ({"embedded_agent_timeout": 0},
+         "c.GpuFrac.embedded_agent_timeout: expected seconds from 0.1 to 3600, got 0"),
+        # Finding 9: NaN, infinities, values past the calendar, meaningless ones.
+        ({"lease_poll_interval": float("nan")},
+         "c.GpuFrac.lease_poll_interval: expected seconds from 0.1 to 3600, got nan"),
+        ({"park_after": float("inf")}, "c.GpuFrac.park_after: expected seconds from 0 to"),
+        ({"checkpoint_keep_seconds": 1e308},
+         "c.GpuFrac.checkpoint_keep_seconds: expected seconds from 0 to 315360000, got 1e+308"),
+        ({"checkpoint_sweep_interval": 1e-9}, "c.GpuFrac.checkpoint_sweep_interval: expected 0 "
+         "(only at server start) or seconds from 0.1 to 86400, got 1e-09"),
+        ({"max_workloads_per_gpu": 0},
+         "c.GpuFrac.max_workloads_per_gpu: expected a whole number of at least 1 (or None), got 0"),
+        ({"max_spare_kernels": -1},
+         "c.GpuFrac.max_spare_kernels: expected a whole number from 0 to 64, got -1"),
+        ({"spare_kernels": "no"}, "c.GpuFrac.spare_kernels: expected True or False, got 'no'"),
         ({"checkpoint_dir": "relative/dir"}, "c.GpuFrac.checkpoint_dir: expected an absolute path"),
         ({"agent_socket": "./agent.sock"}, "c.GpuFrac.agent_socket: expected an absolute path"),
         ({"embedded_agent_simulate": "two GPUs"}, "c.GpuFrac.embedded_agent_simulate: expected"),
@@ -40,6 +55,24 @@ def test_bad_value_names_the_trait_and_what_was_expected(traits: dict[str, objec
     assert expected in problem
     name = next(iter(traits))
     assert getattr(app, name) == GpuFrac.class_traits()[name].default_value
+
+
+@pytest.mark.parametrize("how", ["constructed", "updated as jupyter_server does"])
+def test_a_bad_setting_never_drops_the_others(how: str) -> None:
+    """Finding 9: ``c.GpuFrac.max_workloads_per_gpu = 0`` raised in traitlets, which dropped
+    every c.GpuFrac setting (checkpoint_dir, spare_kernels ignored) without a word."""
+    settings = {"max_workloads_per_gpu": 0, "checkpoint_dir": "/data/ck", "spare_kernels": False,
+                "park_after": "soon", "lease_poll_interval": 2.5}
+    if how == "constructed":
+        app = make_app(**settings)
+    else:
+        app = GpuFrac()
+        app.update_config(Config({"GpuFrac": settings}))
+    assert (app.checkpoint_dir, app.spare_kernels, app.lease_poll_interval) == (
+        "/data/ck", False, 2.5)
+    assert app.max_workloads_per_gpu is None and app.park_after == 900.0
+    assert [p.split(":")[0] for p in app.config_problems] == [
+        "c.GpuFrac.max_workloads_per_gpu", "c.GpuFrac.park_after"], app.config_problems
 
 
 def test_limit_below_request_is_a_problem_too() -> None:

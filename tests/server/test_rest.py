@@ -37,6 +37,21 @@ async def test_node_lists_gpus_and_agent(jp_fetch: Any, agent: AgentProcess) -> 
     assert gpu["memory_total"] == 2 * 2**30 and gpu["simulated"] is True and gpu["leases"] == []
 
 
+async def test_node_lists_a_lease_of_the_users_other_server(
+        jp_fetch: Any, no_leases: AgentProcess) -> None:
+    """Finding 9: a user with two Jupyter servers got a 404 from /api/gpufrac/node: one holds
+    a lease for a kernel the other does not know."""
+    client = no_leases.client()
+    other = client.create_lease(client="jupyter-server-other", kernel_id="not-one-of-ours",
+                                request="0.25")
+    try:
+        node = await get_json(jp_fetch, "api", "gpufrac", "node")
+        assert [lease["id"] for lease in node["leases"]] == [other["id"]], node
+        assert "account" not in node["leases"][0]  # not this server's kernel
+    finally:
+        client.release(other["id"])
+
+
 async def test_kernel_status_and_events(jp_fetch: Any, jp_serverapp: Any, no_leases: AgentProcess) -> None:
     heard: list[dict[str, Any]] = []
 

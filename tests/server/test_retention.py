@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from unix_users import ATTACKER, VICTIM, User, as_user, user
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import SHUTDOWN_MARKER, measure, read_marker, write_marker
+from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.retention import mark_shut_down, sweep
 from jupyter_gpufrac.wake import WakeReceiver
 
@@ -38,11 +45,15 @@ def backdate(folder: Path, age: float) -> None:
             os.utime(path, (when, when))
 
 
+def make_root(path: Path) -> Path:
+    """A checkpoint root as the server makes it: 0700, marked as this project's."""
+    os.close(store.open_root(path))
+    return path
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    path = tmp_path / "checkpoints"
-    path.mkdir(mode=0o700)
-    return path
+    return make_root(tmp_path / "checkpoints")
 
 
 def test_a_shut_down_kernel_is_kept_for_the_keep_time_then_removed(
@@ -135,17 +146,21 @@ def test_links_are_never_followed(root: Path, tmp_path: Path) -> None:
     assert (outside / "marker.json").exists()
 
 
-def test_a_root_configured_through_a_link_is_swept_where_it_leads(tmp_path: Path) -> None:
-    # The root is the configured path (a data folder on /scratch, say): only what is inside
-    # it is never followed.
+def test_a_root_under_a_linked_folder_is_swept_and_a_linked_root_never(tmp_path: Path) -> None:
+    # A home or data folder on another disk reached through a link above the root is the
+    # user's; the root itself is opened without following a link (someone may have put it).
     real = tmp_path / "real"
-    kernel_folder(real, "k", age=2 * DAY)
-    kernel_folder(real, "running", age=2 * DAY)
-    write_marker(real / "k", time.time() - DAY, time.time() - DAY)
-    (tmp_path / "linked").symlink_to(real, target_is_directory=True)
-    assert measure(tmp_path / "linked").of("k") is not None
-    assert [r.name for r in sweep(str(tmp_path / "linked"), 0, {"running"}, 0, LOG)] == ["k"]
-    assert not (real / "k").exists() and (real / "running").exists()
+    kernel_folder(make_root(real / "checkpoints"), "k", age=2 * DAY)
+    kernel_folder(real / "checkpoints", "running", age=2 * DAY)
+    write_marker(real / "checkpoints" / "k", time.time() - DAY, time.time() - DAY)
+    (tmp_path / "data").symlink_to(real, target_is_directory=True)
+    (tmp_path / "linked").symlink_to(real / "checkpoints", target_is_directory=True)
+    assert sweep(str(tmp_path / "linked"), 0, set(), 0, LOG) == []
+    assert (real / "checkpoints" / "k").exists()
+    via_parent = str(tmp_path / "data" / "checkpoints")
+    assert measure(Path(via_parent)).of("k") is not None
+    assert [r.name for r in sweep(via_parent, 0, {"running"}, 0, LOG)] == ["k"]
+    assert not (real / "checkpoints" / "k").exists() and (real / "checkpoints" / "running").exists()
 
 
 def test_measure_counts_blocks_by_folder_and_what_is_kept(root: Path) -> None:
@@ -164,3 +179,96 @@ def test_measure_counts_blocks_by_folder_and_what_is_kept(root: Path) -> None:
     assert model == {"kernel_bytes": a.bytes, "all_bytes": usage.total, "folders": 2,
                      "kept_after_shutdown": 1, "kept_until": now + 3600, "complete": True}
     assert measure(root / "absent").folders == []
+
+
+# -- a hostile neighbour: what another user puts in the root's place is never swept -------
+
+PROJECT = "gpufrac-project"
+
+
+@pytest.fixture
+def neighbours(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, User, User]]:
+    """A folder every user may enter, the victim, and the attacker; both in one project group."""
+    victim, attacker = user(VICTIM, PROJECT), user(ATTACKER, PROJECT)
+    base = Path(tempfile.mkdtemp(prefix="gpufrac-sweep-"))
+    base.chmod(0o755)
+    yield base, victim, attacker
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def owned(path: Path, who: User, mode: int, group: int | None = None) -> Path:
+    path.mkdir()
+    os.chown(path, who.uid, who.gid if group is None else group)
+    path.chmod(mode)
+    return path
+
+
+def swept_as(who: User, root: Path) -> dict[str, Any]:
+    """``sweep`` of ``root`` run by ``who`` (keep 0, no grace): what it removed and logged."""
+    def run() -> dict[str, Any]:
+        logger = logging.getLogger(f"sweep-{who.name}")
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+        logger.addHandler(handler)
+        removed = sweep(str(root), 0, set(), 0, logger)
+        return {"removed": [r.name for r in removed], "log": lines}
+    answer = as_user(who, run)
+    assert "ok" in answer, answer
+    return dict(answer["ok"])
+
+
+@pytest.mark.parametrize("attack", ["link-in-project-folder", "link-after-tmp-cleaner",
+                                    "own-folder-swapped-in", "group-writable-root"])
+def test_a_root_another_user_replaced_or_could_write_is_never_swept(
+        neighbours: tuple[Path, User, User], attack: str) -> None:
+    """Finding 1: the attacker puts a link to the victim's home, or another of the victim's
+    folders, where the victim's checkpoint folder was; the victim's sweep removes nothing."""
+    base, victim, attacker = neighbours
+    project = grp.getgrnam(PROJECT).gr_gid
+    shared = owned(base / ("tmp" if attack == "link-after-tmp-cleaner" else "project"),
+                   victim if attack == "group-writable-root" else attacker,
+                   0o1777 if attack == "link-after-tmp-cleaner" else 0o2775, project)
+    # The victim's own folders: a thesis in the home, an experiment (with a folder named
+    # blobs, as a kernel's has) in a data folder of the project's.
+    home = owned(base / "home", victim, 0o700)
+    thesis = owned(home / "thesis", victim, 0o700)
+    (thesis / "chapter1.tex").write_text("two years of work")
+    data = owned(shared / "victims-data", victim, 0o700)
+    experiment = owned(data / "experiment", victim, 0o700)
+    owned(experiment / "blobs", victim, 0o700)
+    root = shared / "alice-checkpoints"
+    made = as_user(victim, lambda: os.close(store.open_root(root)))
+    assert "ok" in made, made
+    kept = owned(root / "k-kept", victim, 0o700)
+    owned(kept / "blobs", victim, 0o700)
+    for path in (thesis / "chapter1.tex", thesis, experiment / "blobs", experiment, kept / "blobs",
+                 kept):
+        os.utime(path, (time.time() - 3 * DAY,) * 2)
+    if attack == "link-after-tmp-cleaner":
+        shutil.rmtree(root)  # removed by a tmp cleaner
+    if attack == "group-writable-root":
+        # As a kernel made it again with the umask's modes (finding 7): any project member
+        # may now put anything in it.
+        root.chmod(0o2770)
+
+    def plant() -> None:
+        if attack in ("link-in-project-folder", "own-folder-swapped-in"):
+            os.rename(root, shared / "moved-away")
+        if attack == "own-folder-swapped-in":
+            os.rename(data, root)  # the victim's own folder, renamed within the project's
+        elif attack != "group-writable-root":
+            os.symlink(home, root)
+
+    planted = as_user(attacker, plant)
+    assert "ok" in planted, planted
+    if attack == "own-folder-swapped-in":
+        experiment = root / "experiment"
+
+    swept = swept_as(victim, root)
+    assert swept["removed"] == [], swept
+    assert (thesis / "chapter1.tex").read_text() == "two years of work"
+    assert (experiment / "blobs").is_dir()
+    assert any(f"{root} was not swept" in line for line in swept["log"]), swept
+    if attack == "group-writable-root":
+        assert kept.exists()
