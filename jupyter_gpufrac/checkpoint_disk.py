@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -78,6 +79,33 @@ def read_marker(folder: Path) -> Marker | None:
     if not isinstance(until, int | float) or isinstance(until, bool):
         until = None
     return Marker(float(when), None if until is None else float(until))
+
+
+def remove_tree(parent_fd: int, name: str, depth: int = 0) -> int:
+    """Remove directory ``name`` of ``parent_fd`` and everything in it through descriptors,
+    never following a link (a link is unlinked, its target left alone); the bytes freed."""
+    freed = 0
+    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        for entry in os.listdir(fd):
+            try:
+                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if depth >= MAX_DEPTH:
+                    raise OSError(errno.ELOOP, "too deep", entry)
+                freed += remove_tree(fd, entry, depth + 1)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry, dir_fd=fd)
+                if st.st_nlink <= 1:  # a hard link's blocks stay with the other name
+                    freed += st.st_blocks * 512
+        freed += os.fstat(fd).st_blocks * 512
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+    return freed
 
 
 @dataclass

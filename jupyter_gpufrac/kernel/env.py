@@ -23,6 +23,19 @@ class RestartReason:
 
 
 @dataclass(frozen=True)
+class Resumable:
+    """An earlier kernel's state of this notebook that ``%gpu restore`` takes over."""
+
+    folder: str
+    reason: RestartReason
+    # The newest generation recorded for it (an older one is named so when restored).
+    generation: int = 0
+    cell: int | None = None
+    time: float | None = None
+    variables: int = 0
+
+
+@dataclass(frozen=True)
 class KernelEnv:
     """Everything the hook reads from its environment; ``problems`` lists what was malformed."""
 
@@ -69,6 +82,8 @@ class KernelEnv:
     checkpoint_user_budget: int | None = None
     # Bytes one snapshot may copy into memory at a cell's end (None: unbounded).
     checkpoint_staging_budget: int | None = None
+    # An earlier kernel's state of this notebook, offered to this fresh kernel, or None.
+    resumable: Resumable | None = None
 
     @property
     def has_lease(self) -> bool:
@@ -108,12 +123,12 @@ def _int(env: Mapping[str, str], key: str, problems: list[str]) -> int | None:
     return value
 
 
-def parse_restart_reason(raw: str) -> RestartReason:
+def parse_restart_reason(raw: str | dict[str, object]) -> RestartReason:
     """Parse GPUFRAC_RESTART_REASON; text that is not the expected JSON becomes the message."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw) if isinstance(raw, str) else raw
     except ValueError:
-        return RestartReason(cause="unknown", message=raw.strip())
+        return RestartReason(cause="unknown", message=str(raw).strip())
     if not isinstance(data, dict):
         return RestartReason(cause="unknown", message=str(data))
 
@@ -127,6 +142,35 @@ def parse_restart_reason(raw: str) -> RestartReason:
         from_gpu=text("from_gpu"),
         to_gpu=text("to_gpu"),
     )
+
+
+def _resumable(raw: str, problems: list[str]) -> Resumable | None:
+    """GPUFRAC_RESUMABLE: the folder (a plain name in the checkpoint root) and what it holds."""
+    if not raw.strip():
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    folder = data.get("folder") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or not isinstance(folder, str) or not folder
+            or "/" in folder or folder.startswith(".") or len(folder) > 255):
+        problems.append(f"{contract.RESUMABLE} is not the expected JSON: {raw[:80]!r}")
+        return None
+
+    def number(key: str) -> float | None:
+        value = data.get(key)
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    generation, cell, when, variables = (number(key) for key in (
+        "generation", "cell", "time", "variables"))
+    reason = data.get("reason")
+    return Resumable(
+        folder=folder,
+        reason=parse_restart_reason(reason if isinstance(reason, dict) else {}),
+        generation=max(int(generation or 0), 0),
+        cell=int(cell) if cell is not None else None,
+        time=when, variables=max(int(variables or 0), 0))
 
 
 def kernel_id_from_connection_file(path: str | None) -> str | None:
@@ -215,4 +259,6 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_kernel_budget=kernel_budget,
         checkpoint_user_budget=user_budget,
         checkpoint_staging_budget=staging_budget,
+        resumable=None if checkpoints_off else _resumable(env.get(contract.RESUMABLE, ""),
+                                                          problems),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import inspect
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from traitlets import Bool, Float, Int, List, Unicode, default, validate
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import Usage, free_disk, measure
 from jupyter_gpufrac.kernel.budget import parse_budget
+from jupyter_gpufrac.notebook_record import Notebook
 from jupyter_gpufrac.server import retention
 from jupyter_gpufrac.server.account import kernel_push
 from jupyter_gpufrac.server.agent_link import (
@@ -36,6 +38,17 @@ from jupyter_gpufrac.server.handlers import handlers, own_leases
 from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from jupyter_gpufrac.server.launch import lease_gpus
+from jupyter_gpufrac.server.notebook_states import (
+    ENDED_STOPPED,
+    EarlierState,
+    ServerInfo,
+    clock,
+    current_user,
+    how_it_ended,
+    owner_problem,
+)
+from jupyter_gpufrac.server.resume import follow_rename, heartbeat, leave_record
+from jupyter_gpufrac.server.retention import hard_links_refused
 from jupyter_gpufrac.server.settings import (
     KernelSettings,
     agent_command,
@@ -43,6 +56,7 @@ from jupyter_gpufrac.server.settings import (
     default_checkpoint_root,
 )
 from jupyter_gpufrac.server.spares import SparePool, default_enabled
+from jupyter_gpufrac.server.stopping import FlushSocket, Outcome, log_outcomes, make_durable
 from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
@@ -56,6 +70,8 @@ RECONNECT_IVL_MS = 10  # a kernel socket's first retry; then doubling, up to:
 RECONNECT_IVL_MAX_MS = 25
 # The REST kernel view measures the checkpoint folder at most this often (a walk of stat calls).
 CHECKPOINT_DISK_CACHE_S = 10.0
+# jupyter_server's contents events: a rename names the notebook's old and new paths.
+CONTENTS_SCHEMA_ID = "https://events.jupyter.org/jupyter_server/contents_service/v1"
 
 
 class GpuFrac(ExtensionApp):
@@ -136,6 +152,25 @@ class GpuFrac(ExtensionApp):
         "where no child process can be forked to protect them copy-on-write. A share of the "
         "host's RAM like 25%, or a size like 8GiB or bytes. Variables over it are named as not "
         "protected (%gpu, the panel, a restore). 0: nothing is copied.",
+    ).tag(config=True)
+
+    resume = Unicode(
+        contract.RESUME_ALWAYS,
+        help="What a new kernel of a notebook does with the state its earlier kernel left when "
+        "that kernel did not end by its user's shutdown (its server or node went away, or "
+        "jupyter_server culled it), found by any server that reads checkpoint_dir: 'always' "
+        "resumes it (variables, cell numbers, random generators), 'ask' starts fresh and lets "
+        "JupyterLab ask whether to restore it, 'never' starts fresh. `%gpu restore` in the "
+        "fresh kernel takes it over either way.",
+    ).tag(config=True)
+
+    stop_grace_period = Float(
+        20.0,
+        help="Seconds the server may spend, when it is told to stop (SIGTERM: Kubernetes, "
+        "JupyterHub, systemd, `jupyter server stop`), making every kernel's checkpoint durable "
+        "before it stops them; the log says which were and which not, and why. Keep it below "
+        "what the stopper waits before SIGKILL (Kubernetes: terminationGracePeriodSeconds, 30 "
+        "by default) less a few seconds for the kernels to stop.",
     ).tag(config=True)
 
     embedded_agent = Bool(
@@ -251,14 +286,24 @@ class GpuFrac(ExtensionApp):
             return self._bad_setting(proposal, f"{err.field}: {err.message}")
         return value
 
+    @validate("resume")
+    def _validate_resume(self, proposal: Any) -> str:
+        value = str(proposal.value).strip().lower()
+        if value not in contract.RESUME_MODES:
+            return self._bad_setting(
+                proposal, f"c.GpuFrac.resume: expected one of {', '.join(contract.RESUME_MODES)}, "
+                f"got {proposal.value!r}")
+        return value
+
     @validate("migrate_grace_period", "embedded_agent_timeout", "lease_poll_interval",
               "agent_check_interval", "park_after", "checkpoint_keep_seconds",
-              "checkpoint_sweep_interval")
+              "checkpoint_sweep_interval", "stop_grace_period")
     def _validate_seconds(self, proposal: Any) -> float:
         value = float(proposal.value)
         smallest = 0.0 if proposal.trait.name in ("migrate_grace_period", "park_after",
                                                    "checkpoint_keep_seconds",
-                                                   "checkpoint_sweep_interval") else 0.1
+                                                   "checkpoint_sweep_interval",
+                                                   "stop_grace_period") else 0.1
         if not value >= smallest or value == float("inf"):
             return self._bad_setting(
                 proposal,
@@ -361,6 +406,8 @@ class GpuFrac(ExtensionApp):
         the log and the panel's config problems say which folder and how to fix it. Unlike
         other config problems this one does not withhold GPU leases."""
         problem = checkpoint_folder_problem(self.checkpoint_dir)
+        if problem is None:
+            problem = owner_problem(self.checkpoint_dir, self.kernel_settings.user)
         self.kernel_settings.folder_problem = problem
         if problem is None:
             return
@@ -420,12 +467,21 @@ class GpuFrac(ExtensionApp):
             config_problems=tuple(self.config_problems),
             checkpoint_keep_seconds=self.checkpoint_keep_seconds,
             log=self.log,
+            user=current_user(),
+            notebook_root=self._notebook_root(),
+            server=ServerInfo.here(),
+            resume=self.resume,
         )
         (self.kernel_settings.checkpoint_kernel_budget,
          self.kernel_settings.checkpoint_user_budget) = self.checkpoint_budgets()
         self.kernel_settings.checkpoint_staging_budget = self.staging_budget()
         self.check_folders()
         self.events.on_event = self._account_changed
+        self._follow_renames(event_logger)
+        if km is not None:
+            self._watch_culling(km)
+        self._stopping: asyncio.Task[None] | None = None
+        self.flush_socket: FlushSocket | None = None
         self._disk: tuple[float, Usage] | None = None
         self.settings["gpufrac_app"] = self
         self.log.info(
@@ -456,6 +512,10 @@ class GpuFrac(ExtensionApp):
         self._spawn(self._watch_leases())
         self._spawn(self._watch_agent())
         self._spawn(self._sweep_checkpoints_forever())
+        if not self.kernel_settings.folder_problem:
+            self._spawn(self._say_if_hard_links_refused())
+        self.flush_socket = FlushSocket(serverapp.runtime_dir, self.flush, self.log)
+        await self.flush_socket.start()
 
     async def agent_ready(self, kernel_id: str) -> None:
         """Wait until the server has found (or started) its agent; not past its deadline."""
@@ -498,12 +558,24 @@ class GpuFrac(ExtensionApp):
         self.embedded = agent
 
     async def stop_extension(self) -> None:
-        """Stop listening; stop the embedded agent (after giving back our kernels' leases)."""
+        """Make every kernel's checkpoint durable, stop listening, stop the embedded agent (after
+        giving back our kernels' leases). A second stop (SIGTERM during a Hub's SIGINT) waits
+        for the first."""
         if getattr(self, "kernel_settings", None) is None:
             return
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         # The server shuts its kernels down next: not their users' doing, so their checkpoints
-        # are not marked (they expire like a crashed server's, by their last write).
+        # are not marked (they expire like a crashed server's, by their last write), and the
+        # next kernel of each notebook, on any server reading checkpoint_dir, resumes it.
         self.kernel_settings.server_stopping = True
+        if self.flush_socket is not None:
+            await self.flush_socket.stop()
+        outcomes = await self._make_durable("stopping")
+        await asyncio.to_thread(_ended, self.kernels.items(), outcomes)
         if self.listener is not None:
             await self.listener.stop()
         if self.spares is not None:
@@ -523,6 +595,112 @@ class GpuFrac(ExtensionApp):
                         self.log.info("gpufrac: lease %s not released: %s", lease["id"], err)
             await self.embedded.stop()
             self.embedded = None
+
+    # -- notebooks that outlive the server ---------------------------------------------
+
+    def _notebook_root(self) -> str:
+        """The folder the server serves notebooks from (notebooks are named by paths in it)."""
+        contents = getattr(self.serverapp, "contents_manager", None)
+        root = getattr(contents, "root_dir", None) or getattr(self.serverapp, "root_dir", "")
+        return os.path.abspath(str(root)) if root else ""
+
+    async def flush(self) -> list[Outcome]:
+        """`jupyter gpufrac flush`: every kernel's checkpoint durable now (the server runs on)."""
+        return await self._make_durable("flush")
+
+    async def _make_durable(self, why: str) -> list[Outcome]:
+        km = self.kernels.kernel_manager
+        if km is None:
+            return []
+        kernels = [(kernel_id, km.get_kernel(kernel_id), gpu)
+                   for kernel_id, gpu in self.kernels.items() if not gpu.closed]
+        started = time.monotonic()
+        outcomes = await make_durable(kernels, self.stop_grace_period)
+        log_outcomes(self.log, outcomes, time.monotonic() - started, self.stop_grace_period, why)
+        return outcomes
+
+    def _watch_culling(self, km: Any) -> None:
+        """jupyter_server's idle culling of a kernel parks it to disk: its next kernel resumes
+        (the provisioner reads ``culling`` at the shutdown it causes)."""
+        cull = getattr(km, "cull_kernel_if_idle", None)
+        if cull is None or getattr(cull, "gpufrac_parks", False):
+            return
+
+        async def cull_kernel_if_idle(kernel_id: str) -> None:
+            gpu = self.kernels.get(kernel_id)
+            if gpu is not None:
+                gpu.culling = True
+            try:
+                done = cull(kernel_id)
+                if inspect.isawaitable(done):
+                    await done
+            finally:
+                if gpu is not None:
+                    gpu.culling = False
+
+        cull_kernel_if_idle.gpufrac_parks = True  # type: ignore[attr-defined]
+        km.cull_kernel_if_idle = cull_kernel_if_idle
+
+    def _follow_renames(self, event_logger: Any) -> None:
+        """A notebook renamed or moved (jupyter_server's contents events) keeps its state: its
+        running kernel's record, and the records of earlier kernels' states, follow it."""
+        if event_logger is None:
+            return
+
+        async def renamed(_logger: Any, _schema_id: str, data: dict[str, Any]) -> None:
+            if data.get("action") == "rename" and data.get("source_path") and data.get("path"):
+                await self.notebook_moved(str(data["source_path"]), str(data["path"]))
+
+        with contextlib.suppress(Exception):  # an older jupyter_server without the schema
+            event_logger.add_listener(schema_id=CONTENTS_SCHEMA_ID, listener=renamed)
+
+    async def notebook_moved(self, source: str, target: str) -> None:
+        """``source`` (a notebook or a folder) is now ``target``: records follow (file I/O in a
+        thread; never raises)."""
+        settings = self.kernel_settings
+        if settings.folder_problem:
+            return
+        running = [gpu for _, gpu in self.kernels.items() if gpu.notebook is not None]
+        try:
+            moved = await asyncio.to_thread(follow_rename, running, settings, source, target)
+        except Exception:  # following a rename must never fail the rename
+            self.log.exception("gpufrac: following the rename of %s to %s failed", source, target)
+            return
+        if moved:
+            self.log.info("gpufrac: %d checkpoint records follow %s to %s", moved, source, target)
+
+    async def decline_resume(self, gpu: KernelGpu, state: EarlierState) -> None:
+        """The user chose a fresh start over an earlier state: it is never offered again, and
+        removed like a shut-down kernel's after checkpoint_keep_seconds."""
+        settings = self.kernel_settings
+        await asyncio.to_thread(retention.mark_shut_down, settings.checkpoint_root, state.folder,
+                                settings.checkpoint_keep_seconds, self.log)
+        await asyncio.to_thread(leave_record, gpu)
+
+    async def restart_resuming(self, kernel_id: str, gpu: KernelGpu, state: EarlierState) -> None:
+        """The user chose to restore an earlier state: the kernel restarts taking it over."""
+        gpu.resume_next = state
+        km = self.kernels.kernel_manager
+        self.log.info("kernel %s: restarting to take over the state in %s", kernel_id,
+                      state.folder)
+        try:
+            done = await km.restart_kernel(kernel_id, now=True) if km is not None else None
+            if isinstance(done, asyncio.Future):
+                await asyncio.wait_for(done, timeout=RESTORE_REPORT_WAIT_S)
+        except Exception as err:
+            self.log.warning("kernel %s: the restart to take over %s did not answer: %s",
+                             kernel_id, state.folder, err)
+        finally:
+            gpu.resume_next = None
+
+    async def _say_if_hard_links_refused(self) -> None:
+        """Once at start: the content store shares identical blobs by hard links; where the
+        file system refuses them (some network file systems) each kernel keeps copies."""
+        why = await asyncio.to_thread(hard_links_refused, self.checkpoint_dir)
+        if why is not None:
+            self.log.warning("gpufrac: hard links are refused in %s (%s): each kernel keeps its "
+                             "own copy of the blobs it shares with your other kernels",
+                             self.checkpoint_dir, why)
 
     # -- checkpoints on disk -----------------------------------------------------------
 
@@ -580,10 +758,20 @@ class GpuFrac(ExtensionApp):
             self.log.error("gpufrac: background task failed", exc_info=task.exception())
 
     def _kernel_launched(self, kernel_id: str, info: dict[str, Any]) -> None:
-        """After each launch: when it restored, wait for the kernel hook's report."""
+        """After each launch: when it restored, wait for the kernel hook's report; when an
+        earlier state of its notebook waits for the user's word (c.GpuFrac.resume "ask"), ask."""
         reason = info.get("reason")
         if reason is not None:
             self._spawn(self._follow_restore(kernel_id, reason))
+        state = info.get("resumable")
+        if isinstance(state, EarlierState) and self.resume == contract.RESUME_ASK:
+            cell = f"after cell [{state.cell}], " if state.cell else ""
+            self.events.emit(
+                kernel_id, "resumable",
+                f"This notebook's earlier kernel left its state: {how_it_ended(state)}. Its last "
+                f"checkpoint ({cell}{clock(state.time)}) holds "
+                f"{len(state.names)} variable{'' if len(state.names) == 1 else 's'}. Restore it, "
+                "or start fresh.", reason=how_it_ended(state))
 
     def _account_changed(self, kernel_id: str) -> None:
         # Written in the event itself, so a `%gpu` run after anything that shows the event
@@ -592,13 +780,19 @@ class GpuFrac(ExtensionApp):
             self._spawn(self._leave_account_once_listed(kernel_id))
 
     async def _leave_account_once_listed(self, kernel_id: str) -> None:
+        if await self._listed(kernel_id):
+            self._leave_account(kernel_id)
+
+    async def _listed(self, kernel_id: str) -> bool:
+        """Wait until the kernel manager lists a launching kernel (a new one is listed only once
+        its first launch is done); False when it is not listed in time."""
         km = self.serverapp.kernel_manager if self.serverapp else None
         deadline = time.monotonic() + ACCOUNT_LIST_WAIT_S
         while km is not None and kernel_id not in km:
             if time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(0.2)
-        self._leave_account(kernel_id)
+                return False
+            await asyncio.sleep(0.05)
+        return km is not None
 
     def _leave_account(self, kernel_id: str) -> bool:
         """After each event of a kernel: its account, for `%gpu`, in its folder (a small file,
@@ -615,7 +809,9 @@ class GpuFrac(ExtensionApp):
         return True
 
     async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
-        kernel = self.serverapp.kernel_manager.get_kernel(kernel_id) if self.serverapp else None
+        listed = await self._listed(kernel_id)
+        kernel = (self.serverapp.kernel_manager.get_kernel(kernel_id)
+                  if listed and self.serverapp is not None else None)
         report = None if kernel is None else await restore_report(kernel, RESTORE_REPORT_WAIT_S)
         gpu = self.kernels.get(kernel_id)
         if gpu is not None and report is not None:
@@ -703,8 +899,18 @@ class GpuFrac(ExtensionApp):
                 kernel = session.get("kernel") or {}
                 if kernel.get("id") and session.get("path"):
                     self.events.notebooks[str(kernel["id"])] = str(session["path"])
+                    await self._session_path(str(kernel["id"]), str(session["path"]))
         except Exception as err:  # a lookup for messages must never stop the watch
             self.log.debug("gpufrac: sessions: %s", err)
+
+    async def _session_path(self, kernel_id: str, path: str) -> None:
+        """A session renamed without a contents event (a client PATCHed it): the kernel's record
+        follows its notebook."""
+        gpu = self.kernels.get(kernel_id)
+        notebook = gpu.notebook if gpu is not None else None
+        if gpu is not None and notebook is not None and notebook.path != path.strip("/"):
+            gpu.notebook = Notebook(notebook.user, notebook.root, path.strip("/"))
+            await asyncio.to_thread(leave_record, gpu)
 
     # -- the agent's health ------------------------------------------------------------
 
@@ -823,10 +1029,23 @@ class GpuFrac(ExtensionApp):
 
 
 def _look_at_checkpoints(gpus: list[KernelGpu]) -> None:
-    """:meth:`KernelGpu.look_at_checkpoint` of each (in a thread: file I/O); never raises."""
+    """:meth:`KernelGpu.look_at_checkpoint` of each, and its record's heartbeat (in a thread:
+    file I/O); never raises."""
     for gpu in gpus:
         try:
             gpu.look_at_checkpoint()
+            heartbeat(gpu)
         except Exception:  # one unreadable folder must not stop the lease watch
             gpu.log.debug("gpufrac: kernel %s: checkpoint not read", gpu.kernel_id,
                           exc_info=True)
+
+
+def _ended(kernels: list[tuple[str, KernelGpu]], outcomes: list[Outcome]) -> None:
+    """The records of a stopping server's kernels: stopped, and what their state holds (in a
+    thread: file I/O)."""
+    found = {outcome.kernel_id: outcome for outcome in outcomes}
+    for kernel_id, gpu in kernels:
+        outcome = found.get(kernel_id)
+        leave_record(gpu, {"how": ENDED_STOPPED, "time": time.time(),
+                           "durable": outcome.durable if outcome else None,
+                           "cell": outcome.cell if outcome else None}, durable=True)

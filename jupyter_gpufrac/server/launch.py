@@ -200,6 +200,7 @@ def build_kernel_env(
     default_share: Mapping[str, str | None] | None = None,
     no_lease_reason: str | None = None,
     checkpoint_budgets: tuple[int | None, int | None, int | None] = (None, None, None),
+    resumable: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -226,6 +227,12 @@ def build_kernel_env(
                             contract.CHECKPOINT_STAGING_BUDGET), checkpoint_budgets, strict=True):
         if budget is not None:
             env[key] = str(int(budget))
+    if resumable is not None:
+        env[contract.RESUMABLE] = json.dumps(dict(resumable), sort_keys=True)
+    if restart_reason is not None:
+        # Without a lease too: a notebook resumed on a node with no GPU share for it.
+        env[contract.RESTORE] = "1"
+        env[contract.RESTART_REASON] = json.dumps(dict(restart_reason), sort_keys=True)
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -260,9 +267,6 @@ def build_kernel_env(
                                   lease.get("compute_limit")))
     if simulated:
         env[contract.SIMULATED] = "1"
-    if restart_reason is not None:
-        env[contract.RESTORE] = "1"
-        env[contract.RESTART_REASON] = json.dumps(dict(restart_reason), sort_keys=True)
     return env
 
 
