@@ -59,13 +59,18 @@ class Notebook:
         return None
 
 
-def session_notebook(session_name: str | None, user: str, root: str) -> Notebook | None:
-    """The notebook of a kernel jupyter_server started for a session, from the
-    ``JPY_SESSION_NAME`` it gives the kernel (the notebook's path, absolute under the server's
-    root when the session names its file); None for a kernel of no notebook."""
+def session_notebook(session_name: str | None, cwd: str | None, user: str,
+                     root: str) -> Notebook | None:
+    """The notebook of a kernel jupyter_server started for a session: the file named by the
+    ``JPY_SESSION_NAME`` it gives the kernel, in the kernel's folder ``cwd`` (the notebook's);
+    None for a kernel of no session, or outside the folder the server serves."""
     if not session_name or not session_name.strip():
         return None
     path = session_name.strip()
+    if cwd and os.path.isabs(cwd):
+        # jupyter_server joins the notebook's folder with the session's name, which clients
+        # set to the file's name (JupyterLab) or to its whole path (others).
+        path = os.path.join(cwd, os.path.basename(path))
     if root and os.path.isabs(path):
         relative = os.path.relpath(os.path.normpath(path), os.path.normpath(root))
         if relative == os.curdir or relative.startswith(os.pardir):

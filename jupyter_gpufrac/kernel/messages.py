@@ -73,6 +73,9 @@ def restart_cause(reason: RestartReason | None) -> str:
     if reason.cause == contract.CAUSE_MIGRATED and detail.lower().startswith("moved "):
         # The server's sentence already says from where to where, by index.
         return f"This kernel was {detail[0].lower()}{detail[1:]}."
+    if reason.cause == contract.CAUSE_RESUMED and detail.lower().startswith("resumed "):
+        # The server's sentence says from what, where it ran and where it runs now.
+        return f"This notebook was {detail[0].lower()}{detail[1:]}."
     src = _gpu(reason.from_gpu) if reason.from_gpu else None
     dst = _gpu(reason.to_gpu) if reason.to_gpu else None
     gpus = f" from {src} to {dst}" if src and dst else f" to {dst}" if dst else ""

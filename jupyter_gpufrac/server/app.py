@@ -647,7 +647,8 @@ class GpuFrac(ExtensionApp):
         if event_logger is None:
             return
 
-        async def renamed(_logger: Any, _schema_id: str, data: dict[str, Any]) -> None:
+        # jupyter_events calls it with these keywords; what it raises would fail the rename.
+        async def renamed(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
             if data.get("action") == "rename" and data.get("source_path") and data.get("path"):
                 await self.notebook_moved(str(data["source_path"]), str(data["path"]))
 
@@ -760,6 +761,9 @@ class GpuFrac(ExtensionApp):
     def _kernel_launched(self, kernel_id: str, info: dict[str, Any]) -> None:
         """After each launch: when it restored, wait for the kernel hook's report; when an
         earlier state of its notebook waits for the user's word (c.GpuFrac.resume "ask"), ask."""
+        if info.get("notebook") and kernel_id not in self.events.notebooks:
+            # Its events name the notebook from the start (the session is listed later).
+            self.events.notebooks[kernel_id] = str(info["notebook"])
         reason = info.get("reason")
         if reason is not None:
             self._spawn(self._follow_restore(kernel_id, reason))
@@ -828,8 +832,12 @@ class GpuFrac(ExtensionApp):
             self.log.info("kernel %s: parked with every variable (%s)", kernel_id,
                           summary["message"])
             return
+        message = f"{cause}; {summary['message']}"
+        if reason.get("cause") == contract.CAUSE_RESUMED:
+            # Short enough for a notification: from when and where, what came back and not.
+            message = f"Resumed from {reason.get('from_where')}: {summary['message']}"
         self.events.emit(
-            kernel_id, "restored", f"{cause}; {summary['message']}",
+            kernel_id, "restored", message, cause=reason.get("cause"),
             reason=str(reason.get("message") or ""), restored=summary["restored"],
             lost=summary["lost"], deferred=summary["deferred"], ok=summary["ok"],
             interrupted_cell=summary["interrupted_cell"], **where,
@@ -898,14 +906,19 @@ class GpuFrac(ExtensionApp):
             for session in await sessions.list_sessions():
                 kernel = session.get("kernel") or {}
                 if kernel.get("id") and session.get("path"):
-                    self.events.notebooks[str(kernel["id"])] = str(session["path"])
-                    await self._session_path(str(kernel["id"]), str(session["path"]))
+                    kernel_id, path = str(kernel["id"]), str(session["path"])
+                    before = self.events.notebooks.get(kernel_id)
+                    self.events.notebooks[kernel_id] = path
+                    if before != path:
+                        await self._session_moved(kernel_id, path)
         except Exception as err:  # a lookup for messages must never stop the watch
             self.log.debug("gpufrac: sessions: %s", err)
 
-    async def _session_path(self, kernel_id: str, path: str) -> None:
-        """A session renamed without a contents event (a client PATCHed it): the kernel's record
-        follows its notebook."""
+    async def _session_moved(self, kernel_id: str, path: str) -> None:
+        """The path of a kernel's session, first seen or moved by a client (JupyterLab moves it
+        after a rename): the kernel's record names it, whether or not a contents event said so
+        (the name a client gave the session, from which the launch took the path, may not be
+        the file's)."""
         gpu = self.kernels.get(kernel_id)
         notebook = gpu.notebook if gpu is not None else None
         if gpu is not None and notebook is not None and notebook.path != path.strip("/"):

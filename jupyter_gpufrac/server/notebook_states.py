@@ -239,14 +239,15 @@ def clock(when: object) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(when))
 
 
-def gpu_words(gpu: Mapping[str, Any] | None) -> str:
-    """``GPU 0 (NVIDIA A100-SXM4-40GB, 40.0 GiB)``; ``no GPU``."""
+def gpu_words(gpu: Mapping[str, Any] | None, *, size: bool = True) -> str:
+    """``GPU 0 (NVIDIA A100-SXM4-40GB, 40.0 GiB)`` (without ``size``: its model alone);
+    ``no GPU``."""
     if not gpu:
         return "no GPU"
     index = gpu.get("index")
     label = f"GPU {index}" if isinstance(index, int) else str(gpu.get("uuid") or "a GPU")
     facts = [str(gpu["name"])[:100]] if gpu.get("name") else []
-    if isinstance(gpu.get("memory_total"), int):
+    if size and isinstance(gpu.get("memory_total"), int):
         facts.append(format_bytes(int(gpu["memory_total"])))
     return f"{label} ({', '.join(facts)})" if facts else label
 
@@ -269,11 +270,18 @@ def how_it_ended(state: EarlierState) -> str:
 
 
 def resume_reason(state: EarlierState, here: str) -> dict[str, Any]:
-    """The restart reason of a kernel that resumes ``state``; ``here``: where it runs now."""
+    """The restart reason of a kernel that resumes ``state``; ``here``: where it runs now.
+    ``from_where`` is the short of it, for notifications: from when and from where."""
     gpu = state.record.get("gpu") if isinstance(state.record.get("gpu"), dict) else None
+    server = state.record.get("server") if isinstance(state.record.get("server"), dict) else {}
+    assert isinstance(server, dict)
+    cell = f"cell [{state.cell}] at " if state.cell else ""
     return {
+        "from_where": f"{cell}{clock(state.time)} on {str(server.get('node') or '?')[:253]}, "
+                      f"{gpu_words(gpu, size=False)}",
         "cause": contract.CAUSE_RESUMED,
-        "message": f"{how_it_ended(state)}; it ran on {gpu_words(gpu)} there, and runs on "
+        "message": f"Resumed from the last checkpoint of its earlier kernel: "
+                   f"{how_it_ended(state)}; it ran on {gpu_words(gpu)} there, and runs on "
                    f"{here} here.",
         "from_gpu": (gpu or {}).get("uuid"), "to_gpu": None,
     }

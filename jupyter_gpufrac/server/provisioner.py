@@ -117,7 +117,9 @@ class GpuFracProvisioner(LocalProvisioner):
         kernel_id = str(self.kernel_id)
         gpu = self.gpu
         if gpu.launches == 0 and app is not None:
-            await resume.plan(gpu, kwargs.get("env") or {}, self._running(app))
+            cwd = kwargs.get("cwd")
+            await resume.plan(gpu, kwargs.get("env") or {}, str(cwd) if cwd else None,
+                              self._running(app))
         hide_gpus = await gpu.prepare_launch(kwargs.get("env") or {})
         await resume.take_over(gpu)
         self._restarter_reports_here()
@@ -264,7 +266,9 @@ class GpuFracProvisioner(LocalProvisioner):
         if settings.on_launched is not None:
             settings.on_launched(str(self.kernel_id),
                                  {"reason": self.gpu.last_launch_reason, "pid": self.pid,
-                                  "resumable": self.gpu.resumable})
+                                  "resumable": self.gpu.resumable,
+                                  "notebook": self.gpu.notebook.path if self.gpu.notebook
+                                  else None})
 
     # -- shutdown ----------------------------------------------------------------------
 

@@ -33,13 +33,14 @@ from jupyter_gpufrac.server.settings import KernelSettings
 RECORD_VERSION = 1
 
 
-async def plan(gpu: KernelGpu, env: Mapping[str, str], running: Collection[str]) -> None:
+async def plan(gpu: KernelGpu, env: Mapping[str, str], cwd: str | None,
+               running: Collection[str]) -> None:
     """At a kernel's first launch: the notebook it serves (from the session that starts it), and
     the state an earlier kernel of that notebook left, to take over now (c.GpuFrac.resume
     "always") or to offer ("ask", "never": `%gpu restore` takes it)."""
     settings = gpu.settings()
     gpu.first_launch = time.time()
-    gpu.notebook = session_notebook(env.get("JPY_SESSION_NAME"), settings.user,
+    gpu.notebook = session_notebook(env.get("JPY_SESSION_NAME"), cwd, settings.user,
                                     settings.notebook_root)
     if (gpu.notebook is None or settings.server is None or settings.folder_problem
             or not gpu.hooked):

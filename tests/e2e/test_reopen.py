@@ -187,3 +187,193 @@ def test_a_node_killed_outright_loses_only_what_its_last_durable_checkpoint_did_
     finally:
         stop_server(server_b)
         kill_tree(server_a.process)
+
+
+NOTEBOOK = {"type": "notebook", "format": "json",
+            "content": {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}}
+
+
+def create(server: Server, path: str) -> None:
+    """A file (``.ipynb``) or folder in the served folder, through the contents API."""
+    body = NOTEBOOK if path.endswith(".ipynb") else {"type": "directory"}
+    status, found = server.api(f"/api/contents/{path}", "PUT", body)
+    assert status in (200, 201), (status, found)
+
+
+def rename(server: Server, source: str, target: str) -> None:
+    status, found = server.api(f"/api/contents/{source}", "PATCH", {"path": target})
+    assert status == 200, (status, found)
+
+
+def events_of(server: Server, kernel_id: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in server.kernel_status(kernel_id)["events"] if e["event"] == kind]
+
+
+def sigterm(server: Server) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(30)
+
+
+def test_a_notebook_keeps_its_state_through_renames_while_it_runs_and_while_it_waits(
+        nodes: tuple[Node, Node], shared: Shared) -> None:
+    """Renamed while its kernel runs (a file), then moved while only its state waits on disk (a
+    folder above it), then reopened under its new name: it resumes."""
+    a, _ = nodes
+    first = serve(a, shared, "first")
+    try:
+        create(first, "draft.ipynb")
+        create(first, "project")
+        nb = first.open_notebook("draft.ipynb")
+        nb.ok("kept = 'through two renames'")
+        rename(first, "draft.ipynb", "project/final.ipynb")
+        wait_for(lambda: "checkpoint records follow draft.ipynb to project/final.ipynb"
+                 in first.log_text(), 10, "the record to follow the rename")
+        nb.close()
+        sigterm(first)
+    finally:
+        stop_server(first)
+    second = serve(a, shared, "second")
+    try:
+        rename(second, "project", "archive")
+        wait_for(lambda: "checkpoint records follow project to archive" in second.log_text(), 10,
+                 "the waiting state's record to follow the folder")
+        reopened = second.open_notebook("archive/final.ipynb")
+        assert restored(second, reopened.kernel_id)["ok"] is True
+        assert "through two renames" in reopened.ok("print(kept)")
+    finally:
+        stop_server(second)
+
+
+def test_shut_down_by_its_user_it_starts_fresh_culled_for_idling_it_resumes(
+        nodes: tuple[Node, Node], shared: Shared) -> None:
+    """A kernel its user shut down starts fresh next time, as Jupyter does; jupyter_server's own
+    idle culling (cull_idle_timeout) is a park to disk that the next open resumes."""
+    a, _ = nodes
+    server = serve(a, shared, "server", "c.MappingKernelManager.cull_idle_timeout = 3\n"
+                                        "c.MappingKernelManager.cull_interval = 1\n")
+    try:
+        shut = server.open_notebook("shut.ipynb")
+        shut.ok("gone = 'with its kernel'")
+        sessions = server.get("/api/sessions")
+        session = next(s for s in sessions if s["kernel"]["id"] == shut.kernel_id)
+        shut.close()
+        assert server.api(f"/api/sessions/{session['id']}", "DELETE")[0] == 204
+        idle = server.open_notebook("idle.ipynb")
+        idle.ok("import random\nrandom.seed(9)\nparked = 'on disk'")
+        idle.close()  # the culler takes only kernels nobody is connected to
+        wait_for(lambda: server.api(f"/api/kernels/{idle.kernel_id}")[0] == 404, 60,
+                 "jupyter_server to cull the idle kernel", interval=0.2)
+        assert f"kernel {idle.kernel_id}: culled for being idle" in server.log_text()
+
+        again = server.open_notebook("idle.ipynb")
+        event = restored(server, again.kernel_id)
+        assert "stopped its kernel at" in event["message"] and "for being idle" in event["message"]
+        import random
+
+        random.seed(9)
+        assert f"on disk {random.random()}" in again.ok("print(parked, random.random())")
+        fresh = server.open_notebook("shut.ipynb")
+        assert fresh.ok("print('gone' in globals())").strip().endswith("False")
+        assert not events_of(server, fresh.kernel_id, "restored")
+    finally:
+        stop_server(server)
+
+
+def test_asked_the_user_restores_takes_over_with_gpu_restore_or_starts_fresh(
+        nodes: tuple[Node, Node], shared: Shared) -> None:
+    """c.GpuFrac.resume = "ask": a new kernel starts fresh and the question is put (an event,
+    the kernel view); the answer restores (a restart that resumes) or starts fresh for good.
+    `%gpu restore` in the fresh kernel takes the state over in place, cell numbers and
+    generators included."""
+    a, b = nodes
+    first = serve(a, shared, "first")
+    try:
+        for name in ("asked", "inplace", "declined"):
+            nb = first.open_notebook(f"{name}.ipynb")
+            nb.ok(f"import random\nrandom.seed(4)\nwhich = {name!r}\nrandom.random()")
+            nb.close()
+        sigterm(first)
+    finally:
+        stop_server(first)
+    second = serve(b, shared, "second", "c.GpuFrac.resume = 'ask'\n")
+    try:
+        asked = second.open_notebook("asked.ipynb")
+        question = wait_for(lambda: events_of(second, asked.kernel_id, "resumable"), 30,
+                            "the question")[-1]
+        assert "its Jupyter server on node-a was stopped at" in question["message"], question
+        assert "holds 2 variables" in question["message"], question
+        view = second.kernel_status(asked.kernel_id)["resumable"]
+        assert view["cell"] == 1 and view["message"] == question["message"], view
+        status, error = second.api(f"/api/gpufrac/kernels/{asked.kernel_id}/resume", "POST",
+                                   {"choice": "maybe"})
+        assert status == 400 and error["field"] == "choice", (status, error)
+        assert "gpufrac: this notebook's earlier kernel left its state" in asked.ok("1")
+        status, _ = second.api(f"/api/gpufrac/kernels/{asked.kernel_id}/resume", "POST",
+                               {"choice": "restore"})
+        assert status == 200
+        assert restored(second, asked.kernel_id)["ok"] is True
+        assert asked.ok("print(which)").strip().endswith("asked")
+        assert second.kernel_status(asked.kernel_id)["resumable"] is None
+
+        inplace = second.open_notebook("inplace.ipynb")
+        reply = inplace.run("%gpu restore")
+        assert reply.status == "ok", reply.error
+        assert "This notebook was resumed from the last checkpoint of its earlier kernel" \
+            in reply.stdout, reply.stdout
+        assert reply.execution_count == 2, reply  # the earlier kernel ran cell [1]
+        after = inplace.run("print(which, random.random(), In[1][:13])")
+        import random
+
+        random.seed(4)
+        random.random()
+        assert after.stdout.split() == ["inplace", str(random.random()), "import", "random"], \
+            after.stdout
+        assert after.execution_count == 3
+
+        declined = second.open_notebook("declined.ipynb")
+        wait_for(lambda: events_of(second, declined.kernel_id, "resumable"), 30, "the question")
+        status, _ = second.api(f"/api/gpufrac/kernels/{declined.kernel_id}/resume", "POST",
+                               {"choice": "fresh"})
+        assert status == 200
+        assert second.kernel_status(declined.kernel_id)["resumable"] is None
+        status, error = second.api(f"/api/gpufrac/kernels/{declined.kernel_id}/resume", "POST",
+                                   {"choice": "restore"})
+        assert status == 409, (status, error)
+        assert declined.ok("print('which' in globals())").strip().endswith("False")
+    finally:
+        stop_server(second)
+
+
+def test_a_checkpoint_older_than_the_notebook_record_says_is_named_as_such(
+        nodes: tuple[Node, Node], shared: Shared) -> None:
+    """The files of a checkpoint put back from an older copy (a backup, a stale cache of a
+    network file system) under the notebook's newer record: restored, but named as older."""
+    a, _ = nodes
+    first = serve(a, shared, "first")
+    try:
+        nb = first.open_notebook("aged.ipynb")
+        nb.ok("value = 'old'")
+        nb.ok(WRITTEN)
+        folder = shared.checkpoints / nb.kernel_id
+        copy = shared.checkpoints.parent / "older-copy"
+        subprocess.run(["cp", "-a", str(folder), str(copy)], check=True)
+        nb.ok("value = 'new'")
+        nb.close()
+        sigterm(first)
+    finally:
+        stop_server(first)
+    for item in copy.iterdir():  # the record stays: the notebook's newest word
+        if item.name != "notebook.json":
+            subprocess.run(["rm", "-rf", str(folder / item.name)], check=True)
+            subprocess.run(["cp", "-a", str(item), str(folder / item.name)], check=True)
+    second = serve(a, shared, "second")
+    try:
+        reopened = second.open_notebook("aged.ipynb")
+        event = restored(second, reopened.kernel_id)
+        assert event["ok"] is False and "older than the newest one recorded for it" \
+            in event["message"], event
+        output = reopened.ok("print(value)")
+        assert "Warning: this checkpoint is older than the newest one recorded for it" in output
+        assert output.strip().endswith("old"), output
+    finally:
+        stop_server(second)
