@@ -227,6 +227,8 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     kernel_budget = _int(env, contract.CHECKPOINT_KERNEL_BUDGET, problems)
     user_budget = _int(env, contract.CHECKPOINT_USER_BUDGET, problems)
     staging_budget = _int(env, contract.CHECKPOINT_STAGING_BUDGET, problems)
+    # Without checkpoints no folder is taken over (it could be anyone's).
+    resumable = None if checkpoints_off else _resumable(env.get(contract.RESUMABLE, ""), problems)
     return KernelEnv(
         lease_id=env.get(contract.LEASE_ID, "").strip() or None,
         agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
@@ -259,6 +261,5 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_kernel_budget=kernel_budget,
         checkpoint_user_budget=user_budget,
         checkpoint_staging_budget=staging_budget,
-        resumable=None if checkpoints_off else _resumable(env.get(contract.RESUMABLE, ""),
-                                                          problems),
+        resumable=resumable,
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import inspect
 import os
 import re
 import signal
@@ -21,7 +20,6 @@ from traitlets import Bool, Float, Int, List, Unicode, default, validate
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import Usage, free_disk, measure
 from jupyter_gpufrac.kernel.budget import parse_budget
-from jupyter_gpufrac.notebook_record import Notebook
 from jupyter_gpufrac.server import retention
 from jupyter_gpufrac.server.account import kernel_push
 from jupyter_gpufrac.server.agent_link import (
@@ -35,11 +33,11 @@ from jupyter_gpufrac.server.directive_listener import DirectiveListener
 from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.handlers import handlers, own_leases
+from jupyter_gpufrac.server.keeper import StateKeeper
 from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from jupyter_gpufrac.server.launch import lease_gpus
 from jupyter_gpufrac.server.notebook_states import (
-    ENDED_STOPPED,
     EarlierState,
     ServerInfo,
     clock,
@@ -47,8 +45,7 @@ from jupyter_gpufrac.server.notebook_states import (
     how_it_ended,
     owner_problem,
 )
-from jupyter_gpufrac.server.resume import follow_rename, heartbeat, leave_record
-from jupyter_gpufrac.server.retention import hard_links_refused
+from jupyter_gpufrac.server.resume import heartbeat
 from jupyter_gpufrac.server.settings import (
     KernelSettings,
     agent_command,
@@ -56,7 +53,7 @@ from jupyter_gpufrac.server.settings import (
     default_checkpoint_root,
 )
 from jupyter_gpufrac.server.spares import SparePool, default_enabled
-from jupyter_gpufrac.server.stopping import FlushSocket, Outcome, log_outcomes, make_durable
+from jupyter_gpufrac.server.stopping import FlushSocket
 from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
@@ -70,8 +67,6 @@ RECONNECT_IVL_MS = 10  # a kernel socket's first retry; then doubling, up to:
 RECONNECT_IVL_MAX_MS = 25
 # The REST kernel view measures the checkpoint folder at most this often (a walk of stat calls).
 CHECKPOINT_DISK_CACHE_S = 10.0
-# jupyter_server's contents events: a rename names the notebook's old and new paths.
-CONTENTS_SCHEMA_ID = "https://events.jupyter.org/jupyter_server/contents_service/v1"
 
 
 class GpuFrac(ExtensionApp):
@@ -477,9 +472,11 @@ class GpuFrac(ExtensionApp):
         self.kernel_settings.checkpoint_staging_budget = self.staging_budget()
         self.check_folders()
         self.events.on_event = self._account_changed
-        self._follow_renames(event_logger)
+        self.keeper = StateKeeper(self.kernels, self.kernel_settings, self.stop_grace_period,
+                                  self.log)
+        self.keeper.follow_renames(event_logger)
         if km is not None:
-            self._watch_culling(km)
+            self.keeper.watch_culling(km)
         self._stopping: asyncio.Task[None] | None = None
         self.flush_socket: FlushSocket | None = None
         self._disk: tuple[float, Usage] | None = None
@@ -513,8 +510,8 @@ class GpuFrac(ExtensionApp):
         self._spawn(self._watch_agent())
         self._spawn(self._sweep_checkpoints_forever())
         if not self.kernel_settings.folder_problem:
-            self._spawn(self._say_if_hard_links_refused())
-        self.flush_socket = FlushSocket(serverapp.runtime_dir, self.flush, self.log)
+            self._spawn(self.keeper.say_if_hard_links_refused())
+        self.flush_socket = FlushSocket(serverapp.runtime_dir, self.keeper.flush, self.log)
         await self.flush_socket.start()
 
     async def agent_ready(self, kernel_id: str) -> None:
@@ -574,8 +571,7 @@ class GpuFrac(ExtensionApp):
         self.kernel_settings.server_stopping = True
         if self.flush_socket is not None:
             await self.flush_socket.stop()
-        outcomes = await self._make_durable("stopping")
-        await asyncio.to_thread(_ended, self.kernels.items(), outcomes)
+        await self.keeper.stopping()
         if self.listener is not None:
             await self.listener.stop()
         if self.spares is not None:
@@ -596,112 +592,11 @@ class GpuFrac(ExtensionApp):
             await self.embedded.stop()
             self.embedded = None
 
-    # -- notebooks that outlive the server ---------------------------------------------
-
     def _notebook_root(self) -> str:
         """The folder the server serves notebooks from (notebooks are named by paths in it)."""
         contents = getattr(self.serverapp, "contents_manager", None)
         root = getattr(contents, "root_dir", None) or getattr(self.serverapp, "root_dir", "")
         return os.path.abspath(str(root)) if root else ""
-
-    async def flush(self) -> list[Outcome]:
-        """`jupyter gpufrac flush`: every kernel's checkpoint durable now (the server runs on)."""
-        return await self._make_durable("flush")
-
-    async def _make_durable(self, why: str) -> list[Outcome]:
-        km = self.kernels.kernel_manager
-        if km is None:
-            return []
-        kernels = [(kernel_id, km.get_kernel(kernel_id), gpu)
-                   for kernel_id, gpu in self.kernels.items() if not gpu.closed]
-        started = time.monotonic()
-        outcomes = await make_durable(kernels, self.stop_grace_period)
-        log_outcomes(self.log, outcomes, time.monotonic() - started, self.stop_grace_period, why)
-        return outcomes
-
-    def _watch_culling(self, km: Any) -> None:
-        """jupyter_server's idle culling of a kernel parks it to disk: its next kernel resumes
-        (the provisioner reads ``culling`` at the shutdown it causes)."""
-        cull = getattr(km, "cull_kernel_if_idle", None)
-        if cull is None or getattr(cull, "gpufrac_parks", False):
-            return
-
-        async def cull_kernel_if_idle(kernel_id: str) -> None:
-            gpu = self.kernels.get(kernel_id)
-            if gpu is not None:
-                gpu.culling = True
-            try:
-                done = cull(kernel_id)
-                if inspect.isawaitable(done):
-                    await done
-            finally:
-                if gpu is not None:
-                    gpu.culling = False
-
-        cull_kernel_if_idle.gpufrac_parks = True  # type: ignore[attr-defined]
-        km.cull_kernel_if_idle = cull_kernel_if_idle
-
-    def _follow_renames(self, event_logger: Any) -> None:
-        """A notebook renamed or moved (jupyter_server's contents events) keeps its state: its
-        running kernel's record, and the records of earlier kernels' states, follow it."""
-        if event_logger is None:
-            return
-
-        # jupyter_events calls it with these keywords; what it raises would fail the rename.
-        async def renamed(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-            if data.get("action") == "rename" and data.get("source_path") and data.get("path"):
-                await self.notebook_moved(str(data["source_path"]), str(data["path"]))
-
-        with contextlib.suppress(Exception):  # an older jupyter_server without the schema
-            event_logger.add_listener(schema_id=CONTENTS_SCHEMA_ID, listener=renamed)
-
-    async def notebook_moved(self, source: str, target: str) -> None:
-        """``source`` (a notebook or a folder) is now ``target``: records follow (file I/O in a
-        thread; never raises)."""
-        settings = self.kernel_settings
-        if settings.folder_problem:
-            return
-        running = [gpu for _, gpu in self.kernels.items() if gpu.notebook is not None]
-        try:
-            moved = await asyncio.to_thread(follow_rename, running, settings, source, target)
-        except Exception:  # following a rename must never fail the rename
-            self.log.exception("gpufrac: following the rename of %s to %s failed", source, target)
-            return
-        if moved:
-            self.log.info("gpufrac: %d checkpoint records follow %s to %s", moved, source, target)
-
-    async def decline_resume(self, gpu: KernelGpu, state: EarlierState) -> None:
-        """The user chose a fresh start over an earlier state: it is never offered again, and
-        removed like a shut-down kernel's after checkpoint_keep_seconds."""
-        settings = self.kernel_settings
-        await asyncio.to_thread(retention.mark_shut_down, settings.checkpoint_root, state.folder,
-                                settings.checkpoint_keep_seconds, self.log)
-        await asyncio.to_thread(leave_record, gpu)
-
-    async def restart_resuming(self, kernel_id: str, gpu: KernelGpu, state: EarlierState) -> None:
-        """The user chose to restore an earlier state: the kernel restarts taking it over."""
-        gpu.resume_next = state
-        km = self.kernels.kernel_manager
-        self.log.info("kernel %s: restarting to take over the state in %s", kernel_id,
-                      state.folder)
-        try:
-            done = await km.restart_kernel(kernel_id, now=True) if km is not None else None
-            if isinstance(done, asyncio.Future):
-                await asyncio.wait_for(done, timeout=RESTORE_REPORT_WAIT_S)
-        except Exception as err:
-            self.log.warning("kernel %s: the restart to take over %s did not answer: %s",
-                             kernel_id, state.folder, err)
-        finally:
-            gpu.resume_next = None
-
-    async def _say_if_hard_links_refused(self) -> None:
-        """Once at start: the content store shares identical blobs by hard links; where the
-        file system refuses them (some network file systems) each kernel keeps copies."""
-        why = await asyncio.to_thread(hard_links_refused, self.checkpoint_dir)
-        if why is not None:
-            self.log.warning("gpufrac: hard links are refused in %s (%s): each kernel keeps its "
-                             "own copy of the blobs it shares with your other kernels",
-                             self.checkpoint_dir, why)
 
     # -- checkpoints on disk -----------------------------------------------------------
 
@@ -910,20 +805,9 @@ class GpuFrac(ExtensionApp):
                     before = self.events.notebooks.get(kernel_id)
                     self.events.notebooks[kernel_id] = path
                     if before != path:
-                        await self._session_moved(kernel_id, path)
+                        await self.keeper.session_moved(kernel_id, path)
         except Exception as err:  # a lookup for messages must never stop the watch
             self.log.debug("gpufrac: sessions: %s", err)
-
-    async def _session_moved(self, kernel_id: str, path: str) -> None:
-        """The path of a kernel's session, first seen or moved by a client (JupyterLab moves it
-        after a rename): the kernel's record names it, whether or not a contents event said so
-        (the name a client gave the session, from which the launch took the path, may not be
-        the file's)."""
-        gpu = self.kernels.get(kernel_id)
-        notebook = gpu.notebook if gpu is not None else None
-        if gpu is not None and notebook is not None and notebook.path != path.strip("/"):
-            gpu.notebook = Notebook(notebook.user, notebook.root, path.strip("/"))
-            await asyncio.to_thread(leave_record, gpu)
 
     # -- the agent's health ------------------------------------------------------------
 
@@ -1052,13 +936,3 @@ def _look_at_checkpoints(gpus: list[KernelGpu]) -> None:
             gpu.log.debug("gpufrac: kernel %s: checkpoint not read", gpu.kernel_id,
                           exc_info=True)
 
-
-def _ended(kernels: list[tuple[str, KernelGpu]], outcomes: list[Outcome]) -> None:
-    """The records of a stopping server's kernels: stopped, and what their state holds (in a
-    thread: file I/O)."""
-    found = {outcome.kernel_id: outcome for outcome in outcomes}
-    for kernel_id, gpu in kernels:
-        outcome = found.get(kernel_id)
-        leave_record(gpu, {"how": ENDED_STOPPED, "time": time.time(),
-                           "durable": outcome.durable if outcome else None,
-                           "cell": outcome.cell if outcome else None}, durable=True)

@@ -170,9 +170,9 @@ class ResumeHandler(GpuFracHandler):
             return
         gpu.resumable = None
         if choice == "fresh":
-            await app.decline_resume(gpu, state)
+            await app.keeper.decline(gpu, state)
         else:
-            await app.restart_resuming(kernel_id, gpu, state)
+            await app.keeper.restore(kernel_id, gpu, state)
         self.write_json({"ok": True, "choice": choice})
 
 
