@@ -239,11 +239,8 @@ def clock(when: object) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(when))
 
 
-def gpu_words(gpu: Mapping[str, Any] | None, *, size: bool = True) -> str:
-    """``GPU 0 (NVIDIA A100-SXM4-40GB, 40.0 GiB)`` (without ``size``: its model alone);
-    ``no GPU``."""
-    if not gpu:
-        return "no GPU"
+def gpu_words(gpu: Mapping[str, Any], *, size: bool = True) -> str:
+    """``GPU 0 (NVIDIA A100-SXM4-40GB, 40.0 GiB)`` (without ``size``: its model alone)."""
     index = gpu.get("index")
     label = f"GPU {index}" if isinstance(index, int) else str(gpu.get("uuid") or "a GPU")
     facts = [str(gpu["name"])[:100]] if gpu.get("name") else []
@@ -269,20 +266,22 @@ def how_it_ended(state: EarlierState) -> str:
             f"(last heard from at {clock(record.get('heartbeat') or state.time)})")
 
 
-def resume_reason(state: EarlierState, here: str) -> dict[str, Any]:
-    """The restart reason of a kernel that resumes ``state``; ``here``: where it runs now.
-    ``from_where`` is the short of it, for notifications: from when and from where."""
+def resume_reason(state: EarlierState, here: str | None) -> dict[str, Any]:
+    """The restart reason of a kernel that resumes ``state``; ``here``: the GPU it runs on now
+    (None: none). ``from_where`` is the short of it, for notifications: from when and where."""
     gpu = state.record.get("gpu") if isinstance(state.record.get("gpu"), dict) else None
     server = state.record.get("server") if isinstance(state.record.get("server"), dict) else {}
     assert isinstance(server, dict)
     cell = f"cell [{state.cell}] at " if state.cell else ""
+    on_gpu = f", {gpu_words(gpu, size=False)}" if gpu else ""
+    ran = f"ran on {gpu_words(gpu)}" if gpu else "ran without a GPU"
+    runs = f"runs on {here}" if here else "runs without a GPU"
     return {
-        "from_where": f"{cell}{clock(state.time)} on {str(server.get('node') or '?')[:253]}, "
-                      f"{gpu_words(gpu, size=False)}",
+        "from_where": f"{cell}{clock(state.time)} on {str(server.get('node') or '?')[:253]}"
+                      f"{on_gpu}",
         "cause": contract.CAUSE_RESUMED,
         "message": f"Resumed from the last checkpoint of its earlier kernel: "
-                   f"{how_it_ended(state)}; it ran on {gpu_words(gpu)} there, and runs on "
-                   f"{here} here.",
+                   f"{how_it_ended(state)}; it {ran} there, and {runs} here.",
         "from_gpu": (gpu or {}).get("uuid"), "to_gpu": None,
     }
 

@@ -60,12 +60,11 @@ async def plan(gpu: KernelGpu, env: Mapping[str, str], cwd: str | None,
                      "= %r)", gpu.kernel_id, gpu.notebook.path, state.folder, settings.resume)
 
 
-def here(gpu: KernelGpu) -> str:
-    """Where the kernel runs now, for people: ``GPU 1 (NVIDIA H100 80GB HBM3, 79.6 GiB)``."""
+def here(gpu: KernelGpu) -> str | None:
+    """Where the kernel runs now, for people: ``GPU 1 (NVIDIA H100 80GB HBM3, 79.6 GiB)``;
+    None without a GPU."""
     uuids = lease_gpus(gpu.lease) if gpu.lease is not None else []
-    if not uuids:
-        return "no GPU"
-    return gpu_words(gpu.gpus.get(uuids[0]) or {"uuid": uuids[0]})
+    return gpu_words(gpu.gpus.get(uuids[0]) or {"uuid": uuids[0]}) if uuids else None
 
 
 async def take_over(gpu: KernelGpu) -> None:

@@ -186,11 +186,15 @@ def test_a_node_killed_outright_loses_only_what_its_last_durable_checkpoint_did_
         kill_tree(server_a.process)
         a.agent.kill()
 
+        # The other node's GPU is taken whole by a job: the notebook comes back without one.
+        b.agent.client().create_lease(client="job", kind="job", request="1")
         reopened = server_b.open_notebook("killed.ipynb")
         event = restored(server_b, reopened.kernel_id)
         said = event["reason"]
         assert "its kernel on node-a ended without being stopped: its server or node went away" \
             in said, said
+        assert "it ran on GPU " in said and "there, and runs without a GPU here." in said, said
+        assert server_b.kernel_status(reopened.kernel_id)["state"] == "no-gpu"
         assert event["ok"] is False and event["interrupted_cell"].startswith("[3] lost = "), event
         output = reopened.ok("print(kept, 'lost' in globals(), random.random())")
         import random
