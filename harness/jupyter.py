@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import websocket
 
 from harness.agent import free_port, rest_call, wait_for
@@ -64,13 +65,17 @@ def start_server(
     kernelspecs: dict[str, dict[str, Any]] | None = None,
     deadline_s: float = 60,
     env: Mapping[str, str] | None = None,
+    root: Path | None = None,
 ) -> Server:
     """``python -m jupyter_server`` with its own HOME and Jupyter dirs, the extension enabled.
 
     ``kernelspecs`` maps names to kernelspec metadata for extra ipykernel kernelspecs; ``env``
-    is added to the server's environment (a pod's, say).
+    is added to the server's environment (a pod's, say); ``root``: the notebook folder it
+    serves (another server's too: one volume on two nodes), else one of its own.
     """
     dirs = {name: tmp / name for name in ("home", "config", "data", "runtime", "root")}
+    if root is not None:
+        dirs["root"] = root
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
     for name, metadata in (kernelspecs or {}).items():
@@ -127,6 +132,23 @@ def start_server(
     return server
 
 
+def kill_tree(process: subprocess.Popen[bytes] | int) -> None:
+    """SIGKILL a process and everything it started, all at once, as a node that goes away does
+    (its kernels, its spare kernels, its embedded agent)."""
+    pid = process if isinstance(process, int) else process.pid
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for found in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found.kill()
+    psutil.wait_procs(tree, timeout=10)
+    if not isinstance(process, int):
+        process.wait()
+
+
 def stop_server(server: Server) -> None:
     if server.process.poll() is None:
         server.process.send_signal(signal.SIGTERM)
@@ -140,9 +162,9 @@ def stop_server(server: Server) -> None:
 @contextlib.contextmanager
 def running_server(
     tmp: Path, agent_socket: str, config: str = "", kernelspecs: dict[str, dict[str, Any]] | None = None,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None, root: Path | None = None,
 ) -> Iterator[Server]:
-    server = start_server(tmp, agent_socket, config, kernelspecs, env=env)
+    server = start_server(tmp, agent_socket, config, kernelspecs, env=env, root=root)
     try:
         yield server
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -131,6 +132,35 @@ def adopt_root(root_fd: int, shown: Path) -> bool:
                 return False
     store.mark_root(root_fd, shown)
     return True
+def remove_tree(parent_fd: int, name: str, depth: int = 0) -> int:
+    """Remove directory ``name`` of ``parent_fd`` and everything in it through descriptors,
+    never following a link (a link is unlinked, its target left alone) and never entering a
+    folder that is not the user's (it stays, and so does every folder above it); the bytes
+    freed."""
+    freed = 0
+    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise OSError(errno.EPERM, "not yours: left alone", name)
+        for entry in os.listdir(fd):
+            try:
+                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if depth >= MAX_DEPTH:
+                    raise OSError(errno.ELOOP, "too deep", entry)
+                freed += remove_tree(fd, entry, depth + 1)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry, dir_fd=fd)
+                if st.st_nlink <= 1:  # a hard link's blocks stay with the other name
+                    freed += st.st_blocks * 512
+        freed += os.fstat(fd).st_blocks * 512
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+    return freed
 
 
 @dataclass

@@ -44,6 +44,9 @@ NO_LEASE_REASON = "GPUFRAC_NO_LEASE_REASON"
 PODINFO = "GPUFRAC_PODINFO"
 CONTAINER = "GPUFRAC_CONTAINER"
 REACHABLE_GPUS = "GPUFRAC_REACHABLE_GPUS"
+# The node the server runs on, for people reading where a notebook ran (on Kubernetes the
+# downward API's spec.nodeName); unset: the host name.
+NODE_NAME = "GPUFRAC_NODE_NAME"
 
 # Set anew by every launch and removed from the inherited environment first, so that a
 # value from an earlier launch (a restore flag, an old GPU) never leaks into the next one.
@@ -59,13 +62,17 @@ CHECKPOINT_STAGING_BUDGET = "GPUFRAC_CHECKPOINT_STAGING_BUDGET"
 # The disk budgets set as shares of the space free for checkpoints, which the kernel measures
 # again as the disk fills and empties: JSON such as {"kernel": 0.25, "user": 0.5}.
 CHECKPOINT_DISK_SHARES = "GPUFRAC_CHECKPOINT_DISK_SHARES"
+# An earlier kernel's state of this notebook that this (fresh) kernel may take over with
+# `%gpu restore`, JSON {"folder": its folder in the checkpoint root, "generation": the newest
+# the servers recorded, "reason": a RESTART_REASON}; unset when there is none.
+RESUMABLE = "GPUFRAC_RESUMABLE"
 
 LAUNCH_VARIABLES = (
     LEASE_ID, KERNEL_ID, REQUEST, LIMIT, GPU_UUID, GPU_INDEX, GPU_NAME, GPU_TOTAL, CONTEXT,
     SIMULATED, CHECKPOINT_DIR, RESTORE, RESTART_REASON, PARKED, SHARE_SOURCE, REMEMBERED_REQUEST,
     DEFAULT_SHARE, NO_LEASE_REASON, NO_CHECKPOINTS, CHECKPOINT_GENERATION,
     CHECKPOINT_KERNEL_BUDGET, CHECKPOINT_USER_BUDGET, CHECKPOINT_STAGING_BUDGET,
-    CHECKPOINT_DISK_SHARES, *FRAMEWORK_CAPS,
+    CHECKPOINT_DISK_SHARES, RESUMABLE, *FRAMEWORK_CAPS,
 )
 
 # The IPython extension the kernel loads.
@@ -93,6 +100,18 @@ LAST_REQUEST_FILE = "last-request-{environment}.json"
 # In a kernel's checkpoint folder: the datagram socket its directive thread waits on. The
 # server sends one datagram there when the agent addresses the kernel's lease (jupyter_gpufrac.wake).
 WAKE_SOCKET = "wake.sock"
+# In a kernel's checkpoint folder: whose notebook the state is (user, path), where its kernel
+# ran (node, GPU, server) and how it ended, written by the server (docs/survival.md).
+NOTEBOOK_RECORD = "notebook.json"
+# In the checkpoint root: the user whose checkpoints it holds (a volume shared by several
+# users is refused).
+OWNER_FILE = "owner.json"
+# In the server's runtime folder: the socket `jupyter gpufrac flush` asks to make every
+# kernel's checkpoint durable (a pod's preStop hook), one per server process.
+FLUSH_SOCKET = "gpufrac-flush-{pid}.sock"
+# What a new kernel of a notebook does with the state an earlier kernel left (c.GpuFrac.resume).
+RESUME_ALWAYS, RESUME_ASK, RESUME_NEVER = "always", "ask", "never"
+RESUME_MODES = (RESUME_ALWAYS, RESUME_ASK, RESUME_NEVER)
 # The directive kinds a kernel acts on itself (shrink) or tells its user of; the server wakes
 # the kernel for these.
 KERNEL_DIRECTIVES = ("shrink", "migrate", "killed", "frozen", "unparked", "moved")
@@ -111,8 +130,11 @@ CAUSE_OOM_KILLED = "oom_killed"
 CAUSE_DIED = "died"
 CAUSE_PLACED = "placed"
 CAUSE_PARKED = "parked"
+# A new kernel of a notebook took over the state its earlier kernel left (its server or node
+# went away, or jupyter_server culled it).
+CAUSE_RESUMED = "resumed"
 RESTART_CAUSES = (CAUSE_MIGRATED, CAUSE_REQUEST_CHANGED, CAUSE_OOM_KILLED, CAUSE_DIED, CAUSE_PLACED,
-                  CAUSE_PARKED)
+                  CAUSE_PARKED, CAUSE_RESUMED)
 
 # Kernel GPU events (jupyter_events), server to browser.
 EVENT_SCHEMA_ID = "https://jupyter-gpufrac.github.io/events/kernel/v1"
@@ -132,6 +154,7 @@ EVENT_KINDS = (
     "parked",
     "unparked",
     "frozen",
+    "resumable",
 )
 
 # The one lifecycle vocabulary people see: a kernel's state in REST, the widget and the panel.

@@ -50,3 +50,8 @@ c.Spawner.args += ["--GpuFrac.default_request=0.25", "--GpuFrac.default_limit=1"
 # Stopping a server takes its kernels with it; their leases are given back as they stop, and the
 # agent releases whatever a killed server left behind (after its --orphan-grace).
 c.JupyterHub.cleanup_servers = True
+# A server told to stop (the Hub's stop, its idle culler) first makes every kernel's checkpoint
+# durable, within its --GpuFrac.stop_grace_period (20 s): the next kernel of each notebook
+# resumes it. LocalProcessSpawner sends SIGINT, then SIGTERM after interrupt_timeout (10 s by
+# default) and SIGKILL after term_timeout: leave the grace room before the SIGKILL.
+c.LocalProcessSpawner.interrupt_timeout = 30

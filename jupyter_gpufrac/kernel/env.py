@@ -24,6 +24,19 @@ class RestartReason:
 
 
 @dataclass(frozen=True)
+class Resumable:
+    """An earlier kernel's state of this notebook that ``%gpu restore`` takes over."""
+
+    folder: str
+    reason: RestartReason
+    # The newest generation recorded for it (an older one is named so when restored).
+    generation: int = 0
+    cell: int | None = None
+    time: float | None = None
+    variables: int = 0
+
+
+@dataclass(frozen=True)
 class KernelEnv:
     """Everything the hook reads from its environment; ``problems`` lists what was malformed."""
 
@@ -73,6 +86,8 @@ class KernelEnv:
     # The disk budgets that are shares of the space free for checkpoints ("kernel", "user"):
     # measured again as the disk changes, not fixed at the launch.
     checkpoint_disk_shares: dict[str, float] = field(default_factory=dict)
+    # An earlier kernel's state of this notebook, offered to this fresh kernel, or None.
+    resumable: Resumable | None = None
 
     @property
     def has_lease(self) -> bool:
@@ -112,12 +127,12 @@ def _int(env: Mapping[str, str], key: str, problems: list[str]) -> int | None:
     return value
 
 
-def parse_restart_reason(raw: str) -> RestartReason:
+def parse_restart_reason(raw: str | dict[str, object]) -> RestartReason:
     """Parse GPUFRAC_RESTART_REASON; text that is not the expected JSON becomes the message."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw) if isinstance(raw, str) else raw
     except ValueError:
-        return RestartReason(cause="unknown", message=raw.strip())
+        return RestartReason(cause="unknown", message=str(raw).strip())
     if not isinstance(data, dict):
         return RestartReason(cause="unknown", message=str(data))
 
@@ -131,6 +146,34 @@ def parse_restart_reason(raw: str) -> RestartReason:
         from_gpu=text("from_gpu"),
         to_gpu=text("to_gpu"),
     )
+
+
+def _resumable(raw: str, problems: list[str]) -> Resumable | None:
+    """GPUFRAC_RESUMABLE: the folder (a plain name in the checkpoint root) and what it holds."""
+
+    def plain_folder(d: dict[str, Any]) -> bool:
+        folder = d.get("folder")
+        return (isinstance(folder, str) and bool(folder) and "/" not in folder
+                and not folder.startswith(".") and len(folder) <= 255)
+
+    data = _json_object(raw, contract.RESUMABLE, problems, plain_folder)
+    if not data:
+        return None
+    folder = data["folder"]
+
+    def number(key: str) -> float | None:
+        value = data.get(key)
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    generation, cell, when, variables = (number(key) for key in (
+        "generation", "cell", "time", "variables"))
+    reason = data.get("reason")
+    return Resumable(
+        folder=folder,
+        reason=parse_restart_reason(reason if isinstance(reason, dict) else {}),
+        generation=max(int(generation or 0), 0),
+        cell=int(cell) if cell is not None else None,
+        time=when, variables=max(int(variables or 0), 0))
 
 
 def kernel_id_from_connection_file(path: str | None) -> str | None:
@@ -203,6 +246,8 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
     user_budget = _int(env, contract.CHECKPOINT_USER_BUDGET, problems)
     staging_budget = _int(env, contract.CHECKPOINT_STAGING_BUDGET, problems)
     disk_shares = _disk_shares(env.get(contract.CHECKPOINT_DISK_SHARES, ""), problems)
+    # Without checkpoints no folder is taken over (it could be anyone's).
+    resumable = None if checkpoints_off else _resumable(env.get(contract.RESUMABLE, ""), problems)
     return KernelEnv(
         lease_id=env.get(contract.LEASE_ID, "").strip() or None,
         agent_socket=env.get(contract.AGENT_SOCKET, "").strip() or None,
@@ -236,4 +281,5 @@ def parse(env: Mapping[str, str], connection_file: str | None = None) -> KernelE
         checkpoint_user_budget=user_budget,
         checkpoint_staging_budget=staging_budget,
         checkpoint_disk_shares=disk_shares,
+        resumable=resumable,
     )

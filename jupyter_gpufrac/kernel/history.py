@@ -50,15 +50,20 @@ def last_number(previous: Mapping[str, Any], checkpoint_cell: object) -> int | N
 
 
 def continue_after(ip: Any, previous: Mapping[str, Any], last: int,
-                   restored: set[str]) -> None:
+                   restored: set[str], *, running: bool = False) -> None:
     """Make the next cell [last + 1], with ``In``, ``_i``…, ``Out``, ``_``… as IPython kept them
-    before the restart (a source not recorded is empty; an output not restorable is absent)."""
+    before the restart (a source not recorded is empty; an output not restorable is absent).
+    ``running``: called from the kernel's first cell (``%gpu restore``), which becomes
+    [last + 1] itself, the next one [last + 2]."""
     manager = getattr(ip, "history_manager", None)
-    if manager is None or ip.execution_count != 1:
+    if manager is None or ip.execution_count != (2 if running else 1):
         return  # a cell ran already: its numbers stand
     raw_inputs = previous.get("inputs")
     pairs = [p for p in raw_inputs if _is_pair(p)] if isinstance(raw_inputs, list) else []
     pairs = (pairs + [["", ""]] * last)[:last]
+    if running:
+        pairs.append([manager.input_hist_parsed[-1], manager.input_hist_raw[-1]])
+        last += 1
     # In is the list itself (In[n] is its n-th item): filled in place from [1] on.
     manager.input_hist_parsed[1:] = [p for p, _ in pairs]
     manager.input_hist_raw[1:] = [r for _, r in pairs]

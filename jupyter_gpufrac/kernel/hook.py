@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 from IPython.core.error import UsageError
 
+from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import env as kenv
 from jupyter_gpufrac.kernel import (
     frameworks,
@@ -38,6 +39,7 @@ from jupyter_gpufrac.kernel.disk_shares import SharedDiskLimits
 from jupyter_gpufrac.kernel.import_hook import after_import
 from jupyter_gpufrac.kernel.observations import ObservationSender
 from jupyter_gpufrac.kernel.state_file import header_generation
+from jupyter_gpufrac.notebook_record import RECORD, Notebook, adopt, read_record
 from jupyter_gpufrac.wake import WakeReceiver, wake_path
 
 log = logging.getLogger(__name__)
@@ -81,19 +83,15 @@ class GpuFracHook:
         self.request = environment.request
         self.limit = environment.limit
         self.share_source: dict[str, str | None] = dict(environment.share_source)
-        self.checkpointer = Checkpointer(environment.checkpoint_dir)
         # Generations go on from the newest the server saw, whatever a restore loads.
-        self.checkpointer.generation = environment.checkpoint_generation
-        if environment.checkpoint_disk_shares:
-            self.checkpointer.limits = SharedDiskLimits(
-                environment.checkpoint_dir, environment.checkpoint_kernel_budget,
-                environment.checkpoint_user_budget, environment.checkpoint_disk_shares)
-        elif (environment.checkpoint_kernel_budget is not None
-                or environment.checkpoint_user_budget is not None):
-            self.checkpointer.limits = DiskLimits(
-                environment.checkpoint_dir, environment.checkpoint_kernel_budget,
-                environment.checkpoint_user_budget)
-        self.checkpointer.staging_budget = environment.checkpoint_staging_budget
+        self.checkpointer = self._make_checkpointer(environment.checkpoint_generation)
+        # The notebook this kernel serves as the server's record says, and which record that
+        # was (inode, mtime, size): it goes into every checkpoint's header.
+        self._notebook: dict[str, str] | None = None
+        self._record_seen: tuple[int, int, int] | None = None
+        # An earlier kernel's state of the notebook waits (c.GpuFrac.resume "ask", "never"):
+        # the first cell says `%gpu restore` takes it over.
+        self._resume_untold = environment.resumable is not None and not environment.restore
         self.state = ladder.LadderState()
         self.cap: int | None = None
         self.torch_seen = False
@@ -131,6 +129,23 @@ class GpuFracHook:
         self.frozen = False
         # (message id, why) of the last cell that did not get a GPU back.
         self._unpark_refused: tuple[str, str] | None = None
+
+    def _make_checkpointer(self, generation: int) -> Checkpointer:
+        """The checkpointer of this kernel's folder, its budgets from the environment."""
+        environment = self.env
+        checkpointer = Checkpointer(environment.checkpoint_dir)
+        checkpointer.generation = generation
+        if environment.checkpoint_disk_shares:
+            checkpointer.limits = SharedDiskLimits(
+                environment.checkpoint_dir, environment.checkpoint_kernel_budget,
+                environment.checkpoint_user_budget, environment.checkpoint_disk_shares)
+        elif (environment.checkpoint_kernel_budget is not None
+                or environment.checkpoint_user_budget is not None):
+            checkpointer.limits = DiskLimits(
+                environment.checkpoint_dir, environment.checkpoint_kernel_budget,
+                environment.checkpoint_user_budget)
+        checkpointer.staging_budget = environment.checkpoint_staging_budget
+        return checkpointer
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -309,6 +324,9 @@ class GpuFracHook:
                 self._restore_untold = False
                 if self._restore_is_news():
                     lines.append(self.restore_text())
+            if self._resume_untold and self.env.resumable is not None:
+                self._resume_untold = False
+                lines.append(messages.resume_hint(self.env.resumable))
             lines += self.state.notices
             self.state.notices.clear()
         if lines:
@@ -457,7 +475,24 @@ class GpuFracHook:
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {"kernel_id": self.env.kernel_id,
-                "offloaded": [asdict(r) for r in self.offloaded]}
+                "offloaded": [asdict(r) for r in self.offloaded],
+                "notebook": self.notebook()}
+
+    def notebook(self) -> dict[str, str] | None:
+        """The notebook this kernel serves (user, folder, path), as the server's record in the
+        kernel's folder says; read again only when the record changed (a rename)."""
+        if not self.env.checkpoint_dir_given:
+            return None
+        try:
+            st = os.stat(self.env.checkpoint_dir / RECORD, follow_symlinks=False)
+        except OSError:
+            return self._notebook
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen != self._record_seen:
+            self._record_seen = seen
+            found = Notebook.from_json((read_record(self.env.checkpoint_dir) or {}).get("notebook"))
+            self._notebook = found.to_json() if found is not None else None
+        return self._notebook
 
     def flush_checkpoints(self, timeout: float = EXIT_FLUSH_S) -> None:
         """Wait, at most ``timeout`` seconds, for the checkpoint being written and the owed one
@@ -607,7 +642,7 @@ class GpuFracHook:
             if newest and found < newest:
                 # Loaded, but never as if it were the latest: its folder was replaced or
                 # renamed (by someone who can write above it), or restored from a backup.
-                older = (f"this checkpoint is older than the last one this server saw "
+                older = (f"this checkpoint is older than the newest one recorded for it "
                          f"(generation {found} < {newest}): its folder was replaced or renamed "
                          f"since, so these variables are as they were then, not as after your "
                          f"last cells")
@@ -654,6 +689,32 @@ class GpuFracHook:
         restored, lost = self.checkpointer.load_deferred(self.ip.user_ns, names)
         self._restored_names += restored
         return restored, lost
+
+    def resume(self) -> dict[str, Any]:
+        """``%gpu restore`` in a fresh kernel: take over the state its notebook's earlier kernel
+        left (the server offered it) as a kernel resumed at start does: its folder becomes this
+        kernel's, then variables, generators and cell numbers come back. Raises
+        CheckpointError when it cannot be taken over (nothing changed then)."""
+        offer = self.env.resumable
+        if offer is None:
+            raise CheckpointError("no earlier state of this notebook waits to be taken over")
+        self.flush_checkpoints()
+        folder = self.env.checkpoint_dir
+        try:
+            adopt(folder.parent, offer.folder, folder.name, (contract.WAKE_SOCKET,))
+        except (OSError, store.UnsafeCheckpointError) as exc:
+            raise CheckpointError(f"the earlier state in {folder.parent / offer.folder} could "
+                                  f"not be taken over ({exc})") from None
+        self.env = replace(self.env, resumable=None)
+        self.checkpointer = self._make_checkpointer(
+            max(offer.generation, self.checkpointer.generation))
+        self._previous_cells = self._read_previous_cells()
+        report = self.restore(offer.reason, at_start=True)
+        last = history.last_number(self._previous_cells, report.get("checkpoint_cell"))
+        if last is not None:
+            history.continue_after(self.ip, self._previous_cells, last, set(report["restored"]),
+                                   running=True)
+        return report
 
     def restore_at_start(self) -> None:
         """GPUFRAC_RESTORE: bring the variables back and keep the message for the first cell."""

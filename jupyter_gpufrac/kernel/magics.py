@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     res = sub.add_parser(
         "restore", help="load variables kept on disk, or the latest checkpoint",
         description="After a restart that kept variables on disk (there was no room on the GPU "
-        "for them): load those, or only the NAMEs given. Otherwise load the latest checkpoint; "
+        "for them): load those, or only the NAMEs given. In a fresh kernel of a notebook whose "
+        "earlier kernel left its state (its server or node went away): take that state over, "
+        "with its cell numbers and random generators. Otherwise load the latest checkpoint; "
         "variables it holds replace the current ones with the same names.")
     res.add_argument("names", nargs="*", metavar="NAME", help="variables kept on disk to load")
     sub.add_parser("reload", help="bring tensors moved to host memory back to the GPU",
@@ -436,7 +438,14 @@ class GpuMagic:
                 parts = [f"{name} ({why})" for name, why in sorted(lost.items())]
                 raise UsageError(f"%gpu restore: could not load {messages.names_list(parts)}")
             return
-        report = self.hook.restore(None, at_start=False)
+        if self.hook.env.resumable is not None:
+            # A fresh kernel of a notebook whose earlier kernel left its state: take it over.
+            try:
+                report = self.hook.resume()
+            except CheckpointError as exc:
+                raise UsageError(f"%gpu restore: {exc}") from None
+        else:
+            report = self.hook.restore(None, at_start=False)
         if report["error"]:
             raise UsageError(f"%gpu restore: {report['error']}")
         print(report["message"])

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jupyter_gpufrac import contract
-from jupyter_gpufrac.kernel.env import RestartReason
+from jupyter_gpufrac.kernel.env import RestartReason, Resumable
 from node_agent.quantities import format_bytes
 
 _MAX_NAMES = 12
@@ -65,13 +65,17 @@ def _gpu(name: str) -> str | None:
 
 
 def restart_cause(reason: RestartReason | None) -> str:
-    """One clause saying why the kernel was restarted."""
+    """One clause saying why the kernel was restarted; nothing for a restore its user asked
+    for (``%gpu restore``): no cause is named that did not happen."""
     if reason is None:
-        return "This kernel was restarted by jupyter-gpufrac."
+        return ""
     detail = reason.message.strip().rstrip(".")
     if reason.cause == contract.CAUSE_MIGRATED and detail.lower().startswith("moved "):
         # The server's sentence already says from where to where, by index.
         return f"This kernel was {detail[0].lower()}{detail[1:]}."
+    if reason.cause == contract.CAUSE_RESUMED and detail.lower().startswith("resumed "):
+        # The server's sentence says from what, where it ran and where it runs now.
+        return f"This notebook was {detail[0].lower()}{detail[1:]}."
     src = _gpu(reason.from_gpu) if reason.from_gpu else None
     dst = _gpu(reason.to_gpu) if reason.to_gpu else None
     gpus = f" from {src} to {dst}" if src and dst else f" to {dst}" if dst else ""
@@ -86,6 +90,8 @@ def restart_cause(reason: RestartReason | None) -> str:
         head = "This kernel's process ended unexpectedly and was restarted"
     elif reason.cause == contract.CAUSE_PLACED:
         head = f"This kernel was restarted{gpus} because a GPU share became free for it"
+    elif reason.cause == contract.CAUSE_RESUMED:
+        head = "This notebook was resumed from the last checkpoint of its earlier kernel"
     elif reason.cause == contract.CAUSE_PARKED:
         head = ("This kernel was parked: it gave its GPU back and keeps its variables in host "
                 "memory; the next cell gets a GPU first, then runs")
@@ -144,7 +150,7 @@ def restore_message(
 ) -> str:
     """The notebook message after a restart: why, what came back, what did not and what to do."""
     now = time.time() if now is None else now
-    lines = [restart_cause(reason)]
+    lines = [cause] if (cause := restart_cause(reason)) else []
     if interrupted_cell:
         lines.append(f"Cell {interrupted_cell} was cut off before it finished: the variables are "
                      "as they were before it ran; re-run it to redo its work.")
@@ -185,6 +191,21 @@ def restore_message(
                          f"the CPU now, because {cpu_reason}; move them back with .cuda() "
                          "once there is room.")
     return "\n".join(f"gpufrac: {line}" for line in lines)
+
+
+def resume_hint(resumable: Resumable) -> str:
+    """The first cell of a fresh kernel whose notebook's earlier kernel left its state."""
+    point = []
+    if resumable.cell:
+        point.append(f"after cell [{resumable.cell}]")
+    if resumable.time:
+        point.append(time.strftime("%H:%M:%S", time.localtime(resumable.time)))
+    detail = resumable.reason.message.strip().rstrip(".")
+    return (f"gpufrac: this notebook's earlier kernel left its state"
+            f"{' (' + detail + ')' if detail else ''}: its last checkpoint"
+            f"{' (' + ', '.join(point) + ')' if point else ''} holds "
+            f"{plural(resumable.variables, 'variable')}. This kernel started fresh; "
+            "`%gpu restore` brings that state back into it.")
 
 
 def waiting_for_gpu(reason: str | None) -> str:

@@ -40,9 +40,19 @@ from jupyter_gpufrac.server.directive_listener import DirectiveListener
 from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.handlers import handlers, own_leases
+from jupyter_gpufrac.server.keeper import StateKeeper
 from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from jupyter_gpufrac.server.launch import lease_gpus
+from jupyter_gpufrac.server.notebook_states import (
+    EarlierState,
+    ServerInfo,
+    clock,
+    current_user,
+    how_it_ended,
+    owner_problem,
+)
+from jupyter_gpufrac.server.resume import heartbeat
 from jupyter_gpufrac.server.settings import (
     KernelSettings,
     agent_command,
@@ -50,6 +60,7 @@ from jupyter_gpufrac.server.settings import (
     default_checkpoint_root,
 )
 from jupyter_gpufrac.server.spares import SparePool, default_enabled
+from jupyter_gpufrac.server.stopping import FlushSocket
 from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
@@ -151,6 +162,25 @@ class GpuFrac(ExtensionApp):
         "watched arrays beyond it are written from where they are, kept if the notebook did not "
         "change them meanwhile; other variables over it are named as not protected (%gpu, the "
         "panel, a restore). 0: nothing is copied.",
+    ).tag(config=True)
+
+    resume = NotedUnicode(
+        contract.RESUME_ALWAYS,
+        help="What a new kernel of a notebook does with the state its earlier kernel left when "
+        "that kernel did not end by its user's shutdown (its server or node went away, or "
+        "jupyter_server culled it), found by any server that reads checkpoint_dir: 'always' "
+        "resumes it (variables, cell numbers, random generators), 'ask' starts fresh and lets "
+        "JupyterLab ask whether to restore it, 'never' starts fresh. `%gpu restore` in the "
+        "fresh kernel takes it over either way.",
+    ).tag(config=True)
+
+    stop_grace_period = NotedFloat(
+        20.0, min=0, max=HOUR,
+        help="Seconds the server may spend, when it is told to stop (SIGTERM: Kubernetes, "
+        "JupyterHub, systemd, `jupyter server stop`), making every kernel's checkpoint durable "
+        "before it stops them; the log says which were and which not, and why. Keep it below "
+        "what the stopper waits before SIGKILL (Kubernetes: terminationGracePeriodSeconds, 30 "
+        "by default) less a few seconds for the kernels to stop.",
     ).tag(config=True)
 
     embedded_agent = NotedBool(
@@ -262,6 +292,15 @@ class GpuFrac(ExtensionApp):
             parse_quantity(value, f"c.GpuFrac.{name}")
         except QuantityError as err:
             return self._bad_setting(proposal, f"{err.field}: {err.message}")
+        return value
+
+    @validate("resume")
+    def _validate_resume(self, proposal: Any) -> str:
+        value = str(proposal.value).strip().lower()
+        if value not in contract.RESUME_MODES:
+            return self._bad_setting(
+                proposal, f"c.GpuFrac.resume: expected one of {', '.join(contract.RESUME_MODES)}, "
+                f"got {proposal.value!r}")
         return value
 
     @validate("checkpoint_sweep_interval")
@@ -382,6 +421,8 @@ class GpuFrac(ExtensionApp):
         the log and the panel's config problems say which folder and how to fix it. Unlike
         other config problems this one does not withhold GPU leases."""
         problem = checkpoint_folder_problem(self.checkpoint_dir)
+        if problem is None:
+            problem = owner_problem(self.checkpoint_dir, self.kernel_settings.user)
         self.kernel_settings.folder_problem = problem
         if problem is None:
             return
@@ -441,6 +482,10 @@ class GpuFrac(ExtensionApp):
             config_problems=tuple(self.config_problems),
             checkpoint_keep_seconds=self.checkpoint_keep_seconds,
             log=self.log,
+            user=current_user(),
+            notebook_root=self._notebook_root(),
+            server=ServerInfo.here(),
+            resume=self.resume,
         )
         # A size is given to each kernel as bytes; a share, as the share: each kernel measures
         # the disk again as it fills and empties (a disk full at the server's start must not
@@ -454,6 +499,13 @@ class GpuFrac(ExtensionApp):
         self.kernel_settings.checkpoint_staging_budget = self.staging_budget()
         self.check_folders()
         self.events.on_event = self._account_changed
+        self.keeper = StateKeeper(self.kernels, self.kernel_settings, self.stop_grace_period,
+                                  self.log)
+        self.keeper.follow_renames(event_logger)
+        if km is not None:
+            self.keeper.watch_culling(km)
+        self._stopping: asyncio.Task[None] | None = None
+        self.flush_socket: FlushSocket | None = None
         # The checkpoint folder as last measured, and the disk budgets then.
         self._disk: tuple[float, Usage, int, int] | None = None
         self.settings["gpufrac_app"] = self
@@ -485,6 +537,10 @@ class GpuFrac(ExtensionApp):
         self._spawn(self._watch_leases())
         self._spawn(self._watch_agent())
         self._spawn(self._sweep_checkpoints_forever())
+        if not self.kernel_settings.folder_problem:
+            self._spawn(self.keeper.say_if_hard_links_refused())
+        self.flush_socket = FlushSocket(serverapp.runtime_dir, self.keeper.flush, self.log)
+        await self.flush_socket.start()
 
     async def agent_ready(self, kernel_id: str) -> None:
         """Wait until the server has found (or started) its agent; not past its deadline."""
@@ -527,12 +583,23 @@ class GpuFrac(ExtensionApp):
         self.embedded = agent
 
     async def stop_extension(self) -> None:
-        """Stop listening; stop the embedded agent (after giving back our kernels' leases)."""
+        """Make every kernel's checkpoint durable, stop listening, stop the embedded agent (after
+        giving back our kernels' leases). A second stop (SIGTERM during a Hub's SIGINT) waits
+        for the first."""
         if getattr(self, "kernel_settings", None) is None:
             return
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         # The server shuts its kernels down next: not their users' doing, so their checkpoints
-        # are not marked (they expire like a crashed server's, by their last write).
+        # are not marked (they expire like a crashed server's, by their last write), and the
+        # next kernel of each notebook, on any server reading checkpoint_dir, resumes it.
         self.kernel_settings.server_stopping = True
+        if self.flush_socket is not None:
+            await self.flush_socket.stop()
+        await self.keeper.stopping()
         if self.listener is not None:
             await self.listener.stop()
         if self.spares is not None:
@@ -552,6 +619,12 @@ class GpuFrac(ExtensionApp):
                         self.log.info("gpufrac: lease %s not released: %s", lease["id"], err)
             await self.embedded.stop()
             self.embedded = None
+
+    def _notebook_root(self) -> str:
+        """The folder the server serves notebooks from (notebooks are named by paths in it)."""
+        contents = getattr(self.serverapp, "contents_manager", None)
+        root = getattr(contents, "root_dir", None) or getattr(self.serverapp, "root_dir", "")
+        return os.path.abspath(str(root)) if root else ""
 
     # -- checkpoints on disk -----------------------------------------------------------
 
@@ -608,10 +681,23 @@ class GpuFrac(ExtensionApp):
             self.log.error("gpufrac: background task failed", exc_info=task.exception())
 
     def _kernel_launched(self, kernel_id: str, info: dict[str, Any]) -> None:
-        """After each launch: when it restored, wait for the kernel hook's report."""
+        """After each launch: when it restored, wait for the kernel hook's report; when an
+        earlier state of its notebook waits for the user's word (c.GpuFrac.resume "ask"), ask."""
+        if info.get("notebook") and kernel_id not in self.events.notebooks:
+            # Its events name the notebook from the start (the session is listed later).
+            self.events.notebooks[kernel_id] = str(info["notebook"])
         reason = info.get("reason")
         if reason is not None:
             self._spawn(self._follow_restore(kernel_id, reason))
+        state = info.get("resumable")
+        if isinstance(state, EarlierState) and self.resume == contract.RESUME_ASK:
+            cell = f"after cell [{state.cell}], " if state.cell else ""
+            self.events.emit(
+                kernel_id, "resumable",
+                f"This notebook's earlier kernel left its state: {how_it_ended(state)}. Its last "
+                f"checkpoint ({cell}{clock(state.time)}) holds "
+                f"{len(state.names)} variable{'' if len(state.names) == 1 else 's'}. Restore it, "
+                "or start fresh.", reason=how_it_ended(state))
 
     def _account_changed(self, kernel_id: str) -> None:
         # Written in the event itself, so a `%gpu` run after anything that shows the event
@@ -620,13 +706,19 @@ class GpuFrac(ExtensionApp):
             self._spawn(self._leave_account_once_listed(kernel_id))
 
     async def _leave_account_once_listed(self, kernel_id: str) -> None:
+        if await self._listed(kernel_id):
+            self._leave_account(kernel_id)
+
+    async def _listed(self, kernel_id: str) -> bool:
+        """Wait until the kernel manager lists a launching kernel (a new one is listed only once
+        its first launch is done); False when it is not listed in time."""
         km = self.serverapp.kernel_manager if self.serverapp else None
         deadline = time.monotonic() + ACCOUNT_LIST_WAIT_S
         while km is not None and kernel_id not in km:
             if time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(0.2)
-        self._leave_account(kernel_id)
+                return False
+            await asyncio.sleep(0.05)
+        return km is not None
 
     def _leave_account(self, kernel_id: str) -> bool:
         """After each event of a kernel: its account, for `%gpu`, in its folder (a small file,
@@ -643,7 +735,9 @@ class GpuFrac(ExtensionApp):
         return True
 
     async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
-        kernel = self.serverapp.kernel_manager.get_kernel(kernel_id) if self.serverapp else None
+        listed = await self._listed(kernel_id)
+        kernel = (self.serverapp.kernel_manager.get_kernel(kernel_id)
+                  if listed and self.serverapp is not None else None)
         report = None if kernel is None else await restore_report(kernel, RESTORE_REPORT_WAIT_S)
         gpu = self.kernels.get(kernel_id)
         if gpu is not None and report is not None:
@@ -660,8 +754,12 @@ class GpuFrac(ExtensionApp):
             self.log.info("kernel %s: parked with every variable (%s)", kernel_id,
                           summary["message"])
             return
+        message = f"{cause}; {summary['message']}"
+        if reason.get("cause") == contract.CAUSE_RESUMED:
+            # Short enough for a notification: from when and where, what came back and not.
+            message = f"Resumed from {reason.get('from_where')}: {summary['message']}"
         self.events.emit(
-            kernel_id, "restored", f"{cause}; {summary['message']}",
+            kernel_id, "restored", message, cause=reason.get("cause"),
             reason=str(reason.get("message") or ""), restored=summary["restored"],
             lost=summary["lost"], deferred=summary["deferred"], ok=summary["ok"],
             interrupted_cell=summary["interrupted_cell"], **where,
@@ -730,7 +828,11 @@ class GpuFrac(ExtensionApp):
             for session in await sessions.list_sessions():
                 kernel = session.get("kernel") or {}
                 if kernel.get("id") and session.get("path"):
-                    self.events.notebooks[str(kernel["id"])] = str(session["path"])
+                    kernel_id, path = str(kernel["id"]), str(session["path"])
+                    before = self.events.notebooks.get(kernel_id)
+                    self.events.notebooks[kernel_id] = path
+                    if before != path:
+                        await self.keeper.session_moved(kernel_id, path)
         except Exception as err:  # a lookup for messages must never stop the watch
             self.log.debug("gpufrac: sessions: %s", err)
 
@@ -876,10 +978,13 @@ def default_agent_socket(log: Any) -> str:
 
 
 def _look_at_checkpoints(gpus: list[KernelGpu]) -> None:
-    """:meth:`KernelGpu.look_at_checkpoint` of each (in a thread: file I/O); never raises."""
+    """:meth:`KernelGpu.look_at_checkpoint` of each, and its record's heartbeat (in a thread:
+    file I/O); never raises."""
     for gpu in gpus:
         try:
             gpu.look_at_checkpoint()
+            heartbeat(gpu)
         except Exception:  # one unreadable folder must not stop the lease watch
             gpu.log.debug("gpufrac: kernel %s: checkpoint not read", gpu.kernel_id,
                           exc_info=True)
+

@@ -14,7 +14,7 @@ KEEP_PER_KERNEL = 50
 
 _INT_FIELDS = ("gpu_index", "from_gpu_index", "to_gpu_index", "request", "limit", "usage",
                "frozen_bytes")
-_STR_FIELDS = ("reason", "gpu_uuid", "interrupted_cell", "notebook", "protection")
+_STR_FIELDS = ("reason", "gpu_uuid", "interrupted_cell", "notebook", "protection", "cause")
 
 
 def make_event(kernel_id: str, event: str, message: str, **fields: Any) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from tornado import web
 from jupyter_gpufrac.server.account import kernel_account
 from jupyter_gpufrac.server.agent_link import AgentError, AgentUnavailable
 from jupyter_gpufrac.server.kernel_channel import checkpoint_status
-from jupyter_gpufrac.server.rest_models import kernel_model, node_model
+from jupyter_gpufrac.server.rest_models import kernel_model, node_model, resumable_model
+from jupyter_gpufrac.server.resume import offered
 
 AUTH_RESOURCE = "gpufrac"
 # How long the kernel view waits for the kernel's checkpoint status (a control-channel answer
@@ -122,6 +123,9 @@ class KernelHandler(GpuFracHandler):
             kernel_id, kernel, gpu, lease, app.events.events(kernel_id),
             agent_error=agent_error, notebook=await self._notebook(kernel_id),
             checkpoint_disk=await app.checkpoint_disk(kernel_id), checkpoint_status=status,
+            resumable=resumable_model(
+                await asyncio.to_thread(offered, gpu) if gpu is not None else None,
+                app.events.events(kernel_id)),
         ))
 
     async def _notebook(self, kernel_id: str) -> str | None:
@@ -137,9 +141,48 @@ class KernelHandler(GpuFracHandler):
         return None
 
 
+class ResumeHandler(GpuFracHandler):
+    """The user's answer to whether a kernel takes over its notebook's earlier state
+    (c.GpuFrac.resume "ask"): ``{"choice": "restore"}`` or ``{"choice": "fresh"}``."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        app = self.gpufrac
+        if kernel_id not in self.kernel_manager:
+            self.write_json({"error": f"no kernel with id {kernel_id}"}, status=404)
+            return
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError:
+            body = None
+        choice = body.get("choice") if isinstance(body, dict) else None
+        if choice not in CHOICES:
+            self.write_json({"field": "choice", "error": f"choice: expected one of "
+                             f"{', '.join(CHOICES)}, got {str(choice)[:40]!r}"}, status=400)
+            return
+        gpu = app.kernels.get(kernel_id)
+        state = await asyncio.to_thread(offered, gpu) if gpu is not None else None
+        if gpu is None or state is None:
+            self.write_json({"error": "no earlier state of this notebook waits for an answer: "
+                             "it was taken over or declined already, or there was none"},
+                            status=409)
+            return
+        gpu.resumable = None
+        if choice == "fresh":
+            await app.keeper.decline(gpu, state)
+        else:
+            await app.keeper.restore(kernel_id, gpu, state)
+        self.write_json({"ok": True, "choice": choice})
+
+
+CHOICES = ("restore", "fresh")
+
+
 def handlers() -> list[tuple[str, type[APIHandler]]]:
     """URL patterns (under the server's base URL) and their handlers."""
     return [
         (r"/api/gpufrac/node", NodeHandler),
         (r"/api/gpufrac/kernels/(?P<kernel_id>[\w-]+)", KernelHandler),
+        (r"/api/gpufrac/kernels/(?P<kernel_id>[\w-]+)/resume", ResumeHandler),
     ]

@@ -13,8 +13,10 @@ from typing import Any
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.state_file import recovery_point
+from jupyter_gpufrac.notebook_record import Notebook
 from jupyter_gpufrac.server.agent_link import AgentError, AgentLink, AgentUnavailable
 from jupyter_gpufrac.server.launch import checkpoint_dir_of, lease_gpus, resolve_share
+from jupyter_gpufrac.server.notebook_states import EarlierState
 from jupyter_gpufrac.server.podinfo import cluster_gpus, reachable_gpus, read_podinfo
 from jupyter_gpufrac.server.settings import KernelSettings
 from jupyter_gpufrac.wake import wake, wake_path
@@ -104,6 +106,20 @@ class KernelGpu:
         self.ask_status_after = 0.0
         # Why this kernel's launches take no checkpoints (a folder others can write), or None.
         self.checkpoints_off: str | None = None
+        # The notebook it serves (user, folder, path: from the session that started it, then
+        # followed through renames), or None: a kernel of no notebook has no record.
+        self.notebook: Notebook | None = None
+        # When this kernel first launched: of a notebook's kernels the newest decides what a
+        # later one resumes.
+        self.first_launch = 0.0
+        # A state an earlier kernel of the notebook left: to take over at the next launch, or
+        # offered to the user (c.GpuFrac.resume "ask" and "never").
+        self.resume_next: EarlierState | None = None
+        self.resumable: EarlierState | None = None
+        # jupyter_server's idle culler is shutting it down: parked to disk, not its user's doing.
+        self.culling = False
+        # When its record was last written (monotonic), for the heartbeat.
+        self.record_written = 0.0
 
     # -- for people --------------------------------------------------------------------
 
@@ -384,7 +400,10 @@ class KernelGpu:
             )
             return
         request, limit = int(lease.get("request") or 0), int(lease.get("limit") or 0)
-        restarted = " after it was stopped, restoring its variables" if reason is not None else ""
+        restarted = ("" if reason is None else
+                     ", resuming this notebook's state from its last checkpoint,"
+                     if reason.get("cause") == contract.CAUSE_RESUMED
+                     else " after it was stopped, restoring its variables")
         settings.events.emit(
             kernel_id, "placed",
             f"Running on {self.label(uuid)}{restarted} with {format_bytes(request)} "

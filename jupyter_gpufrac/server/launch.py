@@ -201,6 +201,7 @@ def build_kernel_env(
     no_lease_reason: str | None = None,
     checkpoint_budgets: tuple[int | None, int | None, int | None] = (None, None, None),
     checkpoint_disk_shares: Mapping[str, float] | None = None,
+    resumable: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
     """A NEW environment for the kernel (docs/agent-api.md, "Kernel environment").
 
@@ -231,6 +232,12 @@ def build_kernel_env(
         # Those set as shares of the free disk: the kernel measures the disk as it changes.
         env[contract.CHECKPOINT_DISK_SHARES] = json.dumps(dict(checkpoint_disk_shares),
                                                           sort_keys=True)
+    if resumable is not None:
+        env[contract.RESUMABLE] = json.dumps(dict(resumable), sort_keys=True)
+    if restart_reason is not None:
+        # Without a lease too: a notebook resumed on a node with no GPU share for it.
+        env[contract.RESTORE] = "1"
+        env[contract.RESTART_REASON] = json.dumps(dict(restart_reason), sort_keys=True)
     if lease is None:
         if hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -265,9 +272,6 @@ def build_kernel_env(
                                   lease.get("compute_limit")))
     if simulated:
         env[contract.SIMULATED] = "1"
-    if restart_reason is not None:
-        env[contract.RESTORE] = "1"
-        env[contract.RESTART_REASON] = json.dumps(dict(restart_reason), sort_keys=True)
     return env
 
 

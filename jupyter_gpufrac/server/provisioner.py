@@ -8,6 +8,7 @@ import inspect
 import os
 import pathlib
 import subprocess
+import time
 from typing import Any
 
 from jupyter_client.provisioning import LocalProvisioner
@@ -15,6 +16,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import clear_marker
 from jupyter_gpufrac.kernel import store
+from jupyter_gpufrac.server import resume
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import (
     DEFAULT_REQUEST,
@@ -24,6 +26,7 @@ from jupyter_gpufrac.server.launch import (
     kernel_arguments,
     kernel_checkpoint_dir,
 )
+from jupyter_gpufrac.server.notebook_states import ENDED_CULLED
 from jupyter_gpufrac.server.retention import mark_shut_down
 from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
 from jupyter_gpufrac.server.spares import SpareKey, SparePool
@@ -114,7 +117,12 @@ class GpuFracProvisioner(LocalProvisioner):
         settings = self.settings()
         kernel_id = str(self.kernel_id)
         gpu = self.gpu
+        if gpu.launches == 0 and app is not None:
+            cwd = kwargs.get("cwd")
+            await resume.plan(gpu, kwargs.get("env") or {}, str(cwd) if cwd else None,
+                              self._running(app))
         hide_gpus = await gpu.prepare_launch(kwargs.get("env") or {})
+        await resume.take_over(gpu)
         self._restarter_reports_here()
         spec = self.kernel_spec
         argv = list(getattr(spec, "argv", []) or [])
@@ -125,6 +133,7 @@ class GpuFracProvisioner(LocalProvisioner):
             clear_marker(pathlib.Path(checkpoint_dir))
             # At a restart, before the launch: the newest state this server can know of.
             await asyncio.to_thread(gpu.look_at_checkpoint)
+            await asyncio.to_thread(resume.leave_record, gpu)
         kwargs["extra_arguments"] = kernel_arguments(kwargs.get("extra_arguments"), load_ext)
         if load_ext:
             # ipykernel takes Unix sockets from its connection file; other kernels may not.
@@ -150,9 +159,16 @@ class GpuFracProvisioner(LocalProvisioner):
                                 settings.checkpoint_user_budget,
                                 settings.checkpoint_staging_budget),
             checkpoint_disk_shares=settings.checkpoint_disk_shares,
+            resumable=resume.offer(gpu),
         )
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result
+
+    @staticmethod
+    def _running(app: Any) -> list[str]:
+        """This server's kernels: their states are theirs, never another kernel's to resume."""
+        manager = getattr(getattr(app, "kernels", None), "kernel_manager", None)
+        return list(manager.list_kernel_ids()) if manager is not None else []
 
     def _checkpoint_dir(self, settings: KernelSettings, kernel_id: str) -> str:
         """The kernel's checkpoint folder, made and checked; where it cannot be used the kernel
@@ -254,7 +270,10 @@ class GpuFracProvisioner(LocalProvisioner):
         settings = self.settings()
         if settings.on_launched is not None:
             settings.on_launched(str(self.kernel_id),
-                                 {"reason": self.gpu.last_launch_reason, "pid": self.pid})
+                                 {"reason": self.gpu.last_launch_reason, "pid": self.pid,
+                                  "resumable": self.gpu.resumable,
+                                  "notebook": self.gpu.notebook.path if self.gpu.notebook
+                                  else None})
 
     # -- shutdown ----------------------------------------------------------------------
 
@@ -263,9 +282,17 @@ class GpuFracProvisioner(LocalProvisioner):
         user's to drop after ``checkpoint_keep_seconds`` (not at a server stop: see
         :func:`~jupyter_gpufrac.server.retention.sweep`)."""
         if not restart:
-            await self.gpu.close()
             settings = self.settings()
-            if not settings.server_stopping and self.gpu.checkpoints_off is None:
+            if self.gpu.culling:
+                # jupyter_server's idle culler: a park to disk, which the notebook's next
+                # kernel resumes (its record says so; nothing marks it shut down).
+                await asyncio.to_thread(resume.leave_record, self.gpu, {
+                    "how": ENDED_CULLED, "time": time.time()}, durable=True)
+                self.log.info("kernel %s: culled for being idle; the next kernel of its "
+                              "notebook resumes its checkpoint", self.kernel_id)
+            await self.gpu.close()
+            if (not settings.server_stopping and not self.gpu.culling
+                    and self.gpu.checkpoints_off is None):
                 await asyncio.to_thread(mark_shut_down, settings.checkpoint_root,
                                         str(self.kernel_id), settings.checkpoint_keep_seconds,
                                         self.log)

@@ -6,6 +6,7 @@ from typing import Any
 
 from jupyter_gpufrac.server.account import kernel_account
 from jupyter_gpufrac.server.kernels import KernelGpu
+from jupyter_gpufrac.server.notebook_states import EarlierState, how_it_ended
 
 
 def checkpoint_model(point: dict[str, Any] | None,
@@ -39,6 +40,7 @@ def kernel_model(
     notebook: str | None = None,
     checkpoint_disk: dict[str, Any] | None = None,
     checkpoint_status: dict[str, Any] | None = None,
+    resumable: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/kernels/<kernel_id>``: the kernel's account, and what lies behind it."""
     account = kernel_account(kernel, gpu, lease, events, agent_error=agent_error)
@@ -67,8 +69,21 @@ def kernel_model(
         "checkpoint_disk": checkpoint_disk,
         # Why this kernel takes no checkpoints (a folder another user can write), or None.
         "checkpoints_off": gpu.checkpoints_off if gpu is not None else None,
+        # An earlier kernel's state of its notebook waiting for the user's word, or None.
+        "resumable": resumable,
         "events": events,
     }
+
+
+def resumable_model(state: EarlierState | None,
+                    events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The kernel view's ``resumable``: what an earlier kernel of the notebook left, and the
+    question put to the user (the ``resumable`` event's message, once asked)."""
+    if state is None:
+        return None
+    asked = next((e["message"] for e in reversed(events) if e["event"] == "resumable"), None)
+    return {"cell": state.cell, "time": state.time, "variables": len(state.names),
+            "ended": how_it_ended(state), "message": asked}
 
 
 def node_model(

@@ -16,10 +16,11 @@ from pathlib import Path
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import (
     DIR_FLAGS,
-    MAX_DEPTH,
+    ROOT_FLAGS,
     Marker,
     is_kernel_folder,
     marker_in,
+    remove_tree,
     write_marker,
 )
 from jupyter_gpufrac.kernel.store import CONTENT_DIR, ROOT_MARK, UnsafeCheckpointError, root_marked
@@ -60,7 +61,7 @@ def touch(root_fd: int, name: str) -> None:
             os.close(fd)
 
 
-def _listening(folder_fd: int) -> bool:
+def listening(folder_fd: int) -> bool:
     """Whether a kernel listens on the wake socket in the folder: it runs, under this server or
     another one sharing the data folder. Uncertain answers count as yes (keep)."""
     try:
@@ -86,37 +87,6 @@ def _newest_write(folder_fd: int) -> float:
         with contextlib.suppress(FileNotFoundError):
             newest = max(newest, os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mtime)
     return newest
-
-
-def remove_tree(parent_fd: int, name: str, depth: int = 0) -> int:
-    """Remove directory ``name`` of ``parent_fd`` and everything in it through descriptors,
-    never following a link (a link is unlinked, its target left alone) and never entering a
-    folder that is not the user's (it stays, and so does every folder above it); the bytes
-    freed."""
-    freed = 0
-    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-    try:
-        if os.fstat(fd).st_uid != os.geteuid():
-            raise OSError(errno.EPERM, "not yours: left alone", name)
-        for entry in os.listdir(fd):
-            try:
-                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                if depth >= MAX_DEPTH:
-                    raise OSError(errno.ELOOP, "too deep", entry)
-                freed += remove_tree(fd, entry, depth + 1)
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry, dir_fd=fd)
-                if st.st_nlink <= 1:  # a hard link's blocks stay with the other name
-                    freed += st.st_blocks * 512
-        freed += os.fstat(fd).st_blocks * 512
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent_fd)
-    return freed
 
 
 def root_problem(root_fd: int) -> str | None:
@@ -235,7 +205,7 @@ def _sweep_one(root: str, root_fd: int, name: str, keep_s: float, orphan_after_s
         # folder, the user's alone, goes.
         held = os.fstat(fd)
         if held.st_ino != st.st_ino or held.st_mode & (stat.S_IWGRP | stat.S_IWOTH) \
-                or not is_kernel_folder(fd) or _listening(fd):
+                or not is_kernel_folder(fd) or listening(fd):
             return None
         why = _expired(marker_in(fd), _newest_write(fd), now, keep_s, orphan_after_s)
     finally:
@@ -250,3 +220,30 @@ def _sweep_one(root: str, root_fd: int, name: str, keep_s: float, orphan_after_s
     log.info("gpufrac: removed the checkpoint of kernel %s (%s), freeing %s", name, why,
              format_bytes(freed))
     return Removed(name, freed, why)
+
+
+def hard_links_refused(root: str) -> str | None:
+    """Why the file system of checkpoint root ``root`` refuses hard links (some network file
+    systems do), or None when it makes them: a file linked and both names removed."""
+    try:
+        root_fd = os.open(root, ROOT_FLAGS)
+    except OSError:
+        return None  # no root yet: nothing is stored, nothing is said
+    probe = f".gpufrac-link-probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                         dir_fd=root_fd))
+        try:
+            os.link(probe, probe + ".2", src_dir_fd=root_fd, dst_dir_fd=root_fd,
+                    follow_symlinks=False)
+        except OSError as err:
+            return err.strerror or str(err)
+        with contextlib.suppress(OSError):
+            os.unlink(probe + ".2", dir_fd=root_fd)
+        return None
+    except OSError:
+        return None  # not even a file could be made: other messages say why
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe, dir_fd=root_fd)
+        os.close(root_fd)

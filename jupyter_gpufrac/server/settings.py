@@ -17,6 +17,7 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import adopt_root
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.events import KernelEventLog
+from jupyter_gpufrac.server.notebook_states import ServerInfo
 from node_agent.quantities import QuantityError, parse_quantity
 
 
@@ -47,6 +48,14 @@ class KernelSettings:
     checkpoint_disk_shares: dict[str, float] = field(default_factory=dict)
     # Set as the server stops: the kernels it shuts down then were not shut down by their users.
     server_stopping: bool = False
+    # Whose checkpoints these are, and the folder the server serves notebooks from: with a
+    # notebook's path they name it to every server of the user (jupyter_gpufrac.notebook_record).
+    user: str = ""
+    notebook_root: str = ""
+    # This server, as its kernels' records name it (None outside a server: no records).
+    server: ServerInfo | None = None
+    # What a new kernel of a notebook does with its earlier kernel's state (c.GpuFrac.resume).
+    resume: str = contract.RESUME_ALWAYS
 
     # Why the checkpoint folders may not be used (a folder another user can write): kernels
     # then start without checkpoints, and are told so. None: they are fine.

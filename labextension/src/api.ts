@@ -41,7 +41,8 @@ export type EventName =
   | 'agent_reachable'
   | 'parked'
   | 'unparked'
-  | 'frozen';
+  | 'frozen'
+  | 'resumable';
 
 /**
  * What keeps a kernel's state while it has no GPU, in the server's words:
@@ -121,6 +122,8 @@ export interface IGpuFracEvent {
   deferred?: Record<string, number>;
   /** For `restored`: true only when nothing was lost and no cell was cut off. */
   ok?: boolean;
+  /** For `restored`: why it restored ("resumed": its notebook's earlier kernel's state). */
+  cause?: string;
   /** For `restored`: the cell the move or kill cut off, "[7] first line". */
   interrupted_cell?: string;
   /** For `move_pending`: unix seconds at which the running cell is cut off. */
@@ -227,6 +230,22 @@ export interface IKernelStatus extends IKernelAccount {
   fallback?: string | null;
   /** Null before the first checkpoint; absent from older servers. */
   checkpoint?: IRecoveryPoint | null;
+  /**
+   * The state an earlier kernel of its notebook left, waiting for the user's
+   * word (c.GpuFrac.resume "ask"); null when none waits.
+   */
+  resumable?: IResumable | null;
+}
+
+/** What an earlier kernel of the notebook left (`resumable` of the kernel view). */
+export interface IResumable {
+  cell: number | null;
+  time: number | null;
+  variables: number;
+  /** How the earlier kernel ended, in the server's words. */
+  ended: string;
+  /** The question as the `resumable` event put it, once put. */
+  message: string | null;
 }
 
 export interface INodeGpu extends IGpuRef {

@@ -15,7 +15,8 @@ export const EVENT_KINDS = [
   'agent_reachable',
   'parked',
   'unparked',
-  'frozen'
+  'frozen',
+  'resumable'
 ] as const;
 
 export const KERNEL_STATES = [

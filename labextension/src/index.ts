@@ -17,6 +17,7 @@ import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { GpuFracModel } from './model';
 import { InterventionNotifier } from './notify';
 import { GpuFracPanel } from './panel';
+import { ResumeQuestion } from './resume';
 import { DEFAULT_SETTINGS, IGpuFracSettings, readSettings } from './settings';
 import { GpuStatusItem } from './statusItem';
 import { CurrentKernelTracker } from './tracker';
@@ -108,6 +109,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
       trans
     );
     model.eventReceived.connect((_, event) => notifier.handle(event));
+    // c.GpuFrac.resume = "ask": restore a notebook's earlier state, or start fresh.
+    const question = new ResumeQuestion(services.serverSettings, trans);
+    model.eventReceived.connect((_, event) =>
+      question.handleEvent(event, notebookOf(event.kernel_id))
+    );
+    model.changed.connect(() =>
+      question.handleStatus(model.status, model.path || null)
+    );
     // Cheap when nothing is new: the notifier remembers what it showed.
     model.changed.connect(() => notifier.configProblems(model.configProblems));
 

@@ -55,6 +55,14 @@ export function restoredNotice(
 ): INotice {
   const prefix = notebookName(notebook);
   const facts = restoreFactsOf(event);
+  if (event.cause === 'resumed' && event.message) {
+    // A notebook reopened after its server went away: the server's short
+    // account says from when and where, what came back and what did not.
+    return {
+      type: isVerifiedSuccess(event) ? 'success' : 'warning',
+      message: fitWords(withPrefix(prefix, sentence(event.message)), max)
+    };
+  }
   const cause = sentence(event.reason ?? '');
   if (isVerifiedSuccess(event)) {
     const facts0 = sentence(restoreSummary(facts, { advice: false }, trans));

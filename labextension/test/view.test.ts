@@ -262,6 +262,30 @@ test('a verified restore is a success with the cause when it fits', () => {
   );
 });
 
+test('a notebook resumed elsewhere says from when and where, and what is not protected', () => {
+  const event: IGpuFracEvent = {
+    kernel_id: 'k1',
+    event: 'restored',
+    cause: 'resumed',
+    ok: false,
+    restored: ['model', 'opt'],
+    lost: ['big'],
+    message:
+      'Resumed from cell [7] at 05:52:24 on node-a, GPU 0 (Tesla T4): restored 2 of 3 variables; not restored: big (not protected).',
+    reason:
+      'Resumed from the last checkpoint of its earlier kernel: its Jupyter server on node-a was stopped at 05:52:30; it ran on GPU 0 (Tesla T4, 15.0 GiB) there, and runs on GPU 1 (NVIDIA H100 80GB HBM3, 79.6 GiB) here.'
+  };
+  const notice = restoredNotice(event, 'work/train.ipynb');
+  assert.equal(notice.type, 'warning');
+  assert.ok(notice.message.length <= MAX_NOTICE, notice.message);
+  assert.match(
+    notice.message,
+    /^train\.ipynb: Resumed from cell \[7\] at 05:52:24 on node-a, GPU 0 \(Tesla T4\): restored 2 of 3/
+  );
+  const whole = restoredNotice({ ...event, ok: true, lost: [] }, 'a.ipynb');
+  assert.equal(whole.type, 'success');
+});
+
 test('long losses shrink to fit, keeping the notebook and the facts', () => {
   const lost = Array.from(
     { length: 12 },

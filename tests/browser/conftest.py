@@ -122,23 +122,26 @@ def screenshots(tmp_path: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -> Iterator[Lab]:
+@contextlib.contextmanager
+def launch_lab(root: Path, config: str = "", agent_socket: str | None = None) -> Iterator[Lab]:
+    """``jupyter lab`` in ``root`` (its HOME, config, data, runtime and notebook folders, made
+    when missing and kept: a Lab started again in the same ``root`` finds what the last one
+    left), ``config`` added to its jupyter_server_config.py, until the block ends."""
     if not (BUILT_LABEXTENSION / "package.json").exists():
         pytest.fail(
             "the labextension is not built: run `pip install -e .` or "
             "`cd labextension && npm install && npm run build`"
         )
-    root = tmp_path_factory.mktemp("lab")
-    home, config, data, runtime, notebooks = (
+    home, config_dir, data, runtime, notebooks = (
         root / d for d in ("home", "config", "data", "runtime", "notebooks")
     )
-    for d in (home, config, data, runtime, notebooks):
-        d.mkdir()
-    (data / "labextensions").mkdir()
-    os.symlink(BUILT_LABEXTENSION, data / "labextensions" / "jupyter-gpufrac")
+    for d in (home, config_dir, data, runtime, notebooks):
+        d.mkdir(parents=True, exist_ok=True)
+    (data / "labextensions").mkdir(exist_ok=True)
+    if not (data / "labextensions" / "jupyter-gpufrac").is_symlink():
+        os.symlink(BUILT_LABEXTENSION, data / "labextensions" / "jupyter-gpufrac")
 
-    (config / "jupyter_server_config.py").write_text(
+    (config_dir / "jupyter_server_config.py").write_text(
         "c.ServerApp.jpserver_extensions = {'jupyter_gpufrac': True}\n"
         "c.KernelProvisionerFactory.default_provisioner_name = 'gpufrac-provisioner'\n"
         # The test drives the app (theme switch) through window.jupyterapp.
@@ -148,8 +151,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -
         "c.ServerApp.allow_root = True\n"
         # No PyPI queries from the extension manager.
         "c.LabApp.extension_manager = 'readonly'\n"
+        + config
     )
-    settings = config / "lab" / "user-settings" / "@jupyterlab"
+    settings = config_dir / "lab" / "user-settings" / "@jupyterlab"
     # No "fetch news?" toast on a fresh profile, and no calls out of the box.
     _write_json(
         settings / "apputils-extension" / "notification.jupyterlab-settings",
@@ -165,7 +169,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "GPUFRAC_", "IPYTHON"))}
     env.update(
         HOME=str(home),
-        JUPYTER_CONFIG_DIR=str(config),
+        JUPYTER_CONFIG_DIR=str(config_dir),
         JUPYTER_DATA_DIR=str(data),
         JUPYTER_RUNTIME_DIR=str(runtime),
         IPYTHONDIR=str(home / ".ipython"),
@@ -175,13 +179,14 @@ def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -
         JUPYTER_PREFER_ENV_PATH="0",
         # Fresh, so the server embeds its simulated agent; a developer may point
         # the test at an agent of their own instead.
-        GPUFRAC_AGENT_SOCKET=os.environ.get("GPUFRAC_TEST_AGENT_SOCKET") or str(root / "agent.sock"),
+        GPUFRAC_AGENT_SOCKET=agent_socket or os.environ.get("GPUFRAC_TEST_AGENT_SOCKET")
+        or str(root / "agent.sock"),
         PYTHONUNBUFFERED="1",
     )
     # The kernel and the agent CLI run from this interpreter's environment.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = root / "lab.log"
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -248,3 +253,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         _end_leftovers(str(root))
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory, chromium: dict[str, object]) -> Iterator[Lab]:
+    with launch_lab(tmp_path_factory.mktemp("lab")) as server:
+        yield server

@@ -224,3 +224,45 @@ def test_the_docs_describe_what_the_profiles_set() -> None:
     for word in [*sorted(names), ALL_GPUS, DEVICE_LIST_LABEL, "kai.scheduler/queue", "gpu-fraction",
                  "RUNAI_GPU_MEMORY_LIMIT", *PODINFO_ITEMS.values()]:
         assert word in text, f"docs/kubernetes.md does not mention {word}"
+
+
+@pytest.mark.parametrize("profile", [PINNED, SPREAD])
+def test_a_stopped_or_evicted_notebook_pod_leaves_its_state_durable_on_the_users_volume(
+        profile: str) -> None:
+    """Evicted (KAI's consolidation or preemption, a node drain) or stopped by the Hub (its idle
+    culler too): the preStop hook, then the server on SIGTERM, make every kernel's checkpoint
+    durable within the pod's grace, on the user's own volume, which their next pod mounts on
+    whatever node it lands: the notebook resumes there."""
+    from traitlets.config.loader import KVArgParseConfigLoader
+
+    from jupyter_gpufrac.cli import build_parser
+    from jupyter_gpufrac.server.app import GpuFrac
+
+    pods = {name: render(profile, user_id, name) for user_id, name in ((1, "alice"), (2, "bob"))}
+    pod = pods["alice"]
+    container = notebook(pod)
+    gpufrac = KVArgParseConfigLoader(list(container["args"])).load_config().GpuFrac
+    stop_grace = GpuFrac.class_traits()["stop_grace_period"].from_string(
+        str(gpufrac.stop_grace_period))
+    # The hook runs a command that exists, with options it takes.
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:3] == ["jupyter", "gpufrac", "flush"], command
+    flush = build_parser().parse_args(command[2:])
+    # Both fit the grace, with room for the kernels to stop (jupyter_client waits 5 s).
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert flush.timeout < grace and stop_grace + 5 <= grace, (flush.timeout, stop_grace, grace)
+    # The Hub's own stop of the server gives the same grace (KubeSpawner's default is 1 s).
+    assert hub_config(values()).KubeSpawner.delete_grace_period >= grace
+    # The checkpoints are on a volume of the user's own, writable, that follows them.
+    folder = PurePosixPath(gpufrac.checkpoint_dir)
+    claims = set()
+    for name, rendered in pods.items():
+        mounted = volumes_mounted(rendered)
+        path = max((p for p in mounted if folder.is_relative_to(p)), key=len)
+        volume, mount = mounted[path]
+        assert not mount.get("readOnly"), mount
+        claims.add(volume["persistentVolumeClaim"]["claimName"])
+        assert name in volume["persistentVolumeClaim"]["claimName"]
+    assert len(claims) == 2
+    # Where a kernel ran is said by the node's name, from the downward API.
+    assert env_of(container)["GPUFRAC_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}

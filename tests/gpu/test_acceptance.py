@@ -183,3 +183,42 @@ print(json.dumps({{"held": held, "attached": attached, "w": str(ns["w"].device),
     seen = _python(code, CUDA_VISIBLE_DEVICES="", PYTORCH_NVML_BASED_CUDA_CHECK="1")
     assert seen == {"held": False, "attached": True, "w": "cuda:0", "model": "cuda:0",
                     "left": 0, "count": 1, "uuid": target}
+
+
+@pytest.mark.skipif(not nvml_works(), reason="NVML does not initialise")
+def test_a_notebook_reopened_on_another_server_resumes_its_cuda_tensors_and_generator(
+        tmp_path: Path) -> None:
+    """A server stopped with a grace, another one (its own folder, the same checkpoints) opening
+    the notebook: the CUDA tensors back on the GPU and torch's CUDA generator drawing on exactly
+    as it would have."""
+    import signal
+
+    from harness.jupyter import start_server, stop_server
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    config = (f"c.GpuFrac.checkpoint_dir = {str(tmp_path / 'checkpoints')!r}\n"
+              "c.GpuFrac.spare_kernels = False\n")
+    with AgentProcess(tmp_path / "agent", None) as agent:
+        first = start_server(tmp_path / "first", agent.socket, config, root=notebooks)
+        try:
+            nb = first.open_notebook("cuda.ipynb")
+            nb.ok("import torch\ntorch.cuda.manual_seed(5)\nw = torch.rand(1000, device='cuda')")
+            expected = nb.ok(
+                "saved = torch.cuda.get_rng_state()\nprint('NEXT', torch.rand(3, device='cuda')"
+                ".tolist())\ntorch.cuda.set_rng_state(saved)\ndel saved").split("NEXT", 1)[1]
+            nb.close()
+            first.process.send_signal(signal.SIGTERM)
+            first.process.wait(60)
+        finally:
+            stop_server(first)
+        second = start_server(tmp_path / "second", agent.socket, config, root=notebooks)
+        try:
+            again = second.open_notebook("cuda.ipynb")
+            output = again.ok("print('DEVICE', w.device, float(w.sum()) > 0)\n"
+                              "print('NEXT', torch.rand(3, device='cuda').tolist())")
+            assert "This notebook was resumed" in output, output
+            assert "DEVICE cuda:0 True" in output, output
+            assert output.split("NEXT", 1)[1].strip() == expected.strip(), output
+        finally:
+            stop_server(second)

@@ -233,6 +233,37 @@ def test_a_third_users_whole_gpu_job_compacts_them_with_their_variables_kept(
         assert [lease["id"] for lease in node.status_as(role)["leases"]] == [before[role][2]]
 
 
+def test_a_server_the_hub_stops_resumes_its_notebook_when_started_again(node: HubNode) -> None:
+    """The Hub stops alice's server (as jupyterhub-idle-culler does: DELETE its server), then
+    she starts it again and reopens her notebook: the same state, cell numbers and draws."""
+    nb, name = node.notebooks["alice"], NAMES["alice"]
+    nb.ok("import random\nnext_draw = random.Random()\nnext_draw.setstate(random.getstate())")
+    last = nb.run("'the last cell before the stop'").execution_count
+    assert isinstance(last, int)
+    pid = node.hub.server_pid(name)
+    nb.close()
+    status, body = node.hub.api(f"/users/{name}/server", "DELETE")
+    assert status in (202, 204), (status, body)
+    assert pid is not None and still_running([pid], timeout=60) == []
+    # LocalProcessSpawner's SIGINT: the server first made the kernel's checkpoint durable.
+    assert f"gpufrac: stopping: kernel {nb.kernel_id} (work.ipynb): durable, after cell " \
+           f"[{last}]" in node.hub.log_text()
+
+    server = node.hub.start_server(name, node.tokens["alice"], node.homes["alice"])
+    node.hub.wait_ready(name, server)
+    node.servers["alice"] = server
+    reopened = node.notebooks["alice"] = server.open_notebook("work.ipynb")
+    event = wait_for(lambda: next((e for e in server.kernel_status(reopened.kernel_id)["events"]
+                                   if e["event"] == "restored"), None), 60, "the resume")
+    assert event["ok"] is True and event["cause"] == "resumed", event
+    reply = reopened.run(CHECK + "print('NEXT', next_draw.random())")
+    assert reply.status == "ok", reply.error
+    assert reply.execution_count == last + 1, (reply.execution_count, last)
+    assert "its Jupyter server on " in reply.stdout and " was stopped at " in reply.stdout
+    draw = next(line.split()[1] for line in reply.stdout.splitlines() if line.startswith("DRAW "))
+    assert f"NEXT {draw}" in reply.stdout, reply.stdout
+
+
 def test_everything_stops_with_the_hub(node: HubNode) -> None:
     """Stopping the Hub stops every server, kernel and the proxy, and no lease stays behind."""
     kernels = [where(node.notebooks[role].ok(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -202,3 +203,35 @@ def test_no_lease_reason_is_the_servers_and_never_a_guess() -> None:
     assert "provisioner" not in told.no_lease_reason() + silent.no_lease_reason()
     default = kenv.parse({"GPUFRAC_DEFAULT_SHARE": '{"request": "0.25", "limit": "1"}'})
     assert default.default_share == {"request": "0.25", "limit": "1"}
+
+
+def test_a_resumed_notebook_is_told_from_what_and_a_manual_restore_names_no_cause() -> None:
+    resumed = kenv.RestartReason(
+        "resumed", "Resumed from the last checkpoint of its earlier kernel: its Jupyter server "
+        "on node-a was stopped at 05:52:24; it ran on GPU 0 (Tesla T4, 15.0 GiB) there, and "
+        "runs on GPU 1 (NVIDIA H100 80GB HBM3, 79.6 GiB) here.", "GPU-5eed-0", None)
+    assert messages.restart_cause(resumed) == (
+        "This notebook was resumed from the last checkpoint of its earlier kernel: its Jupyter "
+        "server on node-a was stopped at 05:52:24; it ran on GPU 0 (Tesla T4, 15.0 GiB) there, "
+        "and runs on GPU 1 (NVIDIA H100 80GB HBM3, 79.6 GiB) here.")
+    # `%gpu restore` the user ran: nothing was restarted, so nothing says it was.
+    manual = messages.restore_message(None, restored=[], lost={}, checkpoint_time=1000.0,
+                                      checkpoint_cell=1, now=1000.0)
+    assert manual.startswith("gpufrac: Restored 0 of 0 variables"), manual
+    assert "restarted" not in manual
+
+
+def test_env_offers_an_earlier_state_only_by_a_plain_folder_name() -> None:
+    offered = kenv.parse({"GPUFRAC_RESUMABLE": json.dumps({
+        "folder": "k-old", "generation": 7, "cell": 3, "time": 1000.0, "variables": 2,
+        "reason": {"cause": "resumed", "message": "Resumed from …"}})})
+    assert offered.resumable == kenv.Resumable(
+        "k-old", kenv.RestartReason("resumed", "Resumed from …"), 7, 3, 1000.0, 2)
+    hint = messages.resume_hint(offered.resumable)
+    assert "holds 2 variables" in hint and "`%gpu restore` brings that state back" in hint
+    for bad in ('{"folder": "../elsewhere"}', '{"folder": ".replaced-x"}', "not json", "[]"):
+        parsed = kenv.parse({"GPUFRAC_RESUMABLE": bad})
+        assert parsed.resumable is None and "GPUFRAC_RESUMABLE" in parsed.problems[0], bad
+    # A kernel without checkpoints takes no state over.
+    off = kenv.parse({"GPUFRAC_RESUMABLE": '{"folder": "k"}', "GPUFRAC_NO_CHECKPOINTS": "why"})
+    assert off.resumable is None
