@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,7 +17,7 @@ import pytest
 
 from harness.agent import AgentProcess, wait_for
 from node_agent import cli
-from node_agent.client import AgentClient, AgentUnavailable
+from node_agent.client import AgentClient, AgentUnavailable, default_socket_path
 from node_agent.service import AgentConfig
 
 
@@ -302,3 +304,28 @@ def test_an_agent_started_to_exit_with_its_parent_stops_when_the_parent_is_kille
     parent.wait()
     wait_for(lambda: not Path(f"/proc/{child}").exists() or
              Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", 15, "the agent to stop")
+
+
+def test_the_system_agents_socket_is_the_default_only_where_root_made_its_folder(
+    no_system_agent: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The rule of the README's "The agent's socket", step 2, against a socket of the test's
+    own (the machine's real one, if any, is never asked: tests/conftest.py)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to own the system socket's folder")
+    monkeypatch.delenv("GPUFRAC_AGENT_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    personal = str(tmp_path / "gpufrac" / "agent.sock")
+    assert default_socket_path() == personal  # nothing there yet
+    folder = Path(no_system_agent).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(no_system_agent)
+        assert default_socket_path() == no_system_agent
+        os.chown(folder, 65534, 65534)  # another user's folder is nobody's default
+        assert default_socket_path() == personal
+    finally:
+        listener.close()
+        os.chown(folder, 0, 0)
+        os.unlink(no_system_agent)
