@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jupyter_gpufrac.kernel import messages
+
 # Directives created this long before the kernel started may still be meant for it
 # (clock jitter between agent and kernel); older ones are history from a previous process.
 DIRECTIVE_SLACK_S = 2.0
@@ -36,6 +38,7 @@ class LadderState:
     moving: bool = False  # a migrate directive is out: a cell interrupted now was cut off by it
     # The agent froze this process: its GPU state is in host memory until it is thawed.
     frozen: bool = False
+    frozen_at: float | None = None  # when (the frozen directive's time)
     notices: list[str] = field(default_factory=list)  # shown with the next cell's output
 
 
@@ -95,13 +98,19 @@ def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Actio
                              + (f" ({reason})" if reason else "") + ".")
         return []
     if kind == "frozen":
-        # The next cell asks for the GPU back before it runs (see GpuFracHook.unpark).
+        # The next cell asks for the GPU back before it runs (see GpuFracHook.unpark); it
+        # first says when and why the kernel was frozen, however late it comes.
+        created = directive.get("created")
         state.frozen = True
+        state.frozen_at = float(created) if isinstance(created, int | float) else None
+        state.notices.append(messages.frozen_news(reason, str(directive.get("cause") or ""),
+                                                  state.frozen_at))
         return [Action.FROZEN]
     if kind == "moved":
         state.notices.append("gpufrac: " + (reason or "moved to another GPU") + ".")
         return [Action.MOVED]
     if kind == "unparked" and directive.get("thawed") and state.frozen:
+        # The hook says so (GpuFracHook._on_thawed) unless a cell asked for the thaw.
         state.frozen = False
         return [Action.THAWED]
     return []

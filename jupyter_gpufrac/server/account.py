@@ -107,12 +107,18 @@ def kernel_account(
         uuids = lease_gpus({**lease, "state": "active"})
         if uuids:
             device = gpu_model(gpu.gpus.get(uuids[0], {"uuid": uuids[0]}), gpu.simulated)
+    frozen_on = None
+    if lease is not None and gpu is not None and lease.get("frozen") and lease.get("frozen_gpus"):
+        uuid = str(lease["frozen_gpus"][0])
+        frozen_on = gpu_model(gpu.gpus.get(uuid, {"uuid": uuid}), gpu.simulated)
     last = events[-1] if events else None
     return {
         "state": state,
         "reason": reason,
         "deadline": deadline,
         "gpu": device,
+        # While frozen, the GPU it was frozen on: the one it thaws onto where it can.
+        "frozen_on": frozen_on,
         "request": lease.get("request") if lease else None,
         "limit": lease.get("limit") if lease else None,
         "usage": lease.get("usage") if lease else None,

@@ -313,7 +313,7 @@ gpufrac-agent run --request 0.25 --limit 0.5 --compute 0.3 -- python infer.py
         for field, value in (("request", request), ("limit", self.limit)):
             if value is not None:
                 try:
-                    parse_quantity(value, f"--{field}")
+                    parse_quantity(value, f"--{field}", several="--gpus {n}")
                 except QuantityError as exc:
                     print(f"gpufrac-agent run: {exc}", file=sys.stderr)
                     return 2

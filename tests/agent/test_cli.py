@@ -75,7 +75,7 @@ def test_run_refuses_bad_arguments(start_agent: Callable[..., AgentProcess]) -> 
     out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket, "run",
                           "--request", "lots", "--", "true"], capture_output=True, text=True,
                          timeout=30, check=False)
-    assert out.returncode == 2 and "--request: expected a fraction" in out.stderr
+    assert out.returncode == 2 and "--request: expected a share of one GPU" in out.stderr
     out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket, "run"],
                          capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 2 and "give the command after --" in out.stderr
@@ -149,7 +149,8 @@ def test_an_unreachable_default_socket_says_how_to_name_another(
     (["serve", "--headroom", "2"], "--headroom: expected a number from 0 to 1, got 2.0"),
     (["serve", "--log-level", "loud"], "--log-level: expected debug, info, warning or error, got 'loud'"),
     (["serve", "--max-workloads-per-gpu", "two"], "--max-workloads-per-gpu: expected a whole number"),
-    (["serve", "--context-size", "0.5"], "--context-size: expected a memory size such as 500Mi, got '0.5'"),
+    (["serve", "--context-size", "0.5"],
+     "--context-size: expected a memory size such as 500Mi, 20GiB, 2500M or bytes, got '0.5'"),
     (["serve", "--tcp", "localhost"], "--tcp: expected HOST:PORT"),
     (["serve", "--bogus", "1"], "unrecognized option --bogus"),
     (["run", "--gpus", "0", "--", "true"], "--gpus: expected a whole number of at least 1, got 0"),
