@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -82,6 +83,32 @@ def test_run_refuses_bad_arguments(start_agent: Callable[..., AgentProcess]) -> 
     out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket + ".no",
                           "status"], capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 1 and "no gpufrac agent answers" in out.stderr
+
+
+def test_status_names_leases_and_users_and_says_states_in_the_glossarys_words(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Notebooks by name, jobs by command, users by login name; ids only in --json."""
+    agent = start_agent()
+    c = agent.client()
+    notebook = c.create_lease(client="t", request="0.25", limit="1", name="work/train.ipynb")
+    job = c.create_lease(client="t", kind="job", request="1", name="python train.py")
+
+    def status(*extra: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket,
+                              "status", *extra], capture_output=True, text=True, timeout=30,
+                             check=True)
+        return out.stdout
+
+    table = status()
+    me = pwd.getpwuid(os.getuid()).pw_name
+    rows = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert "notebook train.ipynb" in rows and "job python train.py" in rows, table
+    assert all(f" {me} " in rows[name] for name in ("notebook train.ipynb", "job python train.py"))
+    assert " guaranteed " in rows["notebook train.ipynb"], table
+    assert "active" not in table and "OWNER" not in table
+    assert notebook["id"] not in table and job["id"] not in table
+    assert {x["id"] for x in json.loads(status("--json"))["leases"]} == {notebook["id"], job["id"]}
 
 
 def test_hints_to_start_an_agent_give_the_exact_command(tmp_path: Path) -> None:
