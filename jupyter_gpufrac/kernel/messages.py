@@ -240,7 +240,7 @@ def frozen_news(reason: str, cause: str, at: float | None) -> str:
 
 def thawed_news(gpu: str, frozen_s: float | None, at: float | None) -> str:
     """The line the next cell starts with after the agent thawed this kernel by itself."""
-    spent = f" after {format_duration(frozen_s)} frozen" if frozen_s is not None else ""
+    spent = f", after being frozen for {format_duration(frozen_s)}" if frozen_s is not None else ""
     return (f"gpufrac: thawed at {clock(at)}{spent}, back on {gpu}. Nothing was restarted: "
             "every variable, open file and thread is as it was.")
 

@@ -391,7 +391,7 @@ export class GpuFracPanel extends Widget {
     return h.p(
       { className: 'jp-gpufrac-Panel-agent' },
       node
-        ? trans.__('%1 The figures below are the last known ones.', text)
+        ? trans.__('%1 The figures below are the last ones seen.', text)
         : text
     );
   }

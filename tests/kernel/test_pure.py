@@ -188,7 +188,7 @@ def test_parser_errors_are_usage_errors(line: list[str], message: str) -> None:
 def test_compute_is_shown_against_its_share_and_says_whether_it_holds() -> None:
     lease = {"compute_usage": 37, "compute_request": 0.25, "compute_limit": 0.5}
     assert messages.compute_text(lease, mps=False) == (
-        "37% of the GPU's SMs; share 0.25 to 0.5 of the GPU's compute "
+        "37% of the GPU's compute; share 0.25 to 0.5 of the GPU's compute "
         "(not enforced: no CUDA MPS on this node)")
     assert messages.compute_text({**lease, "compute_limit": 0.25}, mps=True).endswith(
         "share 0.25 of the GPU's compute (held by CUDA MPS)")
@@ -222,8 +222,8 @@ def test_a_freeze_is_news_at_the_next_cell_in_one_sentence_each() -> None:
     assert park.startswith(f"gpufrac: parked at {stamp}, at its user's request: frozen in host "
                            "memory, it gave its GPU back.")
     assert messages.thawed_news("GPU 0", 0.2, at) == (
-        f"gpufrac: thawed at {stamp} after under 1 s frozen, back on GPU 0. Nothing was "
-        "restarted: every variable, open file and thread is as it was.")
+        f"gpufrac: thawed at {stamp}, after being frozen for under 1 s, back on GPU 0. Nothing "
+        "was restarted: every variable, open file and thread is as it was.")
 
 
 def test_a_waiting_cell_says_what_it_waits_for_once() -> None:
