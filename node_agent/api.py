@@ -375,7 +375,9 @@ class LeasesHandler(BaseHandler):
 
     def post(self) -> None:
         lease = self.agent.create_lease(self.caller, parse_create_lease(self.body()))
-        self.reply(lease.to_json(), 201)
+        # What it waits for, as GET says: a freeze of a moment may be over by the first GET.
+        self.reply({**lease.to_json(),
+                    "waiting_for": self.agent.waiting_for(lease, self.caller.uid)}, 201)
 
 
 class LeaseRoute(BaseHandler):

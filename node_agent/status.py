@@ -10,8 +10,8 @@ from node_agent.words import (
     CHECKPOINT_ON_DISK,
     lease_name,
     lease_state_words,
+    named_for_people,
     user_name,
-    without_lease_ids,
 )
 
 # The stable keys of `status --json`: scripts depend on them.
@@ -66,7 +66,7 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
         if lease["target_gpus"]:
             physical += " -> " + ",".join(gpu(u) for u in lease["target_gpus"])
         lease_rows.append([
-            without_lease_ids(lease_name(lease)), user_name(int(lease["owner_uid"])),
+            named_for_people(lease_name(lease)), user_name(int(lease["owner_uid"])),
             format_bytes(lease["request"]),
             format_bytes(lease["limit"]), format_bytes(lease["usage"]), compute_text(lease),
             ",".join(gpu(u) for u in lease["logical_gpus"]) or "-", physical, state,

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from node_agent.words import without_lease_ids
+from node_agent.words import named_for_people
 
 
 def waiting_key(waiting: Sequence[Mapping[str, Any]]) -> str:
@@ -16,7 +16,7 @@ def waiting_key(waiting: Sequence[Mapping[str, Any]]) -> str:
 
 def _who(w: Mapping[str, Any]) -> str:
     """A lease as people know it: by its name, without the id the agent adds for scripts."""
-    return without_lease_ids(str(w["who"]))
+    return named_for_people(str(w["who"]))
 
 
 def _one(w: Mapping[str, Any], now: float) -> str:

@@ -29,6 +29,8 @@ LEASE_STATE_WORDS: Mapping[str, str] = MappingProxyType({
 
 # A lease id as the agent writes it into its sentences ("job "train" (l-0123456789ab)").
 _LEASE_ID = re.compile(r"\s*\(l-[0-9a-f]{12}\)|\bl-[0-9a-f]{12}\b")
+# A notebook as the agent names it: by its path, cut at its start when long.
+_NOTEBOOK_PATH = re.compile(r'\bnotebook "(?:[^"/]*/)+([^"/]+)"')
 
 
 def lease_state_words(lease: Mapping[str, Any]) -> str:
@@ -42,10 +44,10 @@ def lease_state_words(lease: Mapping[str, Any]) -> str:
     return words
 
 
-def without_lease_ids(text: str) -> str:
-    """An agent's sentence without the lease ids in it: people know a notebook by its name
-    and a job by its command; ids are for scripts (``--json``) and tooltips."""
-    return _LEASE_ID.sub("", text)
+def named_for_people(text: str) -> str:
+    """An agent's sentence with leases as people know them: a notebook by its file name, a
+    job by its command, and no lease id (ids are for scripts, ``--json``, and tooltips)."""
+    return _NOTEBOOK_PATH.sub(r'notebook "\1"', _LEASE_ID.sub("", text))
 
 
 def user_name(uid: int) -> str:

@@ -55,8 +55,10 @@ UNPARK_POLL_MAX_S = 2.0
 EXIT_FLUSH_S = 4.0
 
 
-# A cell that only parks: run on a kernel that holds no GPU, it does not take one first.
-_ONLY_PARK = re.compile(r"^\s*%gpu\s+park\s*$")
+# A cell that only parks (as IPython has transformed it by then): run on a kernel that holds
+# no GPU, it does not take one first.
+_ONLY_PARK = re.compile(r"""^\s*(?:%gpu\s+park|get_ipython\(\)\.run_line_magic\(['"]gpu['"],"""
+                        r"""\s*['"]park['"]\))\s*$""")
 
 
 def cell_label(execution_count: int | None, source: str) -> str:
@@ -337,12 +339,15 @@ class GpuFracHook:
         """Show what happened since the last cell; note which cell runs, in case it is cut off."""
         with contextlib.suppress(Exception):
             self._tell_checkpoint_failure()
-        self.tell_news()
+        raw = str(getattr(info, "raw_cell", "") or "")
+        if not ((self.parked or self.frozen) and _ONLY_PARK.match(raw)):
+            # A `%gpu park` of a kernel without a GPU leaves the news for the cell that
+            # takes one back.
+            self.tell_news()
         if info is not None and getattr(info, "store_history", False):
             count = getattr(self.ip, "execution_count", None)
             # IPython counts the cell before pre_run_cell: the running one is one less.
             number = count - 1 if isinstance(count, int) and count > 0 else None
-            raw = str(getattr(info, "raw_cell", "") or "")
             parsed = str(getattr(info, "transformed_cell", None) or raw)
             self._running = {"execution_count": number, "time": time.time(),
                              "cell": cell_label(number, raw)}

@@ -18,6 +18,7 @@ from jupyter_gpufrac.kernel.budget import unprotected_line
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
 from node_agent.caps import mps_running
+from node_agent.quantities import format_duration
 from node_agent.words import CHECKPOINT_ON_DISK, FROZEN_IN_HOST_MEMORY
 
 SUBCOMMANDS = ("status", "request", "checkpoint", "restore", "reload", "release", "park",
@@ -444,7 +445,7 @@ class GpuMagic:
             return
         print(f"gpufrac: checkpoint of {messages.plural(len(result.names), 'variable')} "
               f"(and {messages.plural(len(result.modules), 'module')} to re-import) in "
-              f"{result.seconds:.2f} s: "
+              f"{format_duration(result.seconds)}: "
               f"{messages.fmt_bytes(result.tensors_bytes)} of tensors, "
               f"{messages.fmt_bytes(result.bytes_written)} written -> {result.path}")
         if result.lost:

@@ -11,7 +11,7 @@ from typing import Any
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel.env import RestartReason
 from node_agent.quantities import format_bytes, format_duration
-from node_agent.words import without_lease_ids
+from node_agent.words import named_for_people
 
 _MAX_NAMES = 12
 
@@ -203,7 +203,7 @@ _SAID = re.compile(r"^(?:frozen in host memory|waiting for a GPU)\s*[:,]?\s*", r
 def _agent_words(reason: str | None) -> str:
     """An agent's reason without the words the sentence around it says already ("waiting for
     a GPU:", "frozen in host memory,", however often), nor a final stop."""
-    why = without_lease_ids(reason or "").strip().rstrip(".")
+    why = named_for_people(reason or "").strip().rstrip(".")
     while (shorter := _SAID.sub("", why, count=1)) != why:
         why = shorter
     return why

@@ -14,7 +14,7 @@ from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.kernel_channel import checkpoint, wait_until_idle
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from node_agent.quantities import format_bytes, format_duration
-from node_agent.words import FROZEN_IN_HOST_MEMORY, without_lease_ids
+from node_agent.words import FROZEN_IN_HOST_MEMORY, named_for_people
 
 LONG_POLL_S = 25.0
 # Every kind: the server acts on migrate and killed, tells people of shrink, resized, bursting.
@@ -53,7 +53,7 @@ def purpose(reason: str, moves: str) -> str:
 def sentence(text: str) -> str:
     """An agent's reason ("moved from GPU 1 to GPU 0 to free …") as the start of a sentence,
     without the lease ids in it (people know a job by its command)."""
-    text = without_lease_ids(text).strip().rstrip(".")
+    text = named_for_people(text).strip().rstrip(".")
     return text[:1].upper() + text[1:]
 
 
@@ -195,7 +195,7 @@ class DirectiveListener:
             self.log.info("kernel %s: lease is %s; migrate directive skipped", kernel_id, lease.get("state"))
             return
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
-        reason = without_lease_ids(str(directive.get("reason") or ""))
+        reason = named_for_people(str(directive.get("reason") or ""))
         moves = f"from {gpu.label(source)} to {gpu.label(target)}"
         where = {
             # What the move is for ("to free GPU 1 for a job"): where to where, the event says.
@@ -226,7 +226,7 @@ class DirectiveListener:
         if cut_off:
             self.events.emit(
                 kernel_id, "migrating",
-                f"Moving {moves} now: the running cell did not finish within {grace:.0f} s and is "
+                f"Moving {moves} now: the running cell did not finish within {format_duration(grace)} and is "
                 "cut off; the variables come back as they were after the last completed cell.",
                 **where,
             )
@@ -373,7 +373,7 @@ class DirectiveListener:
         self.log.info("kernel %s: parked by freezing (%s)", kernel_id, message)
         self.events.emit(
             kernel_id, "parked", f"{message}: frozen in host memory in "
-            f"{time.monotonic() - started:.1f} s, it gave {gpu.label(source)} back. Its next cell "
+            f"{format_duration(time.monotonic() - started)}, it gave {gpu.label(source)} back. Its next cell "
             "thaws it; every variable, open file and thread is kept.",
             gpu_uuid=source, gpu_index=gpu.index(source), seconds=idle_s,
             protection=lease.get("protection"), frozen_bytes=lease.get("frozen_bytes"))
@@ -399,7 +399,7 @@ class DirectiveListener:
         reason = sentence(str(directive.get("reason") or "Frozen by the GPU agent"))
         self.events.emit(
             kernel_id, "frozen", f"{reason}.",
-            reason=without_lease_ids(str(directive.get("reason") or "")),
+            reason=named_for_people(str(directive.get("reason") or "")),
             gpu_uuid=uuid, gpu_index=gpu.index(uuid), request=directive.get("request"),
             limit=directive.get("limit"), frozen_bytes=directive.get("frozen_bytes"),
             protection=FROZEN_IN_HOST_MEMORY)
@@ -412,7 +412,7 @@ class DirectiveListener:
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
         self.events.emit(
             kernel_id, "migrated", f"{sentence(str(directive.get('reason') or 'Moved'))}.",
-            reason=without_lease_ids(str(directive.get("reason") or "")),
+            reason=named_for_people(str(directive.get("reason") or "")),
             from_gpu_index=gpu.index(source),
             to_gpu_index=gpu.index(target), gpu_uuid=target, gpu_index=gpu.index(target),
             seconds=directive.get("seconds"))
@@ -446,7 +446,7 @@ class DirectiveListener:
         by = ""
         if deadline:
             by = f" by {datetime.fromtimestamp(float(deadline)).strftime('%H:%M:%S')}"
-        reason = without_lease_ids(str(directive.get("reason") or ""))
+        reason = named_for_people(str(directive.get("reason") or ""))
         self.events.emit(
             kernel_id, "shrink_requested",
             f"Asked to shrink to its {format_bytes(request)} request{by} (it holds "
@@ -491,7 +491,7 @@ class DirectiveListener:
             return
         gpu = directive.get("gpu") or directive.get("to_gpu")
         moved = directive.get("cause") == "migrate_timeout"
-        reason = without_lease_ids(str(directive.get("reason") or ""))
+        reason = named_for_people(str(directive.get("reason") or ""))
         what = "Stopped by the GPU agent"
         if moved:
             what = "Stopped because its move did not finish in time"

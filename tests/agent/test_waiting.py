@@ -61,3 +61,11 @@ def test_what_was_done_to_make_room_is_said_once_the_job_runs() -> None:
         "GPU 1 frozen in host memory (what was frozen thaws when the command ends)")
     moved = {**frozen[0], "action": "moving", "to": "GPU 1", "deadline": 5.0}
     assert made_room_words([moved]) == 'made room: notebook "a.ipynb" on GPU 0 moved to GPU 1'
+
+
+def test_a_notebook_is_named_by_its_file_name_however_the_agent_cut_its_path() -> None:
+    waiting = [{"who": 'notebook "…b-201/lab0/notebooks/Untitled1.ipynb" (l-0a1b2c3d4e5f)',
+                "kind": "notebook", "gpu": "GPU 1", "action": "moving", "to": "GPU 0",
+                "deadline": None}]
+    assert waiting_words(waiting, 0.0) == ('waiting for 1 notebook to make room: notebook '
+                                           '"Untitled1.ipynb" is moving from GPU 1 to GPU 0')
