@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jupyter_gpufrac.kernel import messages
+from node_agent.words import named_for_people
 
 # Directives created this long before the kernel started may still be meant for it
 # (clock jitter between agent and kernel); older ones are history from a previous process.
@@ -72,7 +73,8 @@ def next_cursor(after: int, last: int) -> int:
 def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Action]:
     """Actions for one directive; shrink is safe to apply while a cell runs."""
     kind = directive.get("kind")
-    reason = str(directive.get("reason") or "")
+    # The agent's words, with leases as people know them (by name, without ids).
+    reason = named_for_people(str(directive.get("reason") or ""))
     if kind == "shrink":
         state.shrinking = True
         state.reason = reason

@@ -377,7 +377,7 @@ def compute_text(lease: Mapping[str, object], mps: bool) -> str:
     """The lease's sampled SM utilization against its compute share, and whether the share
     holds (only CUDA MPS enforces one)."""
     used = lease.get("compute_usage")
-    text = "not sampled by the driver" if used is None else f"{used}% of the GPU's compute"
+    text = "not sampled" if used is None else f"{used}% of the GPU's compute"
     request, limit = lease.get("compute_request"), lease.get("compute_limit")
     if request is None:
         return text

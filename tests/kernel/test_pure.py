@@ -192,7 +192,7 @@ def test_compute_is_shown_against_its_share_and_says_whether_it_holds() -> None:
         "(not enforced: no CUDA MPS on this node)")
     assert messages.compute_text({**lease, "compute_limit": 0.25}, mps=True).endswith(
         "share 0.25 of the GPU's compute (held by CUDA MPS)")
-    assert messages.compute_text({"compute_usage": None}, mps=False) == "not sampled by the driver"
+    assert messages.compute_text({"compute_usage": None}, mps=False) == "not sampled"
 
 
 def test_no_lease_reason_is_the_servers_and_never_a_guess() -> None:
