@@ -27,8 +27,9 @@ LEASE_STATE_WORDS: Mapping[str, str] = MappingProxyType({
     "thawing": "thawing",
 })
 
-# A lease id as the agent writes it into its sentences ("job "train" (l-0123456789ab)").
-_LEASE_ID = re.compile(r"\s*\(l-[0-9a-f]{12}\)|\bl-[0-9a-f]{12}\b")
+# A lease id as the agent writes it after a lease's name ("job "train" (l-0123456789ab)"); a
+# lease without a name is named by its id alone, which stays.
+_LEASE_ID = re.compile(r"\s*\(l-[0-9a-f]{12}\)")
 # A notebook as the agent names it: by its path, cut at its start when long.
 _NOTEBOOK_PATH = re.compile(r'\bnotebook "(?:[^"/]*/)+([^"/]+)"')
 
@@ -46,7 +47,8 @@ def lease_state_words(lease: Mapping[str, Any]) -> str:
 
 def named_for_people(text: str) -> str:
     """An agent's sentence with leases as people know them: a notebook by its file name, a
-    job by its command, and no lease id (ids are for scripts, ``--json``, and tooltips)."""
+    job by its command, and no lease id beside a name (ids are for scripts, ``--json``, and
+    tooltips; a lease that has no name keeps its id)."""
     return _NOTEBOOK_PATH.sub(r'notebook "\1"', _LEASE_ID.sub("", text))
 
 
