@@ -20,10 +20,15 @@ $(CHP): | $(BIN)/gpufrac-agent
 	npm install --prefix $(VENV)/chp --no-audit --no-fund --loglevel=error configurable-http-proxy@5
 
 # Every kernel gets its GPU lease through the provisioner; with no agent running, the
-# server embeds one (NVML when it starts, otherwise a simulated 2-GPU node).
+# server embeds one (NVML when it starts, otherwise a simulated 2-GPU node). The Lab serves
+# a folder of its own (ignored by git, ruff and pytest), so the notebooks and files made in
+# "Try it" never reach the checkout's lint or tests; its terminals find gpufrac-agent on PATH.
+NOTEBOOKS ?= notebooks
 lab: $(BIN)/gpufrac-agent
-	$(BIN)/jupyter lab --KernelProvisionerFactory.default_provisioner_name=gpufrac-provisioner \
-		$(if $(filter 0,$(shell id -u)),--allow-root)
+	mkdir -p $(NOTEBOOKS)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/jupyter lab \
+		--KernelProvisionerFactory.default_provisioner_name=gpufrac-provisioner \
+		--ServerApp.root_dir=$(NOTEBOOKS) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 demo: $(BIN)/gpufrac-agent
 	$(BIN)/gpufrac-agent demo

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -171,6 +172,10 @@ def running_server(
         stop_server(server)
 
 
+# Colours in a traceback's lines (ESC [ … m).
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 @dataclass
 class Reply:
     status: str
@@ -180,6 +185,8 @@ class Reply:
     results: list[str] = field(default_factory=list)
     # The cell's number as the notebook shows it ([n]), from the execute_reply.
     execution_count: int | None = None
+    # The error output's lines as the notebook shows them, top first, colours left out.
+    traceback: list[str] = field(default_factory=list)
 
 
 class Notebook:
@@ -283,6 +290,7 @@ class Notebook:
         deadline = time.monotonic() + timeout
         stdout, error, status, idle = [], "", "", False
         count: int | None = None
+        traceback: list[str] = []
         results: list[str] = []
         seen: list[str] = []  # what came for this cell, named when it never finishes
         while not (status and idle):
@@ -300,6 +308,7 @@ class Notebook:
                 results.append(str(content.get("data", {}).get("text/plain", "")))
             elif kind == "error":
                 error = f"{content['ename']}: {content['evalue']}"
+                traceback = [_ANSI.sub("", line) for line in content.get("traceback", [])]
             elif kind == "execute_reply":
                 status = content["status"]
                 count = content.get("execution_count")
@@ -308,7 +317,7 @@ class Notebook:
             elif kind == "status" and content["execution_state"] == "idle":
                 idle = True
         self._kept.pop(msg_id, None)
-        return Reply(status, "".join(stdout), error, results, count)
+        return Reply(status, "".join(stdout), error, results, count, traceback)
 
     def run(self, code: str, timeout: float = 120) -> Reply:
         return self.wait(self.send(code), timeout)

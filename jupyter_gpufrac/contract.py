@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from collections.abc import Mapping
 from types import MappingProxyType
 
+from node_agent import words
 from node_agent.caps import FRAMEWORK_CAPS
 
 # The environment the provisioner gives a kernel; kernel/env.py parses it.
@@ -122,6 +124,15 @@ SOURCE_REMEMBERED = "your last %gpu request here"
 SOURCE_CONFIG = "c.GpuFrac"
 SOURCE_RUNAI = "RUNAI_GPU_MEMORY_LIMIT"
 SOURCE_MAGIC = "%gpu request"
+# Each source in the words every surface shows after "from" (`%gpu`, the panel;
+# docs/glossary.md); any other source (a pod annotation, named with its key) is shown as it is.
+SOURCE_WORDS = MappingProxyType({
+    SOURCE_KERNELSPEC: "the kernelspec",
+    SOURCE_REMEMBERED: "your request remembered here",
+    SOURCE_CONFIG: "the c.GpuFrac default",
+    SOURCE_RUNAI: "RUNAI_GPU_MEMORY_LIMIT",
+    SOURCE_MAGIC: "%gpu request in this notebook",
+})
 
 # Why a kernel was restarted: the "cause" of RESTART_REASON.
 CAUSE_MIGRATED = "migrated"
@@ -188,7 +199,7 @@ KERNEL_STATE_WORDS = MappingProxyType({
     "bursting": "bursting",
     "shrinking": "shrinking",
     "move-pending": "moving soon — cell still running",
-    "migrating": "migrating",
+    "migrating": "moving",
     "oom-killed": "stopped",
     "restored": "restored",
     "restore-incomplete": "restored in part",
@@ -198,17 +209,9 @@ KERNEL_STATE_WORDS = MappingProxyType({
     "waiting-for-gpu": "waiting for a GPU",
 })
 
-# How the panel words another lease's ledger state (a kernel's own state is a KERNEL_STATE).
-LEASE_STATE_WORDS = MappingProxyType({
-    "pending": "waiting for a GPU",
-    "active": "running",
-    "migrating": "moving",
-    "shrinking": "shrinking",
-    "killed": "stopped",
-    "parked": "parked (holds no GPU)",
-    "freezing": "freezing",
-    "thawing": "thawing",
-})
+# How the panel words another lease's ledger state (a kernel's own state is a KERNEL_STATE):
+# the glossary's words, as `gpufrac-agent status` says them.
+LEASE_STATE_WORDS = words.LEASE_STATE_WORDS
 
 # The state an event implies until the next status confirms it. "migrated" still reads
 # migrating: a move is done only when the kernel says what came back ("restored"), and a
@@ -244,7 +247,7 @@ def typescript() -> str:
             return line
         return f"export const {name} = [\n" + ",\n".join(f"  {q}" for q in quoted) + "\n] as const;"
 
-    def record(mapping: MappingProxyType[str, str]) -> str:
+    def record(mapping: Mapping[str, str]) -> str:
         def key(k: str) -> str:
             return k if k.isidentifier() else f"'{k}'"
 
@@ -265,6 +268,11 @@ def typescript() -> str:
         "",
         "export const LEASE_STATE_WORDS: Readonly<Record<string, string>> = "
         f"{record(LEASE_STATE_WORDS)};",
+        "",
+        "export const KERNEL_STATE_WORDS: Readonly<Record<string, string>> = "
+        f"{record(KERNEL_STATE_WORDS)};",
+        "",
+        f"export const SOURCE_WORDS: Readonly<Record<string, string>> = {record(SOURCE_WORDS)};",
         "",
         f"export const RESTORE_INCOMPLETE = '{RESTORE_INCOMPLETE}';",
         "",

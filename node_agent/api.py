@@ -134,11 +134,11 @@ def _reject_unknown(body: dict[str, Any], allowed: Iterable[str]) -> None:
             raise ApiError(400, key, f"unknown field; expected one of {sorted(allowed)}")
 
 
-def _quantity(body: dict[str, Any], name: str) -> Quantity | None:
+def _quantity(body: dict[str, Any], name: str, several: str | None = None) -> Quantity | None:
     if body.get(name) is None:
         return None
     try:
-        return parse_quantity(body[name], name)
+        return parse_quantity(body[name], name, several=several)
     except QuantityError as exc:
         raise ApiError(400, exc.field, exc.message) from exc
 
@@ -174,13 +174,14 @@ def parse_create_lease(body: dict[str, Any]) -> CreateLease:
     devices = _field(body, "devices", int, 1, expected=f"a whole number of GPUs, 1 to {MAX_GPUS}",
                      low=1, high=MAX_GPUS)
     # A job takes a whole GPU unless it says otherwise; a notebook must say.
-    request = _quantity(body, "request") or (
+    several = '"devices": {n}'
+    request = _quantity(body, "request", several) or (
         Quantity(fraction=1.0) if kind == policy.JOB else None
     )
     if request is None:
         raise ApiError(400, "request", "is required: a fraction like 0.25 or a size like 4Gi")
     return CreateLease(
-        kind=kind, client=client, request=request, limit=_quantity(body, "limit") or request,
+        kind=kind, client=client, request=request, limit=_quantity(body, "limit", several) or request,
         devices=devices, kernel_id=kernel_id, name=name,
         compute_request=_compute_fraction(body, "compute_request"),
         compute_limit=_compute_fraction(body, "compute_limit"),
@@ -421,7 +422,9 @@ class LeasesHandler(BaseHandler):
 
     def post(self) -> None:
         lease = self.agent.create_lease(self.caller, parse_create_lease(self.body()))
-        self.reply(lease.to_json(), 201)
+        # What it waits for, as GET says: a freeze of a moment may be over by the first GET.
+        self.reply({**lease.to_json(),
+                    "waiting_for": self.agent.waiting_for(lease, self.caller.uid)}, 201)
 
 
 class LeaseRoute(BaseHandler):

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.policy import Placement
+from node_agent.quantities import stored_spec
+from node_agent.words import CHECKPOINT_ON_DISK, FROZEN_IN_HOST_MEMORY
 
 # "freezing" and "thawing": the driver is moving the lease's GPU state to its processes' host
 # memory or back (seconds); a frozen lease is "parked" (idle) or "pending" (waiting for room).
@@ -173,7 +175,7 @@ class Lease:
     @property
     def protection(self) -> str:
         """What keeps its kernel's state while it has no GPU, as people read it."""
-        return "frozen in host memory" if self.frozen else "checkpoint on disk"
+        return FROZEN_IN_HOST_MEMORY if self.frozen else CHECKPOINT_ON_DISK
 
     def placement(self) -> Placement:
         return Placement(
@@ -307,7 +309,8 @@ class Ledger:
             self.leases[r["id"]] = Lease(
                 id=r["id"], kind=r["kind"], owner_uid=r["owner_uid"], client=r["client"],
                 kernel_id=r["kernel_id"], name=r["name"], request=r["request"], limit=r["lim"],
-                request_spec=r["request_spec"], limit_spec=r["limit_spec"],
+                request_spec=stored_spec(r["request_spec"]),
+                limit_spec=stored_spec(r["limit_spec"]),
                 logical=tuple(json.loads(r["logical"])), physical=tuple(json.loads(r["physical"])),
                 target=tuple(json.loads(r["target"])), state=r["state"], reason=r["reason"],
                 deadline=r["deadline"], restore_until=r["restore_until"],

@@ -6,6 +6,13 @@ from typing import Any
 
 from node_agent.client import AgentClient
 from node_agent.quantities import format_bytes
+from node_agent.words import (
+    CHECKPOINT_ON_DISK,
+    lease_name,
+    lease_state_words,
+    named_for_people,
+    user_name,
+)
 
 # The stable keys of `status --json`: scripts depend on them.
 STATUS_GPU_KEYS = ("uuid", "index", "name", "memory_total", "memory_used")
@@ -45,23 +52,22 @@ def render_status(node: dict[str, Any], leases: list[dict[str, Any]]) -> str:
     if not leases:
         out.append("no leases")
         return "\n".join(out)
-    lease_rows = [["LEASE", "OWNER", "KIND", "REQUEST", "LIMIT", "USAGE", "COMPUTE", "LOGICAL",
+    # Leases by name and users by name: ids are in `--json`.
+    lease_rows = [["LEASE", "USER", "REQUEST", "LIMIT", "USAGE", "COMPUTE", "LOGICAL",
                    "PHYSICAL", "STATE", "KEPT BY"]]
     for lease in leases:
-        state = lease["state"]
-        if state == "active" and lease["bursting"]:
-            state = "active, bursting"
-        elif state == "parked" or lease.get("parked_at") is not None:
+        state = lease_state_words({**lease, "frozen": False})
+        if lease["state"] == "parked" or lease.get("parked_at") is not None:
             # It holds no GPU: say what it will need when its kernel runs a cell.
-            waiting = "parked" if state == "parked" else "waiting for a GPU"
-            state = f"{waiting}, needs {format_bytes(lease['request'])}"
+            state += f", needs {format_bytes(lease['request'])}"
             if lease.get("frozen"):
                 state += f", {format_bytes(lease['frozen_bytes'])} frozen"
         physical = ",".join(gpu(u) for u in lease["physical_gpus"]) or "-"
         if lease["target_gpus"]:
             physical += " -> " + ",".join(gpu(u) for u in lease["target_gpus"])
         lease_rows.append([
-            lease["id"], str(lease["owner_uid"]), lease["kind"], format_bytes(lease["request"]),
+            named_for_people(lease_name(lease)), user_name(int(lease["owner_uid"])),
+            format_bytes(lease["request"]),
             format_bytes(lease["limit"]), format_bytes(lease["usage"]), compute_text(lease),
             ",".join(gpu(u) for u in lease["logical_gpus"]) or "-", physical, state,
             protection_text(lease),
@@ -92,7 +98,7 @@ def protection_text(lease: dict[str, Any]) -> str:
     """What keeps a notebook's state while it has no GPU; where freezing fell back, why."""
     if lease["kind"] != "notebook":
         return "-"
-    text = str(lease.get("protection") or "checkpoint on disk")
+    text = str(lease.get("protection") or CHECKPOINT_ON_DISK)
     return f"{text} (not frozen: {lease['fallback']})" if lease.get("fallback") else text
 
 

@@ -61,7 +61,10 @@ def _render(node: ast.expr) -> str:
         if isinstance(value, ast.Constant):
             parts.append(str(value.value))
         else:
-            parts.append("{" + ast.unparse(value.value) + "}")
+            # Its format too (":.2f"): how a figure is said is part of the sentence.
+            spec = value.format_spec
+            said = ":" + _render(spec) if isinstance(spec, ast.JoinedStr) else ""
+            parts.append("{" + ast.unparse(value.value) + said + "}")
     return "".join(parts)
 
 
@@ -233,6 +236,28 @@ def render(found: list[Sentence]) -> str:
         text = item.text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "⏎")
         lines.append(f"| {item.producer} | {text} |")
     return "\n".join(lines) + "\n"
+
+
+GLOSSARY = REPO / "docs" / "glossary.md"
+
+
+def glossary_tables(section: str) -> list[list[list[str]]]:
+    """The tables of a section of docs/glossary.md: rows of cells, each table's header and
+    rule left out; a cell's code span unwrapped, an escaped ``\\|`` read as ``|``."""
+    text = GLOSSARY.read_text()
+    start = text.index(f"\n## {section}\n")
+    end = text.find("\n## ", start + 1)
+    tables: list[list[list[str]]] = []
+    rows: list[list[str]] = []
+    for line in [*text[start:end if end > 0 else None].splitlines(), ""]:
+        if line.startswith("|"):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows.append([c[1:-1] if c.startswith("`") and c.endswith("`") else c
+                         for c in cells])
+        elif rows:
+            tables.append(rows[2:])
+            rows = []
+    return tables
 
 
 def main(argv: list[str]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from message_catalogue import CATALOGUE, SURFACES, Sentence, render, sentences
+from message_catalogue import CATALOGUE, SURFACES, Sentence, glossary_tables, render, sentences
 
 from jupyter_gpufrac import contract
 
@@ -85,3 +85,57 @@ def shrink(log, events, kid, name):
         Sentence("kernel", "m.py", "shrink → `shrink_requested`",
                  "gpufrac: {name} is not what you think"),
     ]
+
+
+# --- the glossary (docs/glossary.md): one word for each thing, on every surface -------------
+
+
+def test_the_glossary_says_the_words_the_code_uses() -> None:
+    """The states, protections and sources people read are the ones the code shows (the
+    frontend reads the generated copy of the contract's)."""
+    from node_agent import words
+
+    kernel_states, lease_states = glossary_tables("States")
+    assert {state: word for word, state, _ in kernel_states} == dict(contract.KERNEL_STATE_WORDS)
+    assert {state: word for word, state in lease_states} == dict(words.LEASE_STATE_WORDS)
+    [protections] = glossary_tables("Protections")
+    assert {word for word, _ in protections} == {words.FROZEN_IN_HOST_MEMORY,
+                                                 words.CHECKPOINT_ON_DISK}
+    [sources] = glossary_tables("Sources")
+    assert {source: word for word, source in sources} == dict(contract.SOURCE_WORDS)
+
+
+# Agent sentences in node_agent/service.py, which another change is splitting into rooms: they
+# are reworded there once it lands (the lead has the list); each leaves this set as it goes.
+AWAITING_THE_SPLIT = frozenset({
+    "lease is {lease.state}; change it once it is active",
+    "lease is {lease.state}, not migrating",
+    "thawed on {self._labels(lease.physical)} after {format_duration(frozen_for)} frozen in "
+    "host memory",
+    "{reason}: frozen and thawed there in {seconds:.1f} s, nothing restarted",
+})
+
+
+def test_no_sentence_uses_a_word_the_glossary_replaces() -> None:
+    [banned] = glossary_tables("Words we do not use")
+    broken = []
+    for pattern, instead, _ in banned:
+        for s in FOUND:
+            if re.search(pattern, s.text) and s.text not in AWAITING_THE_SPLIT:
+                broken.append(f"{s.path} {s.producer}: {s.text!r} (say {instead!r})")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_sentences_awaiting_the_split_are_still_there() -> None:
+    """A sentence reworded in node_agent/service.py leaves AWAITING_THE_SPLIT too."""
+    agent = {s.text for s in FOUND if s.path == "node_agent/service.py"}
+    assert agent >= AWAITING_THE_SPLIT, AWAITING_THE_SPLIT - agent
+
+
+def test_jupyterlab_shows_no_markdown() -> None:
+    """The frontend's own words carry no literal Markdown; the server's commands in backticks
+    are shown as code in the panel and plainly in notifications (words.ts)."""
+    frontend = SURFACES[-1][0]
+    marked = [f"{s.path} {s.producer}: {s.text}" for s in FOUND
+              if s.surface == frontend and re.search(r"`|\*\*|\]\(", s.text)]
+    assert not marked, marked

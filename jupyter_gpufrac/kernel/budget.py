@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jupyter_gpufrac.checkpoint_disk import measure
-from node_agent.quantities import QuantityError, format_bytes, parse_quantity
+from node_agent.quantities import QuantityError, format_bytes, parse_size
 
 # The user's other kernels' checkpoints are measured (a walk of stat calls) at most this often.
 OTHERS_CACHE_S = 30.0
@@ -93,12 +93,10 @@ def parse_budget(value: object, field: str, of: str = "the free disk"
     if text == "0":
         return None, 0
     try:
-        quantity = parse_quantity(text, field)
+        return None, parse_size(text, field)
     except QuantityError:
-        raise QuantityError(field, f"expected {expected}, got {value!r}") from None
-    if quantity.nbytes is None:
-        raise QuantityError(field, f"expected {expected}, got {value!r} (a share needs a %)")
-    return None, quantity.nbytes
+        hint = " (a share needs a %)" if re.fullmatch(r"0?\.[0-9]+", text) else ""
+        raise QuantityError(field, f"expected {expected}, got {value!r}{hint}") from None
 
 
 @dataclass(frozen=True)

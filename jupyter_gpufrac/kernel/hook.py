@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -55,8 +56,12 @@ UNPARK_POLL_MAX_S = 2.0
 # A kernel that exits waits this long for the checkpoint being written (jupyter_client kills a
 # kernel that has not exited 5 s after it was asked to shut down).
 EXIT_FLUSH_S = 4.0
-# A restore that lost nothing is told at the first cell only this soon after it (seconds).
-RESTORE_NEWS_S = 30.0
+
+
+# A cell that only parks (as IPython has transformed it by then): run on a kernel that holds
+# no GPU, it does not take one first.
+_ONLY_PARK = re.compile(r"""^\s*(?:%gpu\s+park|get_ipython\(\)\.run_line_magic\(['"]gpu['"],"""
+                        r"""\s*['"]park['"]\))\s*$""")
 
 
 def cell_label(execution_count: int | None, source: str) -> str:
@@ -98,8 +103,11 @@ class GpuFracHook:
         self.offloaded: list[offload.Offloaded] = []
         self.restore_report: dict[str, Any] | None = None
         self._restore_reason: kenv.RestartReason | None = None
-        # The restore at start is told with the first cell, if it is still news then.
+        # The restore at start is told with the first cell, however late that cell comes.
         self._restore_untold = False
+        # When a cell last got its GPU back by a thaw: the agent's notice of that thaw, which
+        # may come later, was told by the cell.
+        self._thawed_by_cell_at = 0.0
         # Restored at extension load: IPython hides every name present then (user_ns_hidden);
         # these are the user's, so they are unhidden before anything else runs.
         self._restored_names: list[str] = []
@@ -160,6 +168,7 @@ class GpuFracHook:
         self.ip.events.register("pre_execute", self.pre_execute)
         self.ip.events.register("pre_run_cell", self.pre_run_cell)
         self.ip.events.register("post_run_cell", self.post_run_cell)
+        self._install_error_handler()
         self._import_hooks.append(after_import("torch", self.on_torch_imported))
         if self.env.has_lease and self.limit is not None:
             self._import_hooks.append(after_import("tensorflow", self.on_tensorflow_imported))
@@ -204,7 +213,7 @@ class GpuFracHook:
                 self.ip.events.unregister(event, callback)
         for off in self._import_hooks:
             off()
-        if self.torch_seen:
+        if self.env.has_lease or self.torch_seen:
             self.ip.set_custom_exc((), None)
         if self.watcher is not None:
             self.watcher.stop()
@@ -222,9 +231,17 @@ class GpuFracHook:
             if self.torch_seen:
                 return
             self.torch_seen = True
-        if torch_adapter.oom_exception_types():
-            self.ip.set_custom_exc(torch_adapter.gpu_error_types(), _oom_handler(self))
+        self._install_error_handler()
         self.apply_cap()
+
+    def _install_error_handler(self) -> None:
+        """Explain, before the traceback, a cell cut off by a move (with a lease) and a GPU
+        memory failure (once torch is imported)."""
+        kinds: tuple[type[BaseException], ...] = (KeyboardInterrupt,) if self.env.has_lease else ()
+        if self.torch_seen and torch_adapter.oom_exception_types():
+            kinds += tuple(torch_adapter.gpu_error_types())
+        if kinds:
+            self.ip.set_custom_exc(kinds, _error_handler(self))
 
     def on_tensorflow_imported(self, tensorflow: types.ModuleType) -> None:
         """Cap TensorFlow at the limit (less the context) before it touches a GPU."""
@@ -258,7 +275,7 @@ class GpuFracHook:
             elif action is ladder.Action.FROZEN:
                 self._on_frozen()
             elif action is ladder.Action.THAWED:
-                self._on_thawed()
+                self._on_thawed(directive)
             elif action is ladder.Action.MOVED:
                 target = directive.get("gpus") or [directive.get("to_gpu")]
                 with contextlib.suppress(Exception):  # the labels; the process runs there
@@ -279,13 +296,27 @@ class GpuFracHook:
             except Exception as exc:  # the next cell asks again
                 log.warning("gpufrac: asking to thaw for the running cell failed: %s", exc)
 
-    def _on_thawed(self) -> None:
-        """The agent thawed this process (room came back): cells run at once again."""
-        with self._lock:
-            self.frozen = False
-            if not self.parked:
+    def _on_thawed(self, directive: Mapping[str, Any]) -> None:
+        """The agent thawed this process (room came back): cells run at once again, where
+        the agent put it, and the next cell says so unless a cell asked for the thaw (it
+        said so itself)."""
+        uuids = [str(u) for u in directive.get("gpus") or [directive.get("gpu")] if u]
+        try:
+            self._take_gpu(make_client(self.env.agent_socket), {}, uuids)
+        except Exception:  # the labels only; the process runs there
+            with self._lock:
+                self.frozen = False
                 with contextlib.suppress(ValueError):
                     self.ip.input_transformers_post.remove(self._unpark_before_cell)
+        created = directive.get("created")
+        at = float(created) if isinstance(created, int | float) else time.time()
+        if at <= self._thawed_by_cell_at:
+            return
+        frozen_s = directive.get("frozen_s")
+        with self._lock:
+            self.state.notices.append(messages.thawed_news(
+                self.gpu_label(), float(frozen_s) if isinstance(frozen_s, int | float) else None,
+                at))
 
     # -- cells -------------------------------------------------------------------------------
 
@@ -312,18 +343,14 @@ class GpuFracHook:
             except Exception:
                 log.warning("gpufrac: restoring the random generators failed", exc_info=True)
 
-    def pre_run_cell(self, info: Any = None) -> None:
-        """Show what happened since the last cell; note which cell runs, in case it is cut off."""
-        self._in_cell = True
-        self.checkpointer.writer.cell(running=True)
-        with contextlib.suppress(Exception):
-            self._tell_checkpoint_failure()
+    def tell_news(self) -> None:
+        """Say, once, what happened to this kernel since the last cell (a restore, a move, a
+        freeze, a park, a thaw), however long ago: the user may have been away."""
         with self._lock:
             lines = []
             if self._restore_untold:
                 self._restore_untold = False
-                if self._restore_is_news():
-                    lines.append(self.restore_text())
+                lines.append(self.restore_text())
             if self._resume_untold and self.env.resumable is not None:
                 self._resume_untold = False
                 lines.append(messages.resume_hint(self.env.resumable))
@@ -331,11 +358,22 @@ class GpuFracHook:
             self.state.notices.clear()
         if lines:
             print("\n".join(lines), flush=True)
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        """Show what happened since the last cell; note which cell runs, in case it is cut off."""
+        self._in_cell = True
+        self.checkpointer.writer.cell(running=True)
+        with contextlib.suppress(Exception):
+            self._tell_checkpoint_failure()
+        raw = str(getattr(info, "raw_cell", "") or "")
+        if not ((self.parked or self.frozen) and _ONLY_PARK.match(raw)):
+            # A `%gpu park` of a kernel without a GPU leaves the news for the cell that
+            # takes one back.
+            self.tell_news()
         if info is not None and getattr(info, "store_history", False):
             count = getattr(self.ip, "execution_count", None)
             # IPython counts the cell before pre_run_cell: the running one is one less.
             number = count - 1 if isinstance(count, int) and count > 0 else None
-            raw = str(getattr(info, "raw_cell", "") or "")
             parsed = str(getattr(info, "transformed_cell", None) or raw)
             self._running = {"execution_count": number, "time": time.time(),
                              "cell": cell_label(number, raw)}
@@ -355,7 +393,7 @@ class GpuFracHook:
     def _post_run_cell(self, result: Any) -> None:
         if not self.torch_seen and torch_adapter.torch_module() is not None:
             self.on_torch_imported(torch_adapter.torch_module())  # type: ignore[arg-type]
-        running, self._running = self._running, None
+        self._running = None
         error = getattr(result, "error_in_exec", None)
         if isinstance(error, NameError) and any(
             error.name in g["names"] for g in self.checkpointer.deferred
@@ -363,11 +401,8 @@ class GpuFracHook:
             print(f"gpufrac: {error.name} was kept on disk at the last restore (there was no "
                   f"room on the GPU for it): `%gpu restore {error.name}` loads it.",
                   file=sys.stderr, flush=True)
+        # Said by the exception handler, before the traceback (_error_handler).
         cut_off = self._cut_off_by_move(result)
-        if cut_off and running is not None:
-            print(f"gpufrac: cell {running['cell']} was cut off because this kernel is moving to "
-                  "another GPU. After the move the variables are as they were before this cell; "
-                  "re-run it then.", file=sys.stderr, flush=True)
         if self.env.has_lease and self.state.shrinking:
             self._maybe_end_shrink()
         usage = torch_adapter.reserved_bytes() if self.env.has_lease else None
@@ -391,12 +426,24 @@ class GpuFracHook:
     def _cut_off_by_move(self, result: Any) -> bool:
         """Whether the cell ended in the interrupt the server sends a busy kernel that must move."""
         error = getattr(result, "error_in_exec", None)
-        if not isinstance(error, KeyboardInterrupt) or not self.env.has_lease:
+        return isinstance(error, KeyboardInterrupt) and self.moving()
+
+    def moving(self) -> bool:
+        """Whether the agent is moving this kernel (an interrupt now is the server's)."""
+        if not self.env.has_lease:
             return False
         if self.state.moving:
             return True
         lease = self.lease_info(timeout=1.0)
         return lease is not None and lease.get("state") == "migrating"
+
+    def cut_off_text(self) -> str:
+        """Why the running cell stopped, said before its traceback."""
+        running = self._running or {}
+        cell = running.get("cell") or "this cell"
+        return (f"gpufrac: cell {cell} was cut off because this kernel is moving to another "
+                "GPU and the cell did not end in time. After the move the variables are as "
+                "they were before this cell; re-run it then.")
 
     def _maybe_end_shrink(self) -> None:
         # The agent sends no directive when a reclaim ends; its lease goes back to "active".
@@ -667,13 +714,6 @@ class GpuFracHook:
             **({"cpu_reason": r["cpu_reason"]} if r.get("cpu_reason") else {}))
         return f"Warning: {r['older']}.\n{text}" if r.get("older") else text
 
-    def _restore_is_news(self) -> bool:
-        """Whether the first cell after a restore should start with its report: always when
-        something did not come back (the user must know before relying on it), else only
-        soon after (a cell that waited for the move); later, `%gpu` and the panel tell it."""
-        report = self.restore_report or {}
-        return not report.get("ok") or time.time() - float(report.get("time") or 0) <= RESTORE_NEWS_S
-
     def _room(self) -> int | None:
         """What this kernel may load without setting off a reclaim (None: no limit known).
 
@@ -804,6 +844,8 @@ class GpuFracHook:
         cell from running (the error is the cell's output)."""
         if not self.parked and not self.frozen:
             return lines
+        if _ONLY_PARK.match("".join(lines)):
+            return lines  # `%gpu park` of a kernel that holds no GPU: nothing to take back
         parent = getattr(self.ip, "parent_header", None)
         parent = parent if isinstance(parent, dict) else {}
         if (parent.get("content") or {}).get("silent"):
@@ -828,13 +870,16 @@ class GpuFracHook:
             return
         # Read once: the thaw's notice may reach the directive thread before this returns.
         frozen = self.frozen and not self.parked
+        frozen_at = self.state.frozen_at
+        # Why it has no GPU comes first (a freeze or park told at this cell, however late).
+        self.tell_news()
         client = make_client(self.env.agent_socket)
         try:
             lease = client.unpark(lease_id)
             delay, told = UNPARK_POLL_FIRST_S, False
             while lease.get("state") != "active":
                 if not told and lease.get("state") != "thawing":
-                    print(messages.waiting_for_gpu(lease.get("reason")), flush=True)
+                    print(messages.waiting_for_gpu(lease.get("reason"), frozen), flush=True)
                     told = True
                 time.sleep(delay)
                 delay = min(delay * 1.5, UNPARK_POLL_MAX_S)
@@ -850,8 +895,11 @@ class GpuFracHook:
         uuids = [str(u) for u in lease.get("physical_gpus") or []]
         if frozen:
             # Thawed: CUDA, its memory and every object were kept; nothing to move back.
+            self._thawed_by_cell_at = time.time()
             self._take_gpu(client, lease, uuids)
-            print(messages.thawed(self.gpu_label(), time.monotonic() - started), flush=True)
+            print(messages.thawed(self.gpu_label(), time.monotonic() - started,
+                                  None if frozen_at is None else time.time() - frozen_at),
+                  flush=True)
             return
         if not torch_adapter.attach_cuda(",".join(uuids)):
             raise UsageError(
@@ -963,17 +1011,24 @@ class GpuFracHook:
         }
 
 
-def _oom_handler(hook: GpuFracHook) -> Any:
-    """A ``set_custom_exc`` handler: the usual traceback, plus what it means here when it is
-    a GPU memory failure (other errors of the same classes are shown as IPython would)."""
+def _error_handler(hook: GpuFracHook) -> Any:
+    """A ``set_custom_exc`` handler: the usual traceback, after what a cut-off cell means and
+    before what a GPU memory failure means here (other errors of the same classes are shown
+    as IPython would)."""
 
     def handler(shell: Any, etype: type, value: BaseException, tb: Any,
                 tb_offset: int | None = None) -> None:
         stb: list[str] = shell.InteractiveTB.structured_traceback(
             etype, value, tb, tb_offset=tb_offset
         )
-        source = messages.oom_source(value)
-        extra = [] if source is None else [hook.oom_explanation(value, source)]
+        if isinstance(value, KeyboardInterrupt):
+            # The user reads why first; the traceback only says where the cell was.
+            if hook.moving():
+                stb = [hook.cut_off_text(), *stb]
+            extra: list[str] = []
+        else:
+            source = messages.oom_source(value)
+            extra = [] if source is None else [hook.oom_explanation(value, source)]
         # IPython ignores what a custom handler returns; _showtraceback is what showtraceback
         # ends with, and ipykernel turns it into the cell's error output and the reply.
         show = getattr(shell, "_showtraceback", None)

@@ -7,6 +7,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jupyter_gpufrac.kernel import messages
+from node_agent.words import named_for_people
+
 # Directives created this long before the kernel started may still be meant for it
 # (clock jitter between agent and kernel); older ones are history from a previous process.
 DIRECTIVE_SLACK_S = 2.0
@@ -36,6 +39,7 @@ class LadderState:
     moving: bool = False  # a migrate directive is out: a cell interrupted now was cut off by it
     # The agent froze this process: its GPU state is in host memory until it is thawed.
     frozen: bool = False
+    frozen_at: float | None = None  # when (the frozen directive's time)
     notices: list[str] = field(default_factory=list)  # shown with the next cell's output
 
 
@@ -69,7 +73,8 @@ def next_cursor(after: int, last: int) -> int:
 def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Action]:
     """Actions for one directive; shrink is safe to apply while a cell runs."""
     kind = directive.get("kind")
-    reason = str(directive.get("reason") or "")
+    # The agent's words, with leases as people know them (by name, without ids).
+    reason = named_for_people(str(directive.get("reason") or ""))
     if kind == "shrink":
         state.shrinking = True
         state.reason = reason
@@ -95,13 +100,19 @@ def on_directive(state: LadderState, directive: Mapping[str, Any]) -> list[Actio
                              + (f" ({reason})" if reason else "") + ".")
         return []
     if kind == "frozen":
-        # The next cell asks for the GPU back before it runs (see GpuFracHook.unpark).
+        # The next cell asks for the GPU back before it runs (see GpuFracHook.unpark); it
+        # first says when and why the kernel was frozen, however late it comes.
+        created = directive.get("created")
         state.frozen = True
+        state.frozen_at = float(created) if isinstance(created, int | float) else None
+        state.notices.append(messages.frozen_news(reason, str(directive.get("cause") or ""),
+                                                  state.frozen_at))
         return [Action.FROZEN]
     if kind == "moved":
         state.notices.append("gpufrac: " + (reason or "moved to another GPU") + ".")
         return [Action.MOVED]
     if kind == "unparked" and directive.get("thawed") and state.frozen:
+        # The hook says so (GpuFracHook._on_thawed) unless a cell asked for the thaw.
         state.frozen = False
         return [Action.THAWED]
     return []

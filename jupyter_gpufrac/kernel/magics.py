@@ -18,6 +18,8 @@ from jupyter_gpufrac.kernel.budget import unprotected_line
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
 from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
 from node_agent.caps import mps_running
+from node_agent.quantities import format_duration
+from node_agent.words import CHECKPOINT_ON_DISK, FROZEN_IN_HOST_MEMORY
 
 SUBCOMMANDS = ("status", "request", "checkpoint", "restore", "reload", "release", "park",
                "unpark")
@@ -51,13 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     req = sub.add_parser(
         "request", help="change the guaranteed request and the limit",
         description="Change this kernel's request (guaranteed) and limit (may burst to). "
-        "Quantities are a fraction 0 < f <= 1 of one GPU or a memory size (2500M, 4G, 4Gi). "
-        "If the new share does not fit on this GPU, the agent moves the kernel to one where it "
-        "fits: the server restarts it there and its variables come back.",
+        "Quantities are a share of one GPU (0.25, or 25%%) or a memory size with its unit "
+        "(2500M, 4G, 4Gi). If the new share does not fit on this GPU, the agent moves the "
+        "kernel to one where it fits: the server restarts it there and its variables come "
+        "back. The share is this notebook's; --remember gives it to new notebooks too.",
     )
-    req.add_argument("request", nargs="?", help="guaranteed share, e.g. 0.25 or 4Gi")
+    req.add_argument("request", nargs="?", help="guaranteed share, e.g. 0.25, 25%% or 4Gi")
     req.add_argument("--limit", help="most this kernel may use, e.g. 0.8 or 12Gi "
                      "(default: unchanged, or the new request where that is larger)")
+    req.add_argument("--remember", action="store_true",
+                     help="also give this share to new notebooks in this environment (until "
+                     "%%gpu request --reset)")
     req.add_argument("--reset", action="store_true",
                      help="forget the request your last %%gpu request made the share of your "
                      "next kernels in this environment (this kernel keeps its share)")
@@ -135,12 +141,12 @@ class GpuMagic:
             lines.append("gpufrac: no GPU lease. " + env.no_lease_reason())
         else:
             total = env.gpu_total
-            lines.append(f"gpufrac: lease {env.lease_id} on {self._gpu_text()}")
+            lines.append(f"gpufrac: this kernel's share of {self._gpu_text()}")
             came = hook.share_source
             lines.append(f"  request: {messages.fmt_share(hook.request, total)} guaranteed"
-                         + (f" (from {came['request']})" if came.get("request") else ""))
+                         + messages.source_words(came.get("request")))
             lines.append(f"  limit:   {messages.fmt_share(hook.limit, total)}"
-                         + (f" (from {came['limit']})" if came.get("limit") else ""))
+                         + messages.source_words(came.get("limit")))
             usage, source = s["usage"], "PyTorch reserved"
             lease = hook.lease_info(timeout=2.0)
             if usage is None and lease is not None:
@@ -178,14 +184,14 @@ class GpuMagic:
         return "\n".join(lines)
 
     def _gpu_text(self) -> str:
-        """``GPU 1 (NVIDIA H100 80GB HBM3, simulated; GPU-5eed…)``: the GPU as the panel names
-        it, its model, and "simulated" once."""
+        """``GPU 1 (NVIDIA H100 80GB HBM3, simulated)``: the GPU as the panel names it, its
+        model, and "simulated" once (its UUID is for scripts: `nvidia-smi -L`)."""
         env = self.hook.env
         model = (env.gpu_name or "").removesuffix(" (simulated)")
         about = [model] if model else []
         if env.simulated or (env.gpu_name or "").endswith(" (simulated)"):
             about.append("simulated")
-        details = ", ".join(about) + (f"; {env.gpu_uuid}" if env.gpu_uuid else "")
+        details = ", ".join(about)
         return f"{self.hook.gpu_label()} ({details})" if details else self.hook.gpu_label()
 
     def _state_text(self, usage: int | None, lease: dict[str, Any] | None) -> str:
@@ -203,7 +209,7 @@ class GpuMagic:
         elif hook.state.shrinking or agent_state == "shrinking":
             text = "shrinking: memory lent to this kernel is being reclaimed"
         elif agent_state == "migrating":
-            text = "migrating: the agent is moving this kernel to another GPU"
+            text = "moving: the agent is moving this kernel to another GPU"
         elif usage is not None and hook.request is not None and usage > hook.request:
             text = "bursting: using more than the request (the loan may be asked back)"
         else:
@@ -211,20 +217,23 @@ class GpuMagic:
         return f"{text} ({reason})" if reason and text != "guaranteed" else text
 
     def _protection_text(self, lease: dict[str, Any] | None) -> str:
-        """What keeps this kernel's state when its GPU is taken, and why not freezing."""
-        disk = "a checkpoint on disk after every cell that changed something"
+        """What keeps this kernel's state, in the panel's words: frozen in host memory while
+        it is, else its checkpoint on disk, and what happens when its GPU is taken."""
+        disk = f"{CHECKPOINT_ON_DISK} (after every cell that changed something)"
+        if lease is not None and lease.get("frozen"):
+            return (f"{FROZEN_IN_HOST_MEMORY} ({messages.fmt_bytes(lease.get('frozen_bytes'))} "
+                    f"of GPU memory), and a {disk}")
         if lease is None:
             return disk
         if lease.get("fallback"):
-            return (f"{disk}; the last freeze could not be used ({lease['fallback']}), so a "
-                    "park or reclaim restarts it from that checkpoint")
+            return (f"{disk}; freezing could not be used the last time "
+                    f"({lease['fallback']}), so a park or reclaim restarts it from there")
         freezing: dict[str, Any] = {}
         with contextlib.suppress(Exception):  # a line of %gpu, never its failure
             freezing = make_client(self.hook.env.agent_socket, timeout=2.0).node().get(
                 "freezing") or {}
         if freezing.get("available"):
-            return (f"freezing: when its GPU is taken the process waits in host memory with "
-                    f"everything in it, nothing restarts; and {disk}")
+            return (f"{disk}; if its GPU is taken: {FROZEN_IN_HOST_MEMORY}, nothing restarts")
         if freezing.get("why"):
             return f"{disk} (freezing is not available here: {freezing['why']})"
         return disk
@@ -340,20 +349,36 @@ class GpuMagic:
             )
         except AgentError as exc:
             raise UsageError(f"%gpu request: the agent refused: {exc}") from None
-        kept = f" {messages.REMEMBERED[0].upper()}{messages.REMEMBERED[1:]}." \
-            if self._remembered() else ""
+        kept = self._keep_for_new_notebooks(args)
         if lease.get("state") == "migrating":
             targets = ", ".join(hook.gpu_names(lease.get("target_gpus") or [])) or "another GPU"
             print(f"gpufrac: the new share does not fit on {hook.gpu_label()}; the agent is "
                   f"moving this kernel to {targets}. The server restarts it there, and its "
-                  f"variables come back from the checkpoint just taken.{kept}")
+                  f"variables come back from the checkpoint just taken. {kept}")
             return
         hook.request = int(lease.get("request", hook.request or 0))
         hook.limit = int(lease.get("limit", hook.limit or 0))
         hook.share_source = {"request": contract.SOURCE_MAGIC, "limit": contract.SOURCE_MAGIC}
         hook.apply_cap()
         now = messages.share_now(hook.gpu_label(), hook.request, hook.limit, env.gpu_total)
-        print(f"gpufrac: {now}.{kept}")
+        print(f"gpufrac: {now}. {kept}")
+
+    def _keep_for_new_notebooks(self, args: argparse.Namespace) -> str:
+        """Keep the share for new notebooks when asked (``--remember``); the sentence that
+        says whose share it is now."""
+        spec = messages.share_spec({"request": args.request, "limit": args.limit})
+        if not args.remember:
+            again = " ".join(["%gpu request", args.request]
+                             + (["--limit", args.limit] if args.limit else []) + ["--remember"])
+            return f"For this notebook only; `{again}` gives new notebooks here the same."
+        if not self._remembered():
+            return (f"Not kept for new notebooks: this kernel's folder is not yours alone "
+                    f"({self.hook.env.checkpoints_off or 'no server named one'}).")
+        try:
+            self._remember(args.request, args.limit)
+        except UsageError as exc:
+            return f"Not kept for new notebooks: {exc}."
+        return f"{spec[0].upper()}{spec[1:]} {messages.REMEMBERED}."
 
     def _account(self) -> dict[str, Any] | None:
         """The server's account of this kernel as it last left it (contract.ACCOUNT_FILE)."""
@@ -376,19 +401,25 @@ class GpuMagic:
         """``%gpu request`` in a kernel the server started without a lease: the share of new
         notebooks here, and the one the server asks for when it gives this kernel a GPU."""
         env = self.hook.env
-        path = env.remembered_request
-        if path is None or not self._remembered():
+        if env.remembered_request is None or not self._remembered():
             raise UsageError("%gpu request: this kernel has no GPU lease to change. "
                              + env.no_lease_reason())
+        self._remember(request, limit)
+        print(f"gpufrac: {messages.share_spec({'request': request, 'limit': limit})} "
+              f"{messages.REMEMBERED}. This kernel has no GPU lease yet: it gets one with this "
+              "share as soon as the agent has room.")
+
+    def _remember(self, request: str, limit: str | None) -> None:
+        """Keep ``request``/``limit`` as the share of the user's new kernels here: through the
+        folder's descriptor, under an exclusive temporary name, never via a link."""
+        path = self.hook.env.remembered_request
+        assert path is not None
         try:
             store.write_file(path.parent, path.name,
                              json.dumps({"request": request, "limit": limit}).encode(),
                              blobs=False)
         except (OSError, store.UnsafeCheckpointError) as exc:
             raise UsageError(f"%gpu request: could not keep it ({exc})") from None
-        print(f"gpufrac: {messages.share_spec({'request': request, 'limit': limit})} "
-              f"{messages.REMEMBERED}. This kernel has no GPU lease yet: it gets one with this "
-              "share as soon as the agent has room.")
 
     def forget_request(self) -> None:
         """``%gpu request --reset``: new kernels here take their kernelspec's or the default."""
@@ -419,7 +450,7 @@ class GpuMagic:
             return
         print(f"gpufrac: checkpoint of {messages.plural(len(result.names), 'variable')} "
               f"(and {messages.plural(len(result.modules), 'module')} to re-import) in "
-              f"{result.seconds:.2f} s: "
+              f"{format_duration(result.seconds)}: "
               f"{messages.fmt_bytes(result.tensors_bytes)} of tensors, "
               f"{messages.fmt_bytes(result.bytes_written)} written -> {result.path}")
         if result.lost:
@@ -481,8 +512,10 @@ class GpuMagic:
         if not env.has_lease or not env.lease_id:
             raise UsageError("%gpu park: this kernel has no GPU lease to give back. "
                              + env.no_lease_reason())
-        if self.hook.parked:
-            print("gpufrac: this kernel is parked already.")
+        if self.hook.parked or self.hook.frozen:
+            kept = " (frozen in host memory)" if self.hook.frozen else ""
+            print(f"gpufrac: this kernel holds no GPU already{kept}: nothing to park. Its next "
+                  "cell gets a GPU first, then runs.")
             return
         from node_agent.client import AgentError
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.kernel.env import RestartReason, Resumable
-from node_agent.quantities import format_bytes
+from node_agent.quantities import format_bytes, format_duration
+from node_agent.words import named_for_people
 
 _MAX_NAMES = 12
 
@@ -42,6 +43,14 @@ def share_spec(share: Mapping[str, str | None]) -> str:
 
 
 REMEMBERED = ("kept for new notebooks in this environment; `%gpu request --reset` forgets it")
+
+
+def source_words(source: str | None) -> str:
+    """`` (from the c.GpuFrac default)``: where a share came from, in the panel's words;
+    empty when unknown."""
+    if not source:
+        return ""
+    return f" (from {contract.SOURCE_WORDS.get(source, source)})"
 
 
 def plural(count: int, noun: str) -> str:
@@ -193,13 +202,31 @@ def restore_message(
     return "\n".join(f"gpufrac: {line}" for line in lines)
 
 
+# What the agent's reasons may start with that the kernel's own sentence says already.
+_SAID = re.compile(r"^(?:frozen in host memory|waiting for a GPU)\s*[:,]?\s*", re.IGNORECASE)
+
+
+def _agent_words(reason: str | None) -> str:
+    """An agent's reason without the words the sentence around it says already ("waiting for
+    a GPU:", "frozen in host memory,", however often), nor a final stop."""
+    why = named_for_people(reason or "").strip().rstrip(".")
+    while (shorter := _SAID.sub("", why, count=1)) != why:
+        why = shorter
+    return why
+
+
+def clock(at: float | None) -> str:
+    """``14:02:11``: a moment of today, as the notebook reads it."""
+    return time.strftime("%H:%M:%S", time.localtime(at if at is not None else time.time()))
+
+
 def resume_hint(resumable: Resumable) -> str:
     """The first cell of a fresh kernel whose notebook's earlier kernel left its state."""
     point = []
     if resumable.cell:
         point.append(f"after cell [{resumable.cell}]")
     if resumable.time:
-        point.append(time.strftime("%H:%M:%S", time.localtime(resumable.time)))
+        point.append(clock(resumable.time))
     detail = resumable.reason.message.strip().rstrip(".")
     return (f"gpufrac: this notebook's earlier kernel left its state"
             f"{' (' + detail + ')' if detail else ''}: its last checkpoint"
@@ -208,25 +235,50 @@ def resume_hint(resumable: Resumable) -> str:
             "`%gpu restore` brings that state back into it.")
 
 
-def waiting_for_gpu(reason: str | None) -> str:
-    """What a cell of a parked kernel says while no GPU has room for it."""
-    why = (reason or "no GPU has room for this kernel's request now").strip().rstrip(".")
-    why = why.removeprefix("waiting for a GPU:").strip()  # the agent's own words may say it
-    return (f"gpufrac: waiting for a GPU: {why}. This cell runs as soon as one has room; "
+def waiting_for_gpu(reason: str | None, frozen: bool = False) -> str:
+    """What a cell of a parked or frozen kernel says while no GPU has room for it."""
+    why = _agent_words(reason) or "no GPU has room for this kernel's request now"
+    kept = (" (the kernel waits frozen in host memory; nothing is lost)" if frozen else "")
+    return (f"gpufrac: waiting for a GPU{kept}: {why}. This cell runs as soon as one has room; "
             "interrupt the kernel to stop waiting (the cell then does not run).")
 
 
-def thawed(gpu: str, seconds: float) -> str:
-    """The line a cell of a frozen kernel starts with once it is thawed."""
-    return (f"gpufrac: back on {gpu} in {seconds:.2f} s. The process waited frozen in host "
-            "memory; every variable, open file and thread is as it was.")
+def frozen_news(reason: str, cause: str, at: float | None) -> str:
+    """The line the next cell starts with after the agent froze this kernel, however late it
+    comes: when, and why in the agent's words."""
+    why = _agent_words(reason)
+    if cause == "park":
+        why = re.sub(r"^parked\b\s*[:,]?\s*", "", why, flags=re.IGNORECASE)
+        return (f"gpufrac: parked at {clock(at)}" + (f", {why}" if why else "")
+                + ": frozen in host memory, it gave its GPU back. Every variable, open file and "
+                "thread is kept; this cell thaws it first.")
+    because = re.match(r"^frozen\s+because\s+", why, re.IGNORECASE)
+    if because:
+        return f"gpufrac: frozen in host memory at {clock(at)} because {why[because.end():]}."
+    why = re.sub(r"^frozen\b\s*[:,]?\s*", "", why, flags=re.IGNORECASE)
+    return f"gpufrac: frozen in host memory at {clock(at)}" + (f": {why}." if why else ".")
+
+
+def thawed_news(gpu: str, frozen_s: float | None, at: float | None) -> str:
+    """The line the next cell starts with after the agent thawed this kernel by itself."""
+    spent = f", after being frozen for {format_duration(frozen_s)}" if frozen_s is not None else ""
+    return (f"gpufrac: thawed at {clock(at)}{spent}, back on {gpu}. Nothing was restarted: "
+            "every variable, open file and thread is as it was.")
+
+
+def thawed(gpu: str, waited: float, frozen_s: float | None = None) -> str:
+    """The line a cell of a frozen kernel starts with once it thawed it."""
+    spent = f"{format_duration(frozen_s)} frozen; " if frozen_s is not None else ""
+    return (f"gpufrac: back on {gpu}, thawed ({spent}this cell waited "
+            f"{format_duration(waited)} for it). Nothing was restarted: every variable, open "
+            "file and thread is as it was.")
 
 
 def unparked(gpu: str, seconds: float, back: Sequence[str], back_bytes: int,
              still_away: Sequence[str]) -> str:
     """What a cell of a parked kernel starts with once the kernel has a GPU again: short
     sentences, the GPU first."""
-    text = f"gpufrac: back on {gpu} in {seconds:.2f} s."
+    text = f"gpufrac: back on {gpu} (this cell waited {format_duration(seconds)} for it)."
     if back:
         text += f" {plural(len(back), 'variable')} ({fmt_bytes(back_bytes)}) moved back onto it."
     if still_away:
@@ -346,7 +398,7 @@ def compute_text(lease: Mapping[str, object], mps: bool) -> str:
     """The lease's sampled SM utilization against its compute share, and whether the share
     holds (only CUDA MPS enforces one)."""
     used = lease.get("compute_usage")
-    text = "not sampled by the driver" if used is None else f"{used}% of the GPU's SMs"
+    text = "not sampled" if used is None else f"{used}% of the GPU's compute"
     request, limit = lease.get("compute_request"), lease.get("compute_limit")
     if request is None:
         return text

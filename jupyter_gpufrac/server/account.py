@@ -9,12 +9,18 @@ from typing import Any
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import lease_gpus
+from node_agent.words import named_for_people
 
 NOT_OURS = (
     "This kernel was not started by the gpufrac provisioner; set "
     "c.KernelProvisionerFactory.default_provisioner_name = 'gpufrac-provisioner' "
     "or name it in the kernelspec's metadata.kernel_provisioner."
 )
+
+
+def _agent_reason(lease: dict[str, Any]) -> str | None:
+    """The agent's reason for a lease's state, as people read it (leases by name, no ids)."""
+    return named_for_people(str(lease.get("reason") or "")) or None
 
 
 def _activity_after(kernel: Any, when: float) -> bool:
@@ -53,11 +59,14 @@ def kernel_state(
                     None)
         if step is not None and step["event"] == "move_pending" and step.get("deadline", 0) > now:
             return "move-pending", step["message"], float(step["deadline"])
-        return "migrating", step["message"] if step else (lease.get("reason") or None), None
+        return "migrating", step["message"] if step else _agent_reason(lease), None
     if state in contract.LEASE_STATE_SHOWN:
-        wanted = {"shrinking": "shrink_requested", "killed": "oom_killed", "parked": "parked"}
+        # The server's own sentence where it has one: a frozen lease waits for the job or the
+        # owner it was frozen for (the agent's reason lists every GPU's shortfall).
+        wanted = {"shrinking": "shrink_requested", "killed": "oom_killed", "parked": "parked",
+                  "pending": "frozen" if lease.get("frozen") else ""}
         event = next((e for e in reversed(events) if e["event"] == wanted.get(state)), None)
-        reason = event["message"] if event else (lease.get("reason") or None)
+        reason = event["message"] if event else _agent_reason(lease)
         return contract.LEASE_STATE_SHOWN[state], reason, None
     # A bursting notice right after a restore must not hide what the restore lost.
     last = next((e for e in reversed(events) if e["event"] != "bursting"), None)
@@ -107,12 +116,18 @@ def kernel_account(
         uuids = lease_gpus({**lease, "state": "active"})
         if uuids:
             device = gpu_model(gpu.gpus.get(uuids[0], {"uuid": uuids[0]}), gpu.simulated)
+    frozen_on = None
+    if lease is not None and gpu is not None and lease.get("frozen") and lease.get("frozen_gpus"):
+        uuid = str(lease["frozen_gpus"][0])
+        frozen_on = gpu_model(gpu.gpus.get(uuid, {"uuid": uuid}), gpu.simulated)
     last = events[-1] if events else None
     return {
         "state": state,
         "reason": reason,
         "deadline": deadline,
         "gpu": device,
+        # While frozen, the GPU it was frozen on: the one it thaws onto where it can.
+        "frozen_on": frozen_on,
         "request": lease.get("request") if lease else None,
         "limit": lease.get("limit") if lease else None,
         "usage": lease.get("usage") if lease else None,

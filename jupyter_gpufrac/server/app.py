@@ -531,7 +531,7 @@ class GpuFrac(ExtensionApp):
         await self.release_stale_leases()
         self.listener = DirectiveListener(
             self.link, self.client_name, serverapp.kernel_manager, self.kernels, self.events,
-            self.migrate_grace_period, self.kernel_settings.remember_request, self.log,
+            self.migrate_grace_period, self.log,
         )
         self._spawn(self.listener.run())
         self._spawn(self._watch_leases())

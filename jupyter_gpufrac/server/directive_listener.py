@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -15,6 +14,7 @@ from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.kernel_channel import checkpoint, wait_until_idle
 from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
 from node_agent.quantities import format_bytes, format_duration
+from node_agent.words import FROZEN_IN_HOST_MEMORY, named_for_people
 
 LONG_POLL_S = 25.0
 # Every kind: the server acts on migrate and killed, tells people of shrink, resized, bursting.
@@ -51,8 +51,9 @@ def purpose(reason: str, moves: str) -> str:
 
 
 def sentence(text: str) -> str:
-    """An agent's reason ("moved from GPU 1 to GPU 0 to free …") as the start of a sentence."""
-    text = text.strip().rstrip(".")
+    """An agent's reason ("moved from GPU 1 to GPU 0 to free …") as the start of a sentence,
+    without the lease ids in it (people know a job by its command)."""
+    text = named_for_people(text).strip().rstrip(".")
     return text[:1].upper() + text[1:]
 
 
@@ -67,7 +68,6 @@ class DirectiveListener:
         kernels: Kernels,
         events: KernelEventLog,
         grace_period: float,
-        remember_request: Callable[[str, str | None], None],
         log: logging.Logger,
     ) -> None:
         self.link = link
@@ -76,7 +76,6 @@ class DirectiveListener:
         self.kernels = kernels
         self.events = events
         self.grace_period = grace_period
-        self.remember_request = remember_request
         self.log = log
         self.after = 0
         self.connected = False
@@ -196,10 +195,11 @@ class DirectiveListener:
             self.log.info("kernel %s: lease is %s; migrate directive skipped", kernel_id, lease.get("state"))
             return
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
-        reason = str(directive.get("reason") or "")
+        reason = named_for_people(str(directive.get("reason") or ""))
         moves = f"from {gpu.label(source)} to {gpu.label(target)}"
         where = {
-            "reason": reason,
+            # What the move is for ("to free GPU 1 for a job"): where to where, the event says.
+            "reason": purpose(reason, moves).strip(),
             "from_gpu_index": gpu.index(source),
             "to_gpu_index": gpu.index(target),
             "gpu_uuid": source, "gpu_index": gpu.index(source),
@@ -226,7 +226,7 @@ class DirectiveListener:
         if cut_off:
             self.events.emit(
                 kernel_id, "migrating",
-                f"Moving {moves} now: the running cell did not finish within {grace:.0f} s and is "
+                f"Moving {moves} now: the running cell did not finish within {format_duration(grace)} and is "
                 "cut off; the variables come back as they were after the last completed cell.",
                 **where,
             )
@@ -373,7 +373,7 @@ class DirectiveListener:
         self.log.info("kernel %s: parked by freezing (%s)", kernel_id, message)
         self.events.emit(
             kernel_id, "parked", f"{message}: frozen in host memory in "
-            f"{time.monotonic() - started:.1f} s, it gave {gpu.label(source)} back. Its next cell "
+            f"{format_duration(time.monotonic() - started)}, it gave {gpu.label(source)} back. Its next cell "
             "thaws it; every variable, open file and thread is kept.",
             gpu_uuid=source, gpu_index=gpu.index(source), seconds=idle_s,
             protection=lease.get("protection"), frozen_bytes=lease.get("frozen_bytes"))
@@ -398,10 +398,11 @@ class DirectiveListener:
         uuid = directive.get("gpu")
         reason = sentence(str(directive.get("reason") or "Frozen by the GPU agent"))
         self.events.emit(
-            kernel_id, "frozen", f"{reason}.", reason=str(directive.get("reason") or ""),
+            kernel_id, "frozen", f"{reason}.",
+            reason=named_for_people(str(directive.get("reason") or "")),
             gpu_uuid=uuid, gpu_index=gpu.index(uuid), request=directive.get("request"),
             limit=directive.get("limit"), frozen_bytes=directive.get("frozen_bytes"),
-            protection="frozen in host memory")
+            protection=FROZEN_IN_HOST_MEMORY)
 
     async def moved(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """The agent moved the kernel by freezing it and thawing it on another GPU: say so."""
@@ -411,7 +412,8 @@ class DirectiveListener:
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
         self.events.emit(
             kernel_id, "migrated", f"{sentence(str(directive.get('reason') or 'Moved'))}.",
-            reason=str(directive.get("reason") or ""), from_gpu_index=gpu.index(source),
+            reason=named_for_people(str(directive.get("reason") or "")),
+            from_gpu_index=gpu.index(source),
             to_gpu_index=gpu.index(target), gpu_uuid=target, gpu_index=gpu.index(target),
             seconds=directive.get("seconds"))
 
@@ -423,8 +425,8 @@ class DirectiveListener:
         uuid = directive.get("gpu")
         where = gpu.label(str(uuid) if uuid else None)
         if directive.get("thawed"):
-            message = (f"Back on {where}: thawed after "
-                       f"{format_duration(float(directive.get('frozen_s') or 0))} frozen in host "
+            message = (f"Back on {where}: thawed after being frozen for "
+                       f"{format_duration(float(directive.get('frozen_s') or 0))} in host "
                        "memory, with everything it held; nothing was restarted.")
         else:
             message = f"Back on {where}: a cell asked for a GPU, and it runs there."
@@ -444,7 +446,7 @@ class DirectiveListener:
         by = ""
         if deadline:
             by = f" by {datetime.fromtimestamp(float(deadline)).strftime('%H:%M:%S')}"
-        reason = str(directive.get("reason") or "")
+        reason = named_for_people(str(directive.get("reason") or ""))
         self.events.emit(
             kernel_id, "shrink_requested",
             f"Asked to shrink to its {format_bytes(request)} request{by} (it holds "
@@ -458,15 +460,13 @@ class DirectiveListener:
         )
 
     def resized(self, kernel_id: str, directive: dict[str, Any]) -> None:
-        """The user changed the share in the kernel (``%gpu request``): their next kernels ask
-        for it too."""
+        """The user changed the share in the kernel (``%gpu request``): that is where it comes
+        from now. Only this notebook's: ``--remember`` keeps it for new ones (the kernel does)."""
         gpu = self.kernels.get(kernel_id)
         request, limit = directive.get("request_spec"), directive.get("limit_spec")
         if gpu is None or not isinstance(request, str) or not request:
             return
-        spec = (request, limit if isinstance(limit, str) else None)
-        if gpu.changed_share(*spec):
-            self.remember_request(*spec)
+        gpu.changed_share(request, limit if isinstance(limit, str) else None)
 
     def bursting(self, kernel_id: str, directive: dict[str, Any]) -> None:
         """The kernel began to use loaned memory: say so, once per burst."""
@@ -491,7 +491,7 @@ class DirectiveListener:
             return
         gpu = directive.get("gpu") or directive.get("to_gpu")
         moved = directive.get("cause") == "migrate_timeout"
-        reason = str(directive.get("reason") or "")
+        reason = named_for_people(str(directive.get("reason") or ""))
         what = "Stopped by the GPU agent"
         if moved:
             what = "Stopped because its move did not finish in time"

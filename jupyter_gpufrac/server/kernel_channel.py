@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from jupyter_gpufrac import contract
-from node_agent.quantities import format_bytes
+from node_agent.quantities import format_bytes, format_duration
 
 
 async def wait_until_idle(kernel: Any, deadline: float) -> bool:
@@ -200,9 +200,10 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
         return {
             "ok": False, "restored": [], "lost": [], "lost_reasons": {}, "interrupted_cell": None,
             "checkpoint_cell": None, "time": time.time(), "deferred": {},
-            "error": f"the kernel did not report a restore within {waited_s:.0f} s",
-            "message": f"the kernel did not report a restore within {waited_s:.0f} s, so its "
-                       "variables may be lost; run `%gpu` in the notebook to see what it holds.",
+            "error": f"the kernel did not report a restore within {format_duration(waited_s)}",
+            "message": f"the kernel did not report a restore within {format_duration(waited_s)}, "
+                       "so its variables may be lost; run `%gpu` in the notebook to see what it "
+                       "holds.",
         }
     restored = [str(name) for name in report.get("restored") or []]
     reasons = report.get("lost_reasons") if isinstance(report.get("lost_reasons"), dict) else {}

@@ -293,10 +293,11 @@ class KernelGpu:
             what += f" ({format_bytes(asked.bytes_of(max(totals)))})"
         if source == contract.SOURCE_REMEMBERED:
             return (f"The agent had no room for your remembered request of {what}: {why}. Your "
-                    "last `%gpu request` in this environment is kept for new notebooks; "
+                    "`%gpu request --remember` in this environment is kept for new notebooks; "
                     "`%gpu request --reset` or a smaller `%gpu request` in this notebook changes "
                     "it, and this notebook gets a GPU as soon as there is room for its share.")
-        return (f"The agent had no room for this kernel's request of {what} (from {source}): "
+        came = contract.SOURCE_WORDS.get(source or "", source)
+        return (f"The agent had no room for this kernel's request of {what} (from {came}): "
                 f"{why}. It gets a GPU as soon as there is room.")
 
     async def _park(self, link: AgentLink, lease: dict[str, Any], reason: dict[str, Any]

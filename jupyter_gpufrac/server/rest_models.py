@@ -52,6 +52,7 @@ def kernel_model(
         "notebook": notebook,
         "restore": gpu.last_restore if gpu is not None else None,
         "gpu": account["gpu"],
+        "frozen_on": account["frozen_on"],
         "request": account["request"],
         "limit": account["limit"],
         "usage": account["usage"],

@@ -18,7 +18,7 @@ from jupyter_gpufrac.checkpoint_disk import adopt_root
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.notebook_states import ServerInfo
-from node_agent.quantities import QuantityError, parse_quantity
+from node_agent.quantities import QuantityError, parse_quantity, stored_spec
 
 
 @dataclass
@@ -93,21 +93,9 @@ class KernelSettings:
             self.log.warning("gpufrac: ignoring the remembered %%gpu request %s: %s", path,
                              problem)
             return None
-        return {"request": data["request"], "limit": data.get("limit")}
-
-    def remember_request(self, request: str, limit: str | None) -> None:
-        """Store a ``%gpu request`` so the user's next kernel asks for the same: through the
-        checked folder's descriptor, under an exclusive temporary name, never via a link."""
-        if self.folder_problem:
-            self.log.warning("gpufrac: the %%gpu request is not remembered: %s",
-                             self.folder_problem)
-            return
-        data = json.dumps({"request": request, "limit": limit}).encode()
-        try:
-            store.write_file(Path(self.checkpoint_root), self.remembered_request_name, data,
-                             blobs=False)
-        except (OSError, store.UnsafeCheckpointError) as exc:
-            self.log.warning("gpufrac: the %%gpu request is not remembered: %s", exc)
+        limit = data.get("limit")
+        return {"request": stored_spec(str(data["request"])),
+                "limit": None if limit is None else stored_spec(str(limit))}
 
 
 def _request_problem(data: object) -> str | None:
@@ -122,7 +110,7 @@ def _request_problem(data: object) -> str | None:
         if not isinstance(value, str | int | float) or isinstance(value, bool):
             return f"{key}: expected a quantity, got {value!r}"[:200]
         try:
-            parse_quantity(value, key)
+            parse_quantity(stored_spec(str(value)), key)
         except QuantityError as err:
             return str(err)[:200]
     return None

@@ -211,6 +211,8 @@ export interface IKernelAccount {
   share_source?: IShareSource | null;
   /** Absent from older servers; null before the first event. */
   last_event?: ILastEvent | null;
+  /** While frozen: the GPU it was frozen on (and waits for); null otherwise. */
+  frozen_on?: IGpuRef | null;
 }
 
 /** `GET /api/gpufrac/kernels/<id>` */

@@ -55,13 +55,36 @@ export const EVENT_STATE: Readonly<Record<string, string>> = {
 
 export const LEASE_STATE_WORDS: Readonly<Record<string, string>> = {
   pending: 'waiting for a GPU',
-  active: 'running',
+  active: 'guaranteed',
   migrating: 'moving',
   shrinking: 'shrinking',
   killed: 'stopped',
-  parked: 'parked (holds no GPU)',
+  parked: 'parked',
   freezing: 'freezing',
   thawing: 'thawing'
+};
+
+export const KERNEL_STATE_WORDS: Readonly<Record<string, string>> = {
+  guaranteed: 'guaranteed',
+  bursting: 'bursting',
+  shrinking: 'shrinking',
+  'move-pending': 'moving soon — cell still running',
+  migrating: 'moving',
+  'oom-killed': 'stopped',
+  restored: 'restored',
+  'restore-incomplete': 'restored in part',
+  'no-gpu': 'no GPU',
+  'agent-unreachable': 'agent unreachable',
+  parked: 'parked',
+  'waiting-for-gpu': 'waiting for a GPU'
+};
+
+export const SOURCE_WORDS: Readonly<Record<string, string>> = {
+  kernelspec: 'the kernelspec',
+  'your last %gpu request here': 'your request remembered here',
+  'c.GpuFrac': 'the c.GpuFrac default',
+  RUNAI_GPU_MEMORY_LIMIT: 'RUNAI_GPU_MEMORY_LIMIT',
+  '%gpu request': '%gpu request in this notebook'
 };
 
 export const RESTORE_INCOMPLETE = 'restore-incomplete';

@@ -11,14 +11,15 @@ import {
   IRecoveryPoint,
   IShareSource
 } from './api';
-import { LEASE_STATE_WORDS } from './contract';
+import { LEASE_STATE_WORDS, SOURCE_WORDS } from './contract';
 import { formatBytes } from './memory';
 import { defaultTrans, ITrans } from './trans';
 
 // -- what keeps a kernel's state ---------------------------------------------
 
 /**
- * The panel's "State kept": "frozen in host memory (2.0 GiB of GPU memory)"
+ * The panel's "Kept by" (`%gpu`'s "kept by", `gpufrac-agent status`'s "KEPT
+ * BY"): "frozen in host memory (2.0 GiB of GPU memory)"
  * or "checkpoint on disk", and "(freezing could not be used: …)" when the
  * agent said why it could not freeze the last time it tried. Null without a
  * lease, or from an older server.
@@ -69,10 +70,9 @@ export function leaseStateWords(
 // -- what the server was asked for -------------------------------------------
 
 /**
- * The panel's "Asked for": "request 0.5 (kernelspec), limit 1 (c.GpuFrac)".
- * The sources are the server's own names (a kernelspec, a c.GpuFrac setting,
- * RUNAI_GPU_MEMORY_LIMIT), shown as given; without them, the specs alone.
- * Null when there is nothing to say.
+ * The panel's "Asked for": "request 0.5 (from the kernelspec), limit 1 (from
+ * the c.GpuFrac default)", in `%gpu`'s words; without the sources, the specs
+ * alone. Null when there is nothing to say.
  */
 export function askedFor(
   lease: ILease | null | undefined,
@@ -86,7 +86,7 @@ export function askedFor(
   }
   const part = (spec: string | undefined, from: string | null | undefined) =>
     from
-      ? trans.__('%1 (%2)', spec ?? '–', shareSourceWords(from, trans))
+      ? trans.__('%1 (from %2)', spec ?? '–', shareSourceWords(from, trans))
       : (spec ?? '–');
   return trans.__(
     'request %1, limit %2',
@@ -96,25 +96,16 @@ export function askedFor(
 }
 
 /**
- * Where a share came from, in words: the server's names for this notebook's
- * `%gpu request`, the request remembered for new notebooks in this
- * environment and the server's default; any other name (a kernelspec, a
- * platform's variable) as given.
+ * Where a share came from, in the glossary's words (the contract's, which
+ * `%gpu` says too); any other name (a pod annotation) as given.
  */
 export function shareSourceWords(
   source: string,
   trans: ITrans = defaultTrans
 ): string {
-  switch (source) {
-    case '%gpu request':
-      return trans.__('requested in this notebook');
-    case 'your last %gpu request here':
-      return trans.__('remembered request for this environment');
-    case 'c.GpuFrac':
-      return trans.__('default');
-    default:
-      return source;
-  }
+  const words = SOURCE_WORDS[source];
+  // The contract's words (generated, English) are msgids too.
+  return words ? trans.__(words) : source;
 }
 
 // -- compute, and what a restart restores ------------------------------------
@@ -133,7 +124,7 @@ export function computeLine(
   const usedText =
     used === null || used === undefined
       ? trans.__('not sampled')
-      : trans.__("%1% of the GPU's SMs", used);
+      : trans.__("%1% of the GPU's compute", used);
   if (request === null || request === undefined) {
     return used === null || used === undefined ? null : usedText;
   }

@@ -65,6 +65,9 @@ function sameUnit(
       return '–';
     }
     const v = x / (inGiB ? GiB : MiB);
+    if (v === 0) {
+      return '0'; // nothing at all, not "0.0" beside another's "<0.1"
+    }
     const text = !inGiB || v >= 100 ? v.toFixed(0) : v.toFixed(1);
     // A CUDA context alone is 50 MiB: "0.0" would read as nothing used.
     if (v > 0 && Number(text) === 0) {

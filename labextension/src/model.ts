@@ -24,6 +24,7 @@ import {
   ApiError,
   CHECKPOINT_ON_DISK,
   EVENT_SCHEMA_ID,
+  FROZEN_IN_HOST_MEMORY,
   fetchKernelStatus,
   fetchNode,
   IGpuFracEvent,
@@ -504,6 +505,18 @@ export class GpuFracModel implements IDisposable {
     // Show the change at once; the fetch that follows brings the figures.
     const state = stateAfterEvent(event);
     if (state && this._status) {
+      // Frozen or parked, it holds no GPU; frozen, it waits for the one it left.
+      const gone = state === 'parked' || event.event === 'frozen';
+      const frozen = event.protection === FROZEN_IN_HOST_MEMORY;
+      const left =
+        frozen && event.gpu_index !== null && event.gpu_index !== undefined
+          ? {
+              uuid: event.gpu_uuid ?? '',
+              index: event.gpu_index,
+              name: this._status.gpu?.name ?? '',
+              simulated: this._status.gpu?.simulated
+            }
+          : null;
       this._status = {
         ...this._status,
         state,
@@ -513,6 +526,8 @@ export class GpuFracModel implements IDisposable {
             ? (event.deadline ?? this._status.deadline ?? null)
             : null,
         notebook: event.notebook ?? this._status.notebook,
+        gpu: gone ? null : this._status.gpu,
+        frozen_on: gone ? left : null,
         // A freeze says what keeps the state now (the chip says "frozen" at
         // once); after a thaw it is the checkpoint again.
         protection:

@@ -11,7 +11,13 @@ import {
   unreported
 } from './restore';
 import { defaultTrans, ITrans } from './trans';
-import { cellLabel, fitWords, nameList, notebookName } from './words';
+import {
+  cellLabel,
+  fitWords,
+  nameList,
+  notebookName,
+  plainText
+} from './words';
 
 /** JupyterLab cuts notification messages longer than this (mid-word). */
 export const MAX_NOTICE = 140;
@@ -63,14 +69,25 @@ export function restoredNotice(
       message: fitWords(withPrefix(prefix, sentence(event.message)), max)
     };
   }
-  const cause = sentence(event.reason ?? '');
+  const cause = sentence(plainText(event.reason ?? ''));
   if (isVerifiedSuccess(event)) {
+    // The cause first, shortened rather than dropped: this text stays in the
+    // notification list, read later by someone who was away.
     const facts0 = sentence(restoreSummary(facts, { advice: false }, trans));
-    const full = withPrefix(prefix, cause ? `${facts0} ${cause}` : facts0);
+    if (!cause) {
+      return {
+        type: 'success',
+        message: fitWords(withPrefix(prefix, facts0), max)
+      };
+    }
+    const room = max - facts0.length - 1 - (prefix ? prefix.length + 2 : 0);
+    const why = room >= 24 ? fitWords(cause, room) : '';
     return {
       type: 'success',
-      message:
-        full.length <= max ? full : fitWords(withPrefix(prefix, facts0), max)
+      message: fitWords(
+        withPrefix(prefix, why ? `${why} ${facts0}` : facts0),
+        max
+      )
     };
   }
   const lost = facts.lost ?? [];
@@ -202,7 +219,12 @@ export function moveNotice(
             left
           )
         : trans.__('Moving to %1 now; the running cell is cut off', to);
-  const why = (event.reason ?? '').trim().replace(/[\s.]+$/, '');
+  // What the move is for; from an older server, without the "moved from GPU 1
+  // to GPU 0" that the countdown says already (in the future tense).
+  const why = plainText(event.reason ?? '')
+    .trim()
+    .replace(/^moved\s+from\s+\S+(\s+\d+)?\s+to\s+\S+(\s+\d+)?\s*/i, '')
+    .replace(/[\s.]+$/, '');
   return fitWords(
     withPrefix(notebookName(notebook), why ? `${head}: ${why}.` : `${head}.`),
     max
@@ -215,7 +237,41 @@ export function eventNotice(
   notebook: string | null,
   max: number = MAX_NOTICE
 ): string {
-  return fitWords(withPrefix(notebookName(notebook), text), max);
+  return fitWords(withPrefix(notebookName(notebook), plainText(text)), max);
+}
+
+/**
+ * The thaw that ends a freeze we notified, in the same notification: back,
+ * how long it was frozen, and why (the freeze's cause stays in the
+ * notification list, read later by someone who was away).
+ */
+export function thawedNotice(
+  thaw: string,
+  frozenReason: string,
+  notebook: string | null,
+  max: number = MAX_NOTICE,
+  trans: ITrans = defaultTrans
+): string {
+  const prefix = notebookName(notebook);
+  const back = sentence(plainText(thaw));
+  const because = /\bbecause\s+([^:;.]+)/i.exec(plainText(frozenReason));
+  if (!because) {
+    return fitWords(withPrefix(prefix, back), max);
+  }
+  const why = trans.__('It was frozen because %1.', because[1].trim());
+  // Its asides go first ("; nothing was restarted"), then the cause is cut
+  // shorter; it is dropped only where nothing of it would fit.
+  const short = `${back.split(/[;,]/)[0].replace(/[.\s]*$/, '')}.`;
+  for (const said of [back, short]) {
+    const full = withPrefix(prefix, `${said} ${why}`);
+    if (full.length <= max) {
+      return full;
+    }
+  }
+  const room = max - short.length - 1 - (prefix ? prefix.length + 2 : 0);
+  return room >= 24
+    ? withPrefix(prefix, `${short} ${fitWords(why, room)}`)
+    : fitWords(withPrefix(prefix, back), max);
 }
 
 /**
@@ -231,13 +287,14 @@ export function frozenNotice(
   trans: ITrans = defaultTrans
 ): string {
   const prefix = notebookName(notebook);
-  const full = withPrefix(prefix, text.replace(/\s+/g, ' ').trim());
+  const said = plainText(text);
+  const full = withPrefix(prefix, said.replace(/\s+/g, ' ').trim());
   if (full.length <= max) {
     return full;
   }
   const bare = withPrefix(
     prefix,
-    text
+    said
       .replace(/\s*\([^()]*\)/g, '')
       .replace(/\s+/g, ' ')
       .trim()

@@ -17,7 +17,8 @@ import {
   frozenNotice,
   MAX_NOTICE,
   moveNotice,
-  restoredNotice
+  restoredNotice,
+  thawedNotice
 } from './notices';
 import { configProblemsNotice } from './settings';
 import { defaultTrans, ITrans } from './trans';
@@ -37,6 +38,8 @@ interface IOpen {
   event: string;
   message: string;
   since: number;
+  /** The event's own reason (a freeze's cause, kept for its thaw). */
+  reason: string;
 }
 
 /** How often a move's countdown is shown anew (ms). */
@@ -198,7 +201,8 @@ export class InterventionNotifier {
       id,
       event: event.event,
       message,
-      since: Date.now()
+      since: Date.now(),
+      reason: event.reason || event.message || ''
     });
     if (event.event === 'move_pending' && event.deadline !== undefined) {
       this._countDown(event, notebook, id, options);
@@ -243,9 +247,12 @@ export class InterventionNotifier {
     if (open?.event !== 'frozen' || kind === null) {
       return;
     }
-    const message = eventNotice(
+    const message = thawedNotice(
       describeEvent(event, this._trans),
-      this._notebook(event)
+      open.reason,
+      this._notebook(event),
+      MAX_NOTICE,
+      this._trans
     );
     Notification.update({
       id: open.id,

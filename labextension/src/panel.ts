@@ -27,7 +27,14 @@ import { configProblemsHeading } from './settings';
 import { stateView } from './stateView';
 import { memoryLine } from './statusText';
 import { usageBar } from './usageBar';
-import { cellLabel, notebookName } from './words';
+import { cellLabel, codePieces, notebookName } from './words';
+
+/** A server's sentence with its commands shown as code, never as literal backticks. */
+function prose(text: string): h.Child[] {
+  return codePieces(text).map(piece =>
+    piece.code ? h.code(piece.text) : piece.text
+  );
+}
 
 /** A lease's state as the node table shows it. */
 interface ILeaseView {
@@ -95,7 +102,16 @@ export class GpuFracPanel extends Widget {
       return;
     }
     const trans = this._model.trans;
-    const path = this._model.status?.notebook || this._model.path;
+    const status = this._model.status;
+    const path = status?.notebook || this._model.path;
+    // Ids are for looking things up, not for reading: the heading's tooltip.
+    const ids = [
+      path,
+      status?.lease?.id && trans.__('lease %1', status.lease.id),
+      status?.kernel_id && trans.__('kernel %1', status.kernel_id)
+    ]
+      .filter(Boolean)
+      .join('\n');
     // VirtualDOM.render diffs against the last rendering: the header's button
     // stays the same element, so it keeps the keyboard focus.
     VirtualDOM.render(
@@ -103,7 +119,7 @@ export class GpuFracPanel extends Widget {
         h.div(
           { className: 'jp-gpufrac-Panel-header' },
           h.h2(
-            path ? { title: path } : {},
+            ids ? { title: ids } : {},
             path
               ? trans.__('GPU lease — %1', notebookName(path))
               : trans.__('GPU lease')
@@ -195,7 +211,7 @@ export class GpuFracPanel extends Widget {
     );
     // The server's sentence in full: the notifications only have room for its start.
     const reason = view.reason
-      ? h.p({ className: 'jp-gpufrac-Panel-reason' }, view.reason)
+      ? h.p({ className: 'jp-gpufrac-Panel-reason' }, ...prose(view.reason))
       : null;
     if (!status) {
       const error = model.error
@@ -211,7 +227,10 @@ export class GpuFracPanel extends Widget {
     }
     const rows: Array<[string, h.Child]> = [];
     const restore = status.restore;
-    if (restore) {
+    // The restore is news until the user runs something (the server's state
+    // says so); after that it is history, and a row saying "Restored state:
+    // as it was after cell [1]" at cell [20] would be stale.
+    if (restore && (state === 'restored' || state === 'restore-incomplete')) {
       // First: what the user must redo. Each lost name with why, and the cell cut off.
       const facts = restoreFactsOf(restore);
       const advice = restoreAdvice(facts, trans);
@@ -261,7 +280,7 @@ export class GpuFracPanel extends Widget {
     const kept = stateKept(status, trans);
     if (kept) {
       rows.push([
-        trans.__('State kept'),
+        trans.__('Kept by'),
         h.span(
           {
             className: 'jp-gpufrac-Panel-kept',
@@ -308,7 +327,6 @@ export class GpuFracPanel extends Widget {
       ]);
     }
     if (lease) {
-      rows.push([trans.__('Lease'), `${lease.id} (${lease.kind})`]);
       const placement = this._placement(lease);
       if (placement) {
         rows.push([trans.__('Placement'), placement]);
@@ -318,7 +336,6 @@ export class GpuFracPanel extends Widget {
         rows.push([trans.__('Compute'), compute]);
       }
     }
-    rows.push([trans.__('Kernel'), status.kernel_id]);
     const facts = h.dl(
       { className: 'jp-gpufrac-Panel-facts' },
       rows.map(([term, value]) => [h.dt(term), h.dd(value)]).flat()
@@ -375,7 +392,7 @@ export class GpuFracPanel extends Widget {
     return h.p(
       { className: 'jp-gpufrac-Panel-agent' },
       node
-        ? trans.__('%1 The figures below are the last known ones.', text)
+        ? trans.__('%1 The figures below are the last ones seen.', text)
         : text
     );
   }
@@ -604,7 +621,7 @@ export class GpuFracPanel extends Widget {
         },
         when(event),
         ' ',
-        describeEvent(event, trans),
+        ...prose(describeEvent(event, trans)),
         steps.length > 1
           ? h(
               'details',
@@ -615,7 +632,7 @@ export class GpuFracPanel extends Widget {
                     { dataset: { event: step.event } },
                     when(step),
                     ' ',
-                    describeEvent(step, trans)
+                    ...prose(describeEvent(step, trans))
                   )
                 )
               )

@@ -3,7 +3,14 @@
  * may look like a success: what the status item and the panel both show.
  */
 import { FROZEN_IN_HOST_MEMORY, IKernelStatus } from './api';
-import { restoreFactsOf, restoreShortfall } from './restore';
+import { KERNEL_STATE_WORDS } from './contract';
+import {
+  deferredNames,
+  IRestoreFacts,
+  restoreFactsOf,
+  restoreShortfall,
+  unreported
+} from './restore';
 import { defaultTrans, ITrans } from './trans';
 
 /** How worried to be; drives the badge colour together with data-state. */
@@ -59,7 +66,7 @@ function helps(trans: ITrans): Record<string, string> {
       'The GPU agent asked for a move while a cell runs: the cell may finish until the countdown ends, otherwise it is cut off and the kernel restarts from the state after the last completed cell.'
     ),
     migrating: trans.__(
-      'Being moved to another GPU now: checkpoint, restart, restore. Its variables come back after the restart.'
+      'Being moved to another GPU now; its variables come back with it.'
     ),
     restored: trans.__(
       'Restarted by jupyter-gpufrac; every variable came back.'
@@ -75,7 +82,7 @@ function helps(trans: ITrans): Record<string, string> {
     ),
     'no-gpu': trans.__('This kernel holds no GPU lease.'),
     parked: trans.__(
-      'Idle, so its GPU was given back; its variables are kept in host memory. The next cell gets a GPU first (maybe another one), then runs.'
+      'It gave its GPU back (the reason says why); its variables are kept. The next cell gets a GPU first (maybe another one), then runs.'
     ),
     'waiting-for-gpu': trans.__(
       'A cell is waiting for a GPU with room for this kernel; it runs as soon as there is one. Interrupt the kernel to cancel.'
@@ -94,24 +101,24 @@ function helps(trans: ITrans): Record<string, string> {
 function holdHelps(trans: ITrans): Record<string, string> {
   return {
     'parked:frozen': trans.__(
-      'Idle, so it was frozen: the driver moved its GPU memory into host memory and gave the GPU back; the process runs on with every variable, open file and thread. Its next cell thaws it first (on this GPU or another of the same model), then runs.'
+      'Frozen in host memory: its GPU memory waits there and the GPU was given back (the reason says why); the process runs on with every variable, open file and thread. Its next cell thaws it first, then runs.'
     ),
     'waiting-for-gpu:frozen': trans.__(
-      'Frozen while its GPU is needed elsewhere: its process and every variable wait in host memory (a running cell waits too), and it thaws by itself once a GPU has room. Nothing is restarted.'
+      'Frozen in host memory while its GPU is needed elsewhere: its process and every variable wait there (a running cell waits too), and it thaws by itself once a GPU has room. Nothing is restarted.'
     ),
     freezing: trans.__(
-      'Being frozen: the driver moves its GPU memory into host memory, then gives the GPU back. Nothing is restarted; every variable is kept.'
+      'Being frozen: its GPU memory goes into host memory, then the GPU is given back. Nothing is restarted; every variable is kept.'
     ),
     thawing: trans.__(
-      'Being thawed: the driver puts its GPU memory back, then the waiting cell runs. Nothing was restarted; every variable is kept.'
+      'Being thawed: its GPU memory comes back from host memory, then the waiting cell runs. Nothing was restarted; every variable is kept.'
     )
   };
 }
 
 function holdLabels(trans: ITrans): Record<string, string> {
   return {
-    'parked:frozen': trans.__('parked · frozen'),
-    'waiting-for-gpu:frozen': trans.__('waiting for a GPU · frozen'),
+    'parked:frozen': trans.__('parked, frozen'),
+    'waiting-for-gpu:frozen': trans.__('frozen, waiting for a GPU'),
     freezing: trans.__('freezing'),
     thawing: trans.__('thawing')
   };
@@ -126,24 +133,45 @@ export function holdWords(
   return hold ? (table[`${state}:${hold}`] ?? table[hold]) : undefined;
 }
 
+/**
+ * The glossary's word for each state (docs/glossary.md), as `%gpu` says it:
+ * the contract's words (generated, English) are msgids too. Not "OOM-killed"
+ * but "stopped": the agent also stops a kernel whose move ran out of time.
+ */
 function labels(trans: ITrans): Record<string, string> {
-  return {
-    guaranteed: trans.__('guaranteed'),
-    bursting: trans.__('bursting'),
-    shrinking: trans.__('shrinking'),
-    'move-pending': trans.__('moving soon — cell still running'),
-    migrating: trans.__('migrating'),
-    restored: trans.__('restored'),
-    'restore-incomplete': trans.__('restored in part'),
-    // Not "OOM-killed": the agent also stops a kernel whose move ran out of time.
-    'oom-killed': trans.__('stopped'),
-    'agent-unreachable': trans.__('agent unreachable'),
-    'no-gpu': trans.__('no GPU'),
-    parked: trans.__('parked'),
-    'waiting-for-gpu': trans.__('waiting for a GPU'),
+  const words: Record<string, string> = {
     unavailable: trans.__('unavailable'),
     unknown: '…'
   };
+  for (const [state, word] of Object.entries(KERNEL_STATE_WORDS)) {
+    words[state] = trans.__(word);
+  }
+  return words;
+}
+
+/**
+ * What an incomplete restore means, by what it lacks: never "not everything
+ * came back" beside "restored 5 of 5 variables".
+ */
+function incompleteHelp(facts: IRestoreFacts, trans: ITrans): string {
+  if (unreported(facts)) {
+    return trans.__(
+      'Restarted by jupyter-gpufrac; the kernel did not say what came back: run %gpu in the notebook to see.'
+    );
+  }
+  if ((facts.lost ?? []).length) {
+    return trans.__(
+      'Restarted by jupyter-gpufrac; not every variable came back: re-run the cells that make the lost ones.'
+    );
+  }
+  if (deferredNames(facts).length) {
+    return trans.__(
+      'Restarted by jupyter-gpufrac; some variables wait on disk until the GPU has room: %gpu restore loads them.'
+    );
+  }
+  return trans.__(
+    'Restarted by jupyter-gpufrac; every variable came back as it was before the cell that was cut off: re-run that cell.'
+  );
 }
 
 const SEVERITY: Record<string, Severity> = {
@@ -267,10 +295,11 @@ export function stateView(
     reason = agent?.reason ?? '';
   }
   const hold = holdOf(shown, status);
-  const shortfall =
+  const facts =
     shown === 'restore-incomplete' && status?.restore
-      ? restoreShortfall(restoreFactsOf(status.restore), trans)
-      : [];
+      ? restoreFactsOf(status.restore)
+      : null;
+  const shortfall = facts ? restoreShortfall(facts, trans) : [];
   return {
     state: shown,
     hold,
@@ -279,7 +308,9 @@ export function stateView(
       : (holdWords(holdLabels(trans), shown, hold) ??
         stateLabel(shown, deadline, nowSeconds, trans)),
     shortfall,
-    help: holdWords(holdHelps(trans), shown, hold) ?? stateHelp(shown, trans),
+    help:
+      holdWords(holdHelps(trans), shown, hold) ??
+      (facts ? incompleteHelp(facts, trans) : stateHelp(shown, trans)),
     reason: reason.trim(),
     // Thawing is the way back: news, not worry.
     severity: hold === 'thawing' ? 'info' : (SEVERITY[shown] ?? 'plain'),

@@ -9,7 +9,7 @@ import { formatBytes, usageOfRequest, usageOfShare } from './memory';
 import { StatusItemMode } from './settings';
 import { holdWords, IStateView } from './stateView';
 import { defaultTrans, ITrans } from './trans';
-import { capitalize } from './words';
+import { capitalize, plainText } from './words';
 
 /**
  * The status bar item's line, "GPU 1: 2.1/4.0 GiB · bursting": it shares the
@@ -50,11 +50,37 @@ function shortWords(trans: ITrans): Record<string, string> {
 /** The status bar's words for a hold: within its 32 characters. */
 function holdShortWords(trans: ITrans): Record<string, string> {
   return {
-    'parked:frozen': trans.__('parked · frozen'),
-    'waiting-for-gpu:frozen': trans.__('waiting · frozen'),
+    'parked:frozen': trans.__('parked, frozen'),
+    'waiting-for-gpu:frozen': trans.__('frozen, waiting'),
     freezing: trans.__('freezing'),
     thawing: trans.__('thawing')
   };
+}
+
+/** How long a thaw stays news in the status bar (s): a freeze of a moment is still seen. */
+export const THAW_NEWS_S = 30;
+
+/**
+ * "thawed" while the kernel's newest event is a thaw of the last half
+ * minute: a freeze as short as a job of a second is otherwise never seen.
+ */
+function thawNews(
+  status: IKernelStatus | null,
+  view: IStateView,
+  nowSeconds: number,
+  trans: ITrans
+): string {
+  const last = status?.last_event;
+  if (
+    !last ||
+    last.event !== 'unparked' ||
+    !/\bthawed\b/.test(last.message) ||
+    nowSeconds - last.time > THAW_NEWS_S ||
+    !['guaranteed', 'bursting'].includes(view.state)
+  ) {
+    return '';
+  }
+  return trans.__('thawed');
 }
 
 /** "moving in 23 s" (the countdown is the news), "bursting", or ''. */
@@ -91,17 +117,20 @@ export function statusLabel(
   status: IKernelStatus | null,
   view: IStateView,
   mode: StatusItemMode = 'compact',
-  trans: ITrans = defaultTrans
+  trans: ITrans = defaultTrans,
+  nowSeconds: number = Date.now() / 1000
 ): IStatusLabel {
   const full = mode === 'full';
   const device = status?.gpu ?? null;
+  // Frozen, it holds no GPU but waits for the one it was frozen on.
+  const held = device ?? (view.hold ? (status?.frozen_on ?? null) : null);
   let gpu = '';
-  if (device) {
-    const name = full ? shortGpuName(device) : '';
+  if (held) {
+    const name = full ? shortGpuName(held) : '';
     gpu = name
-      ? trans.__('GPU %1 (%2)', device.index, name)
-      : trans.__('GPU %1', device.index);
-  } else if (view.state !== 'no-gpu' && view.state !== 'parked') {
+      ? trans.__('GPU %1 (%2)', held.index, name)
+      : trans.__('GPU %1', held.index);
+  } else if (!['no-gpu', 'parked', 'waiting-for-gpu'].includes(view.state)) {
     gpu = trans.__('GPU');
   }
   let figures = '';
@@ -115,13 +144,14 @@ export function statusLabel(
   } else if (device && view.state === 'agent-unreachable') {
     figures = '?';
   }
-  let word = shortStateWord(view, trans);
+  let word =
+    shortStateWord(view, trans) || thawNews(status, view, nowSeconds, trans);
   if (full && !word && view.state === 'guaranteed') {
     word = view.label;
   }
-  if (!device && view.state === 'parked') {
-    // It holds no GPU: "GPU parked", "GPU freezing"; never a "GPU ·" with
-    // nothing after it.
+  if (!held && (view.state === 'parked' || view.hold)) {
+    // It holds no GPU, and which it left is not known yet: "GPU parked";
+    // never a "GPU ·" with nothing after it.
     word = trans.__('GPU %1', word);
   }
   const head = figures ? `${gpu}: ${figures}` : gpu;
@@ -151,7 +181,7 @@ export function memoryLine(
   return verified
     ? trans.__('%1 used of %2 guaranteed, %3 limit', usage, request, limit)
     : trans.__(
-        'last known: %1 used, %2 requested, %3 limit (not verified)',
+        'last seen: %1 used, %2 requested, %3 limit; the agent does not answer, so they may have changed',
         usage,
         request,
         limit
@@ -182,14 +212,14 @@ export function statusDescription(
   const lines = [
     device,
     memory && `${capitalize(memory)}.`,
-    `${capitalize(view.label)}: ${view.help}${reason}`,
-    kept && trans.__('State kept: %1.', kept),
+    `${capitalize(view.label)}: ${view.help}${plainText(reason)}`,
+    kept && trans.__('Kept by: %1.', kept),
     // Its age as of this rendering, from the event's own time.
     status?.last_event &&
       trans.__(
         'Last news, %1: %2',
         formatAge(status.last_event.time, nowSeconds, trans),
-        status.last_event.message
+        plainText(status.last_event.message)
       ),
     ...problems.map(problem => trans.__('Server setting problem: %1', problem)),
     trans.__('Click for details.')
@@ -200,7 +230,7 @@ export function statusDescription(
     ariaLabel: trans.__(
       'GPU lease: %1.%2 Press Enter for details.',
       summary,
-      reason
+      plainText(reason)
     )
   };
 }

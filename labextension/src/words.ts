@@ -65,3 +65,35 @@ export function cellLabel(cell: string, max = Infinity): string {
 export function capitalize(text: string): string {
   return `${text.charAt(0).toUpperCase()}${text.slice(1)}`;
 }
+
+/**
+ * The server's and the agent's sentences mark commands as Markdown code
+ * (`%gpu park`): a plain-text room (a notification, a tooltip) shows them
+ * without the backticks.
+ */
+export function plainText(text: string): string {
+  return text.replace(/`([^`\n]+)`/g, '$1');
+}
+
+/** A sentence in pieces, each a command (`code`) or not, for a room that can show code. */
+export interface ITextPiece {
+  text: string;
+  code: boolean;
+}
+
+export function codePieces(text: string): ITextPiece[] {
+  const pieces: ITextPiece[] = [];
+  let at = 0;
+  for (const match of text.matchAll(/`([^`\n]+)`/g)) {
+    const start = match.index ?? 0;
+    if (start > at) {
+      pieces.push({ text: text.slice(at, start), code: false });
+    }
+    pieces.push({ text: match[1], code: true });
+    at = start + match[0].length;
+  }
+  if (at < text.length) {
+    pieces.push({ text: text.slice(at), code: false });
+  }
+  return pieces;
+}

@@ -32,7 +32,8 @@ import {
   frozenNotice,
   MAX_NOTICE,
   moveNotice,
-  restoredNotice
+  restoredNotice,
+  thawedNotice
 } from '../src/notices';
 import { restoreAdvice, restoreFactsOf, restoreSummary } from '../src/restore';
 import {
@@ -49,9 +50,16 @@ import {
 } from '../src/stateView';
 import { statusDescription, statusLabel } from '../src/statusText';
 import { defaultTrans, ITrans } from '../src/trans';
-import { fitWords } from '../src/words';
+import { codePieces, fitWords, plainText } from '../src/words';
 
 const NOW = 1_763_760_000;
+
+const GPU1 = {
+  uuid: 'GPU-1',
+  index: 1,
+  name: 'Simulated 16GiB',
+  simulated: true
+};
 
 function status(
   state: string,
@@ -61,7 +69,7 @@ function status(
     kernel_id: 'k1',
     state,
     reason: null,
-    gpu: { uuid: 'GPU-1', index: 1, name: 'Simulated 16GiB', simulated: true },
+    gpu: GPU1,
     request: 4 * 1024 ** 3,
     limit: 8 * 1024 ** 3,
     usage: 1024 ** 3,
@@ -144,7 +152,7 @@ test('move-pending counts down to the deadline; migrating only once it started',
   assert.doesNotMatch(pending.label, /migrating/);
   assert.equal(
     stateView('migrating', status('migrating'), UP, NOW).label,
-    'migrating'
+    'moving'
   );
 });
 
@@ -258,7 +266,7 @@ test('a verified restore is a success with the cause when it fits', () => {
   assert.equal(notice.type, 'success');
   assert.equal(
     notice.message,
-    'demo.ipynb: 2 of 2 variables restored. Moved from GPU 1 to GPU 0 to free GPU 1 for a job.'
+    'demo.ipynb: Moved from GPU 1 to GPU 0 to free GPU 1 for a job. 2 of 2 variables restored.'
   );
 });
 
@@ -400,7 +408,7 @@ test('compute is shown against its share and says whether it holds', () => {
   };
   assert.equal(
     computeLine(lease, false),
-    "37% of the GPU's SMs; share 0.25–0.5 of the compute (not enforced: no CUDA MPS)"
+    "37% of the GPU's compute; share 0.25–0.5 of the compute (not enforced: no CUDA MPS)"
   );
   assert.equal(
     computeLine({ ...lease, compute_limit: 0.25, compute_usage: null }, true),
@@ -460,7 +468,8 @@ test('usage against request in one unit, the one of the larger figure', () => {
   assert.equal(usageOfRequest(300 * MiB, 4 * GiB), '0.3/4.0 GiB');
   // Small but not nothing: a CUDA context alone is about 50 MiB.
   assert.equal(usageOfRequest(49 * MiB, 4 * GiB), '<0.1/4.0 GiB');
-  assert.equal(usageOfRequest(0, 4 * GiB), '0.0/4.0 GiB');
+  // Nothing used reads "0", never "0.0" beside another's "<0.1".
+  assert.equal(usageOfRequest(0, 4 * GiB), '0/4.0 GiB');
   assert.equal(usageOfRequest(0.2 * MiB, 512 * MiB), '<1/512 MiB');
   assert.equal(usageOfRequest(300 * MiB, 512 * MiB), '300/512 MiB');
   // Bursting past a small request: the unit follows the usage.
@@ -524,7 +533,7 @@ test('the status item never shows unverified figures as current', () => {
     assert.equal(line.figures, '?');
     const text = statusDescription(s, view);
     assert.doesNotMatch(text.ariaLabel, /guaranteed/, state);
-    assert.match(text.title, /^Last known: 2\.1 GiB used, 4\.0 GiB requested/m);
+    assert.match(text.title, /^Last seen: 2\.1 GiB used, 4\.0 GiB requested/m);
     assert.match(text.title, /cannot be verified/);
   }
   // The server's own agent-unreachable state reads the same.
@@ -679,11 +688,11 @@ test('"Asked for" names where request and limit came from, when the server says'
   } as ILease;
   assert.equal(
     askedFor(lease, { request: 'kernelspec', limit: 'c.GpuFrac' }),
-    'request 0.5 (kernelspec), limit 1 (default)'
+    'request 0.5 (from the kernelspec), limit 1 (from the c.GpuFrac default)'
   );
   assert.equal(
     askedFor(lease, { request: '%gpu request', limit: null }),
-    'request 0.5 (requested in this notebook), limit 1'
+    'request 0.5 (from %gpu request in this notebook), limit 1'
   );
   // An older server, or a lease older than the server process: the specs alone.
   assert.equal(askedFor(lease, undefined), 'request 0.5, limit 1');
@@ -869,19 +878,24 @@ test('a park by freezing, by restart, and the thaw read as what they are', () =>
 });
 
 test('a parked kernel that is frozen says so on the chip, in the tooltip and the panel', () => {
-  const frozen = noGpu('parked', frozenLease('parked'));
+  const frozen = noGpu('parked', frozenLease('parked'), { frozen_on: GPU1 });
   const view = stateView('parked', frozen, UP, NOW);
   assert.equal(view.hold, 'frozen');
-  assert.equal(view.label, 'parked · frozen');
+  assert.equal(view.label, 'parked, frozen');
   assert.equal(view.severity, 'info');
-  assert.match(view.help, /^Idle, so it was frozen/);
+  // Not "Idle": a park may be the user's own, and the reason says which.
+  assert.match(view.help, /^Frozen in host memory: /);
+  assert.doesNotMatch(view.help, /\bidle\b|\bdriver\b/i);
   assert.match(view.help, /Its next cell thaws it/);
-  // It holds no GPU: no "GPU ·" left dangling without a GPU after it.
-  assert.equal(statusLabel(frozen, view).text, 'GPU parked · frozen');
-  assert.equal(statusLabel(frozen, view, 'full').text, 'GPU parked · frozen');
+  // It holds no GPU, and waits for the one it was frozen on.
+  assert.equal(statusLabel(frozen, view).text, 'GPU 1 · parked, frozen');
+  assert.equal(
+    statusLabel(frozen, view, 'full').text,
+    'GPU 1 (16GiB) · parked, frozen'
+  );
   assert.match(
     statusDescription(frozen, view).title,
-    /^State kept: frozen in host memory \(2\.0 GiB of GPU memory\)\.$/m
+    /^Kept by: frozen in host memory \(2\.0 GiB of GPU memory\)\.$/m
   );
   // Parked by a restart: no "frozen" anywhere on the chip.
   const restarted = noGpu(
@@ -898,13 +912,13 @@ test('a parked kernel that is frozen says so on the chip, in the tooltip and the
   assert.equal(statusLabel(restarted, plain).text, 'GPU parked');
   assert.match(
     statusDescription(restarted, plain).title,
-    /^State kept: checkpoint on disk\.$/m
+    /^Kept by: checkpoint on disk\.$/m
   );
   // The event's protection is enough before the next fetch brings the lease.
   const heard = noGpu('parked', null, { protection: FROZEN_IN_HOST_MEMORY });
   assert.equal(
     statusLabel(heard, stateView('parked', heard, UP, NOW)).text,
-    'GPU parked · frozen'
+    'GPU parked, frozen'
   );
   // The agent down: nothing is claimed about the freeze.
   const down = stateView('parked', frozen, DOWN, NOW);
@@ -913,22 +927,25 @@ test('a parked kernel that is frozen says so on the chip, in the tooltip and the
 });
 
 test('a kernel frozen for a job waits for a GPU; freezing and thawing are brief', () => {
-  const waiting = noGpu('waiting-for-gpu', frozenLease('pending'));
+  const waiting = noGpu('waiting-for-gpu', frozenLease('pending'), {
+    frozen_on: GPU1
+  });
   const view = stateView('waiting-for-gpu', waiting, UP, NOW);
-  assert.equal(view.label, 'waiting for a GPU · frozen');
+  assert.equal(view.label, 'frozen, waiting for a GPU');
   assert.equal(view.severity, 'warning');
   assert.match(view.help, /thaws by itself once a GPU has room/);
-  assert.equal(statusLabel(waiting, view).text, 'GPU · waiting · frozen');
-  // A waiting kernel not frozen reads as before.
+  // The GPU it waits for is named (never "GPU · waiting · frozen").
+  assert.equal(statusLabel(waiting, view).text, 'GPU 1 · frozen, waiting');
+  // A waiting kernel not frozen holds no GPU and waits for any.
   const cold = noGpu('waiting-for-gpu', null);
   assert.equal(
     statusLabel(cold, stateView('waiting-for-gpu', cold, UP, NOW)).text,
-    'GPU · waiting for a GPU'
+    'waiting for a GPU'
   );
   const thawing = noGpu('waiting-for-gpu', frozenLease('thawing'));
   const thawView = stateView('waiting-for-gpu', thawing, UP, NOW);
   assert.equal(thawView.hold, 'thawing');
-  assert.equal(statusLabel(thawing, thawView).text, 'GPU · thawing');
+  assert.equal(statusLabel(thawing, thawView).text, 'GPU thawing');
   assert.equal(thawView.severity, 'info');
   assert.equal(isChanging(thawView), true);
   const freezing = noGpu('parked', frozenLease('freezing', { frozen: false }));
@@ -987,7 +1004,7 @@ test('the node table words freezing, thawing and frozen leases', () => {
   assert.equal(leaseStateWords(frozenLease('thawing')), 'thawing');
   assert.equal(
     leaseStateWords(frozenLease('parked')),
-    'parked (holds no GPU), frozen in host memory'
+    'parked, frozen in host memory'
   );
   assert.equal(
     leaseStateWords(frozenLease('pending')),
@@ -995,7 +1012,7 @@ test('the node table words freezing, thawing and frozen leases', () => {
   );
   assert.equal(
     leaseStateWords(frozenLease('active', { frozen: false })),
-    'running'
+    'guaranteed'
   );
   assert.equal(leaseStateWords(frozenLease('odd', { frozen: false })), 'odd');
 });
@@ -1010,11 +1027,11 @@ test('the frozen words go through the translator', () => {
   };
   const frozen = noGpu('parked', frozenLease('parked'));
   const view = stateView('parked', frozen, UP, NOW, marking);
-  assert.equal(view.label, '«parked · frozen»');
-  assert.match(view.help, /^«Idle, so it was frozen/);
+  assert.equal(view.label, '«parked, frozen»');
+  assert.match(view.help, /^«Frozen in host memory/);
   assert.equal(
     statusLabel(frozen, view, 'compact', marking).text,
-    '«GPU «parked · frozen»»'
+    '«GPU «parked, frozen»»'
   );
   assert.match(stateKept(frozen, marking) ?? '', /«frozen in host memory»/);
   assert.equal(leaseStateWords(frozenLease('thawing'), marking), '«thawing»');
@@ -1164,7 +1181,7 @@ test('where a share came from, in words: this notebook, remembered, default', ()
       request: 'your last %gpu request here',
       limit: 'c.GpuFrac'
     }),
-    'request 0.9 (remembered request for this environment), limit 1 (default)'
+    'request 0.9 (from your request remembered here), limit 1 (from the c.GpuFrac default)'
   );
 });
 
@@ -1216,4 +1233,129 @@ test('ages are computed when shown, from the event time', () => {
       new RegExp(`^Last news, ${age}: Moved from GPU 1 to GPU 0\\.$`, 'm')
     );
   }
+});
+
+test('commands are code in the panel and plain in notifications, never literal backticks', () => {
+  const said = "Parked at its user's request (`%gpu park`): frozen.";
+  assert.equal(
+    plainText(said),
+    "Parked at its user's request (%gpu park): frozen."
+  );
+  assert.deepEqual(codePieces(said), [
+    { text: "Parked at its user's request (", code: false },
+    { text: '%gpu park', code: true },
+    { text: '): frozen.', code: false }
+  ]);
+  assert.equal(
+    eventNotice(said, 'work/a.ipynb'),
+    "a.ipynb: Parked at its user's request (%gpu park): frozen."
+  );
+});
+
+test('the lasting notification of a move keeps its cause, shortened rather than dropped', () => {
+  const event: IGpuFracEvent = {
+    kernel_id: 'k1',
+    event: 'restored',
+    ok: true,
+    restored: ['a', 'b', 'c', 'd'],
+    lost: [],
+    reason:
+      "Moved from GPU 1 to GPU 0 to free GPU 1 for job \"python3 -c import os, time; print('job on', os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(20)\""
+  };
+  const notice = restoredNotice(event, 'work/Untitled1.ipynb', MAX_NOTICE);
+  assert.equal(notice.type, 'success');
+  assert.ok(notice.message.length <= MAX_NOTICE, notice.message);
+  assert.match(
+    notice.message,
+    /^Untitled1\.ipynb: Moved from GPU 1 to GPU 0 to free GPU 1 for job /
+  );
+  assert.match(notice.message, /… 4 of 4 variables restored\.$/);
+});
+
+test('a countdown says where to and what for, never the move in the past tense', () => {
+  const event: IGpuFracEvent = {
+    kernel_id: 'k1',
+    event: 'move_pending',
+    to_gpu_index: 0,
+    deadline: NOW + 30,
+    reason: 'moved from GPU 1 to GPU 0 to free GPU 1 for a job'
+  };
+  assert.equal(
+    moveNotice(event, 'a.ipynb', NOW),
+    'a.ipynb: Moving to GPU 0 in 30 s, sooner if the running cell ends: to free GPU 1 for a job.'
+  );
+});
+
+test('a thaw ends its freeze notification saying why it was frozen', () => {
+  const text = thawedNotice(
+    'Back on GPU 0: thawed after being frozen for under 1 s in host memory, with everything it held; nothing was restarted.',
+    'frozen because job "python3 -c print(1)" needs GPU 0 whole: its process and variables wait in host memory',
+    'work/a.ipynb'
+  );
+  assert.ok(text.length <= MAX_NOTICE, text);
+  assert.match(
+    text,
+    /^a\.ipynb: Back on GPU 0: thawed after being frozen for under 1 s in host memory\. /
+  );
+  assert.match(text, /It was frozen because job "python3 -c print\(1\)"/);
+});
+
+test('a restore that only cut a cell off says every variable came back', () => {
+  const cut = status('restore-incomplete', {
+    restore: {
+      ok: false,
+      restored: ['a', 'b', 'c', 'd', 'e'],
+      lost: [],
+      interrupted_cell: '[3] train()',
+      message: 'Moved.'
+    }
+  });
+  const view = stateView('restore-incomplete', cut, UP, NOW);
+  assert.doesNotMatch(view.help, /not everything/);
+  assert.match(view.help, /every variable came back as it was before the cell/);
+  const lost = status('restore-incomplete', {
+    restore: { ok: false, restored: ['a'], lost: ['g'], message: 'Moved.' }
+  });
+  assert.match(
+    stateView('restore-incomplete', lost, UP, NOW).help,
+    /not every variable came back/
+  );
+});
+
+test('a thaw is news in the status item for half a minute, however short the freeze', () => {
+  const thawed = status('guaranteed', {
+    last_event: {
+      event: 'unparked',
+      message:
+        'Back on GPU 1: thawed after being frozen for under 1 s in host memory, with everything it held; nothing was restarted.',
+      time: NOW - 5
+    }
+  });
+  const view = stateView('guaranteed', thawed, UP, NOW);
+  assert.match(
+    statusLabel(thawed, view, 'compact', defaultTrans, NOW).text,
+    / · thawed$/
+  );
+  assert.doesNotMatch(
+    statusLabel(thawed, view, 'compact', defaultTrans, NOW + 40).text,
+    /thawed/
+  );
+  // A parked kernel's own cell getting a GPU is no news.
+  const own = status('guaranteed', {
+    last_event: {
+      event: 'unparked',
+      message: 'Back on GPU 1: a cell asked for a GPU, and it runs there.',
+      time: NOW - 5
+    }
+  });
+  assert.doesNotMatch(
+    statusLabel(
+      own,
+      stateView('guaranteed', own, UP, NOW),
+      'compact',
+      defaultTrans,
+      NOW
+    ).text,
+    /thawed/
+  );
 });

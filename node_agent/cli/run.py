@@ -20,7 +20,7 @@ from node_agent.caps import framework_caps
 from node_agent.cli.command import GpuFracAgent
 from node_agent.client import AgentClient, AgentError, AgentUnavailable, UnsafeSocket
 from node_agent.quantities import QuantityError, parse_quantity
-from node_agent.waiting import waiting_key, waiting_words
+from node_agent.waiting import made_room_words, waiting_key, waiting_words
 
 
 class _Stopped(Exception):
@@ -113,6 +113,8 @@ class _Lease:
         # What the lease waited for when last asked, in words (the agent's reason, or its
         # leases that make room): said again if --timeout passes.
         self.waiting = ""
+        # The leases moved, frozen or parked for it, as last seen: said once it runs.
+        self.making_room: list[dict[str, Any]] = []
 
     def through_restarts(self, call: Callable[[], T], what: str) -> T:
         """``call()``, waiting out an agent that is down or restarting until the deadline."""
@@ -144,6 +146,9 @@ class _Lease:
                 compute_request=self.options.compute),
                 "asking for a lease")
             self.id = lease_id = str(lease["id"])
+            # The agent's first answer names what it does to make room; a freeze of a moment
+            # may be over by the first poll.
+            self.making_room = list(lease.get("waiting_for") or [])
             try:
                 self.through_restarts(
                     functools.partial(self.client.register_pid, lease_id, os.getpid()),
@@ -172,8 +177,8 @@ class _Lease:
                 down = down or time.monotonic()
                 self.progress.note(
                     "down", f"the agent does not answer ({exc.reason}) for "
-                    f"{time.monotonic() - down:.0f}s; waiting for it to come back: lease "
-                    f"{self.id} is kept in its ledger", every=10)
+                    f"{time.monotonic() - down:.0f}s; waiting for it to come back: this "
+                    "command's lease is kept in its ledger", every=10)
             except AgentError as exc:
                 if exc.status != 404:
                     raise
@@ -183,9 +188,13 @@ class _Lease:
             if lease is not None:
                 down = 0.0
                 if lease["state"] == "active":
+                    if self.making_room:
+                        self.progress.say(made_room_words(self.making_room))
                     self.progress.done()
                     return lease
                 making_room = lease.get("waiting_for") or []
+                if making_room:
+                    self.making_room = list(making_room)
                 self.waiting = (waiting_words(making_room, time.time()) if making_room
                                 else str(lease["reason"]))
                 self.progress.show(waiting_key(making_room) if making_room else self.waiting,
@@ -313,7 +322,7 @@ gpufrac-agent run --request 0.25 --limit 0.5 --compute 0.3 -- python infer.py
         for field, value in (("request", request), ("limit", self.limit)):
             if value is not None:
                 try:
-                    parse_quantity(value, f"--{field}")
+                    parse_quantity(value, f"--{field}", several="--gpus {n}")
                 except QuantityError as exc:
                     print(f"gpufrac-agent run: {exc}", file=sys.stderr)
                     return 2
@@ -335,12 +344,13 @@ gpufrac-agent run --request 0.25 --limit 0.5 --compute 0.3 -- python infer.py
             lease = job.wait_active()
             lease_id = str(lease["id"])
             gpus = ",".join(lease["physical_gpus"])
-            # GPUs named as the panel and `status` name them, the UUIDs after.
+            # GPUs named as the panel and `status` name them (the UUIDs are in the command's
+            # CUDA_VISIBLE_DEVICES; the lease's id in `status --json`).
             index = {g.get("uuid"): g.get("index") for g in job.client.node().get("gpus", [])}
-            named = ", ".join(f"GPU {index[u]}" if index.get(u) is not None else u
-                              for u in lease["physical_gpus"])
-            print(f"gpufrac-agent run: lease {lease_id} on {named} ({gpus})", file=sys.stderr,
-                  flush=True)
+            named = [f"GPU {index[u]}" if index.get(u) is not None else u
+                     for u in lease["physical_gpus"]]
+            on = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+            job.progress.say(f"running on {on}")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, GPUFRAC_LEASE_ID=lease_id,
                        GPUFRAC_REQUEST=str(lease["request"]), GPUFRAC_LIMIT=str(lease["limit"]))
             env.update(_caps(job.client, lease))

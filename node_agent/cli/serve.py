@@ -21,7 +21,7 @@ from node_agent.cli.command import GpuFracAgent, UsageError, default_state_dir
 from node_agent.client import AgentClient, personal_socket_folders, serve_command, socket_folder_problem
 from node_agent.devices.freezing import FREEZERS
 from node_agent.kubelet.claims import GPU_RESOURCE, RESERVATION_NAMESPACES
-from node_agent.quantities import QuantityError, parse_quantity
+from node_agent.quantities import QuantityError, parse_size
 from node_agent.service import AgentConfig
 
 log = logging.getLogger("gpufrac.agent")
@@ -47,12 +47,9 @@ def _size(size: int | str | None, flag: str) -> int | None:
     if size is None or isinstance(size, int):
         return size
     try:
-        nbytes = parse_quantity(size, flag).nbytes
+        return parse_size(size, flag)
     except QuantityError as exc:
         raise UsageError(str(exc)) from None
-    if nbytes is None:
-        raise UsageError(f"{flag}: expected a memory size such as 500Mi, got {size!r}")
-    return nbytes
 
 
 def _lock_state_dir(state_dir: str) -> int:

@@ -27,7 +27,7 @@ from node_agent.devices.base import (
     ProcessMemory,
     Sweep,
 )
-from node_agent.quantities import GiB, QuantityError, parse_quantity
+from node_agent.quantities import GiB, QuantityError, parse_size
 
 MiB = 2**20
 
@@ -70,10 +70,7 @@ def parse_spec(spec: str) -> list[Board]:
         if what.upper() in _MODELS:
             name, total, reserved, context = _MODELS[what.upper()]
         else:
-            size = parse_quantity(what, "simulate")
-            if size.nbytes is None:
-                raise QuantityError("simulate", f"the size of a simulated GPU must be memory, got {what!r}")
-            name, total, reserved, context = f"GPU {what}", size.nbytes, 0, 0
+            name, total, reserved, context = f"GPU {what}", parse_size(what, "simulate"), 0, 0
         options = _options(match.group(3), part)
         reserved, context = options.get("reserved", reserved), options.get("context", context)
         if reserved + context >= total:
@@ -91,10 +88,7 @@ def _options(text: str, part: str) -> dict[str, int]:
         if key not in ("reserved", "context") or not value:
             raise QuantityError("simulate", f"expected :reserved=SIZE or :context=SIZE in {part!r}, "
                                 f"got {option!r}")
-        size = parse_quantity(value, "simulate")
-        if size.nbytes is None:
-            raise QuantityError("simulate", f"{key} must be a memory size such as 512Mi, got {value!r}")
-        out[key] = size.nbytes
+        out[key] = parse_size(value, f"simulate {key}")
     return out
 
 

@@ -85,7 +85,7 @@ def test_lease_lifecycle(start_agent: Callable[..., AgentProcess], holders: Call
 @pytest.mark.parametrize(
     ("body", "status", "field", "words"),
     [
-        ({"client": "t", "request": "abc"}, 400, "request", "expected a fraction"),
+        ({"client": "t", "request": "abc"}, 400, "request", "expected a share of one GPU"),
         ({"client": "t", "request": "0.5", "limit": "0.25"}, 400, "limit", "at least the request"),
         ({"client": "t", "request": "2Gi"}, 400, "request", "more than one GPU holds"),
         ({"client": "t"}, 400, "request", "is required"),

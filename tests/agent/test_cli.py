@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,7 +18,7 @@ import pytest
 
 from harness.agent import AgentProcess, wait_for
 from node_agent import cli
-from node_agent.client import AgentClient, AgentUnavailable
+from node_agent.client import AgentClient, AgentUnavailable, default_socket_path
 from node_agent.service import AgentConfig
 
 
@@ -73,13 +76,39 @@ def test_run_refuses_bad_arguments(start_agent: Callable[..., AgentProcess]) -> 
     out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket, "run",
                           "--request", "lots", "--", "true"], capture_output=True, text=True,
                          timeout=30, check=False)
-    assert out.returncode == 2 and "--request: expected a fraction" in out.stderr
+    assert out.returncode == 2 and "--request: expected a share of one GPU" in out.stderr
     out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket, "run"],
                          capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 2 and "give the command after --" in out.stderr
     out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket + ".no",
                           "status"], capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 1 and "no gpufrac agent answers" in out.stderr
+
+
+def test_status_names_leases_and_users_and_says_states_in_the_glossarys_words(
+    start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Notebooks by name, jobs by command, users by login name; ids only in --json."""
+    agent = start_agent()
+    c = agent.client()
+    notebook = c.create_lease(client="t", request="0.25", limit="1", name="work/train.ipynb")
+    job = c.create_lease(client="t", kind="job", request="1", name="python train.py")
+
+    def status(*extra: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "node_agent", "--socket", agent.socket,
+                              "status", *extra], capture_output=True, text=True, timeout=30,
+                             check=True)
+        return out.stdout
+
+    table = status()
+    me = pwd.getpwuid(os.getuid()).pw_name
+    rows = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert "notebook train.ipynb" in rows and "job python train.py" in rows, table
+    assert all(f" {me} " in rows[name] for name in ("notebook train.ipynb", "job python train.py"))
+    assert " guaranteed " in rows["notebook train.ipynb"], table
+    assert "active" not in table and "OWNER" not in table
+    assert notebook["id"] not in table and job["id"] not in table
+    assert {x["id"] for x in json.loads(status("--json"))["leases"]} == {notebook["id"], job["id"]}
 
 
 def test_hints_to_start_an_agent_give_the_exact_command(tmp_path: Path) -> None:
@@ -156,7 +185,8 @@ def test_an_unreachable_default_socket_says_how_to_name_another(
     (["serve", "--headroom", "2"], "--headroom: expected a finite number from 0 to 1, got 2.0"),
     (["serve", "--log-level", "loud"], "--log-level: expected debug, info, warning or error, got 'loud'"),
     (["serve", "--max-workloads-per-gpu", "two"], "--max-workloads-per-gpu: expected a whole number"),
-    (["serve", "--context-size", "0.5"], "--context-size: expected a memory size such as 500Mi, got '0.5'"),
+    (["serve", "--context-size", "0.5"],
+     "--context-size: expected a memory size such as 500Mi, 20GiB, 2500M or bytes, got '0.5'"),
     (["serve", "--tcp", "localhost"], "--tcp: expected HOST:PORT"),
     (["serve", "--bogus", "1"], "unrecognized option --bogus"),
     (["run", "--gpus", "0", "--", "true"], "--gpus: expected a whole number of at least 1, got 0"),
@@ -312,3 +342,28 @@ def test_an_agent_started_to_exit_with_its_parent_stops_when_the_parent_is_kille
     parent.wait()
     wait_for(lambda: not Path(f"/proc/{child}").exists() or
              Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", 15, "the agent to stop")
+
+
+def test_the_system_agents_socket_is_the_default_only_where_root_made_its_folder(
+    no_system_agent: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The rule of the README's "The agent's socket", step 2, against a socket of the test's
+    own (the machine's real one, if any, is never asked: tests/conftest.py)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to own the system socket's folder")
+    monkeypatch.delenv("GPUFRAC_AGENT_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    personal = str(tmp_path / "gpufrac" / "agent.sock")
+    assert default_socket_path() == personal  # nothing there yet
+    folder = Path(no_system_agent).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(no_system_agent)
+        assert default_socket_path() == no_system_agent
+        os.chown(folder, 65534, 65534)  # another user's folder is nobody's default
+        assert default_socket_path() == personal
+    finally:
+        listener.close()
+        os.chown(folder, 0, 0)
+        os.unlink(no_system_agent)

@@ -112,7 +112,7 @@ def test_a_refusal_arrives_as_agent_error_naming_the_field(
     for err in (sync_err.value, async_err):
         assert type(err) is AgentError
         assert (err.status, err.field) == (400, "request")
-        assert "expected a fraction" in err.message and str(err).startswith("request: ")
+        assert "expected a share of one GPU" in err.message and str(err).startswith("request: ")
     assert (missing.status, missing.field) == (404, "lease")
 
 

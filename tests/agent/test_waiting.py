@@ -7,7 +7,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from node_agent.waiting import waiting_key, waiting_words
+from node_agent.waiting import made_room_words, waiting_key, waiting_words
 
 WHO = st.sampled_from(['notebook "a.ipynb" (l-0a1b2c3d4e5f)', "another user's notebook"])
 ENTRY = st.fixed_dictionaries({
@@ -25,7 +25,9 @@ def test_each_lease_is_named_and_its_countdown_counts_down_and_never_below_zero(
 ) -> None:
     before, after = waiting_words(waiting, now), waiting_words(waiting, now + later)
     for line in (before, after):
-        assert all(str(w["who"]) in line for w in waiting)
+        # By name, as people know it: the lease id the agent adds is for scripts.
+        assert all(str(w["who"]).removesuffix(" (l-0a1b2c3d4e5f)") in line for w in waiting)
+        assert "l-0a1b2c3d4e5f" not in line
         assert line.startswith(f"waiting for {len(waiting)} notebook")
     seconds = [[int(n) for n in re.findall(r"within (\d+) s", line)] for line in (before, after)]
     assert all(n > 0 for n in seconds[0] + seconds[1])
@@ -47,3 +49,23 @@ def test_a_move_past_its_deadline_is_due_now_and_a_park_says_it_has_none() -> No
     assert line.startswith("waiting for 2 notebooks to make room: ")
     assert "GPU 0 now (its time is up); " in line
     assert line.endswith("on GPU 1 is asked to park once its kernel is idle (no deadline)")
+
+
+def test_what_was_done_to_make_room_is_said_once_the_job_runs() -> None:
+    """A freeze of a moment (the job starts before `run` first polls) is still seen."""
+    frozen = [{"who": f'notebook "{n}.ipynb" (l-0a1b2c3d4e5f)', "kind": "notebook",
+               "gpu": f"GPU {i}", "action": "freezing", "to": None, "deadline": None}
+              for i, n in enumerate("ab")]
+    assert made_room_words(frozen) == (
+        'made room: notebook "a.ipynb" on GPU 0 frozen in host memory; notebook "b.ipynb" on '
+        "GPU 1 frozen in host memory (what was frozen thaws when the command ends)")
+    moved = {**frozen[0], "action": "moving", "to": "GPU 1", "deadline": 5.0}
+    assert made_room_words([moved]) == 'made room: notebook "a.ipynb" on GPU 0 moved to GPU 1'
+
+
+def test_a_notebook_is_named_by_its_file_name_however_the_agent_cut_its_path() -> None:
+    waiting = [{"who": 'notebook "…b-201/lab0/notebooks/Untitled1.ipynb" (l-0a1b2c3d4e5f)',
+                "kind": "notebook", "gpu": "GPU 1", "action": "moving", "to": "GPU 0",
+                "deadline": None}]
+    assert waiting_words(waiting, 0.0) == ('waiting for 1 notebook to make room: notebook '
+                                           '"Untitled1.ipynb" is moving from GPU 1 to GPU 0')

@@ -266,7 +266,7 @@ def test_widget_follows_kernel_through_migration(
             # all of GPU 1, one figure ("16.0 GiB", not a range from it to itself).
             expect(panel.locator("tr[data-gpu-index='0'] li[data-current=true]")).to_have_count(1)
             expect(panel.locator("tr[data-gpu-index='1'] li")).to_have_text(
-                re.compile(r"^job sleep 300: \S+ \S+ of 16\.0 GiB, running$")
+                re.compile(r"^job sleep 300: \S+ \S+ of 16\.0 GiB, guaranteed$")
             )
             history = panel.locator(".jp-gpufrac-Panel-history")
             # One entry for the move: how it ended, its steps (countdown, move,
@@ -449,12 +449,13 @@ def test_widget_follows_kernel_through_migration(
                 expect(item).to_have_attribute("data-state", "agent-unreachable", timeout=8_000)
                 noticed_s = time.monotonic() - stopped_at
                 expect(item.locator(".jp-gpufrac-StatusItem-state")).to_have_text("agent unreachable")
-                # No figure that could pass for a current one; the last known in the tooltip.
+                # No figure that could pass for a current one; the last seen in the tooltip.
                 expect(item).to_have_text("GPU 0: ? · agent unreachable")
                 expect(item).not_to_have_attribute("aria-label", re.compile("guaranteed"))
                 expect(item).to_have_attribute("title", re.compile("cannot be verified"))
-                last_known = re.compile(r"^Last known: .* \(not verified\)\.$", re.M)
-                expect(item).to_have_attribute("title", last_known)
+                last_seen = re.compile(r"^Last seen: .*; the agent does not answer, so they may "
+                                       r"have changed\.$", re.M)
+                expect(item).to_have_attribute("title", last_seen)
                 widths["agent-unreachable"] = _item_width(item, WORDED_WIDTH_MAX)
                 _assert_bell_on_screen_at_1024(page)
                 expect(panel.locator(".jp-gpufrac-State")).to_have_text("agent unreachable")

@@ -19,7 +19,7 @@ def test_bad_configuration_names_the_trait(tmp_path: Path) -> None:
             lambda: next((ln for ln in server.log_text().splitlines() if "c.GpuFrac." in ln), None),
             30, "the configuration error in the server log", interval=0.2,
         )
-        assert "c.GpuFrac.default_request: expected a fraction" in line, line
+        assert "c.GpuFrac.default_request: expected a share of one GPU" in line, line
         assert "Traceback" not in server.log_text()
         # The server and the extension keep running, and the widget says what is wrong.
         assert server.api("/api/status")[0] == 200

@@ -72,10 +72,21 @@ def test_a_whole_gpu_job_on_a_one_gpu_node_freezes_two_notebooks_and_thaws_them(
             assert job.wait(60) == 0, job.stderr.read() if job.stderr else ""
             reply = books[0].wait(cell, timeout=60)
             assert reply.status == "ok", reply.error
-            assert "waited frozen in host memory" in reply.stdout
+            # Why first (the freeze, with the job it was for), then the way back.
+            said = reply.stdout.split("\n")
+            assert said[0].startswith("gpufrac: frozen in host memory at ") and "job" in said[0]
+            assert "thawed (" in reply.stdout and "Nothing was restarted" in reply.stdout
             assert int(reply.stdout.split("PID")[1].split()[0]) == pids[0]
+            # The other notebook thawed by itself meanwhile: its next cell, however late, says
+            # it was frozen and is back, once.
+            wait_for(lambda: "unparked" in server.events(books[1].kernel_id), 30,
+                     "the second notebook thawed", interval=0.1)
             out = books[1].ok(CHECK.format(n=2))
+            news = out.split("\n")
+            assert news[0].startswith("gpufrac: frozen in host memory at ") and "job" in news[0]
+            assert news[1].startswith("gpufrac: thawed at ") and ", back on GPU " in news[1]
             assert int(out.split("PID")[1].split()[0]) == pids[1]
+            assert books[1].ok("print('again')") == "again\n"
             for nb in books:
                 wait_for(lambda nb=nb: "unparked" in server.events(nb.kernel_id), 30,
                          "the thaw told", interval=0.1)

@@ -199,17 +199,21 @@ def test_gpu_request_errors_and_the_next_kernel_remembers(node: tuple[AgentProce
     assert "request" in reply.error and "fraction" in reply.error
     reply = nb.run("%gpu request 0.5 --limit 0.25")
     assert reply.status == "error" and "limit" in reply.error and "at least the request" in reply.error
-    # A change that fits where the kernel is: in place, and the user's next kernel asks the same,
-    # as the answer says.
+    # A change that fits where the kernel is: in place, for this notebook only unless asked,
+    # and then the user's next kernel asks the same, as the answer says.
+    folder = server.root.parent / "data" / "gpufrac" / "checkpoints"
     changed = nb.ok("%gpu request 0.3 --limit 0.5 --no-checkpoint")
     assert "now 0.3 of GPU " in changed and ": 614.4 MiB guaranteed, up to 1.0 GiB." in changed
-    assert "Kept for new notebooks in this environment; `%gpu request --reset` forgets it." \
-        in changed
+    assert ("For this notebook only; `%gpu request 0.3 --limit 0.5 --remember` gives new "
+            "notebooks here the same.") in changed
+    assert not list(folder.glob("last-request-*.json"))
+    changed = nb.ok("%gpu request 0.3 --limit 0.5 --remember --no-checkpoint")
+    assert ("Request 0.3, limit 0.5 kept for new notebooks in this environment; "
+            "`%gpu request --reset` forgets it.") in changed
     lease = server.kernel_status(nb.kernel_id)["lease"]
     assert (lease["request_spec"], lease["limit_spec"]) == ("0.3", "0.5")
-    assert "(from %gpu request)" in nb.ok("%gpu")
+    assert "(from %gpu request in this notebook)" in nb.ok("%gpu")
     # Remembered for this environment (the server's Python), in the user's own data folder.
-    folder = server.root.parent / "data" / "gpufrac" / "checkpoints"
 
     def remembered() -> Path | None:
         found = list(folder.glob("last-request-*.json"))
@@ -221,7 +225,7 @@ def test_gpu_request_errors_and_the_next_kernel_remembers(node: tuple[AgentProce
     assert (status["lease"]["request_spec"], status["lease"]["limit_spec"]) == ("0.3", "0.5")
     source = "your last %gpu request here"
     assert status["share_source"] == {"request": source, "limit": source}
-    assert f"(from {source})" in after.ok("%gpu")
+    assert "(from your request remembered here)" in after.ok("%gpu")
     # --reset forgets it: the next kernel takes the server's default again.
     assert ("forgot your remembered request: new notebooks in this environment get the default "
             "share (request 0.25, limit 1) unless their kernelspec names one; this kernel keeps "

@@ -36,9 +36,10 @@ def test_no_lease_mode_magics_errors_and_oom_help(tmp_path: Path) -> None:
 
         bad = k.run("%gpu request abc")
         assert bad.status == "error" and "Traceback" not in bad.text
-        assert "request: expected a fraction 0 < f <= 1" in bad.text and "'abc'" in bad.text
+        assert "request: expected a share of one GPU: a fraction 0 < f <= 1" in bad.text
+        assert "'abc'" in bad.text
         bad_limit = k.run("%gpu request 0.5 --limit lots")
-        assert "limit: expected a fraction" in bad_limit.text
+        assert "limit: expected a share of one GPU" in bad_limit.text
         unknown = k.run("%gpu frobnicate")
         assert unknown.status == "error" and "unknown subcommand 'frobnicate'" in unknown.text
         no_lease = k.run("%gpu request 0.5")
@@ -128,12 +129,15 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
     with running_kernel(env) as k:
         status = k.run("%gpu").stdout
         # The GPU as the panel names it; "simulated" once.
-        assert status.splitlines()[0] == (f"gpufrac: lease {lease['id']} on GPU 1 (GPU 16GiB, "
-                                          f"simulated; {lease['physical_gpu']})"), status
-        assert f"lease {lease['id']}" in status and "12.0 GiB (0.75 of the GPU)" in status
+        assert status.splitlines()[0] == ("gpufrac: this kernel's share of GPU 1 (GPU 16GiB, "
+                                          "simulated)"), status
+        # Ids are for scripts: neither the lease's nor the GPU's UUID.
+        assert lease["id"] not in status and lease["physical_gpu"] not in status
+        assert "12.0 GiB (0.75 of the GPU)" in status
         assert "<- this kernel" in status  # the node's GPUs, from the agent
         inverted = k.run("%gpu request 0.9 --limit 0.5")
-        assert inverted.status == "error" and "limit: must be at least the request" in inverted.text
+        assert inverted.status == "error"
+        assert "limit: 0.5 (8.0 GiB here) is below the request, 0.9" in inverted.text
         resized = k.run("%gpu request 0.5 --limit 0.8")
         assert resized.status == "ok", resized.text
         assert "now 0.5 of GPU 1: 8.0 GiB guaranteed, up to 12.8 GiB." in resized.stdout
@@ -434,9 +438,10 @@ def test_a_restored_kernel_goes_on_numbering_its_cells_with_their_history(
         assert k.value("_9") == 43
 
 
-def test_a_restore_is_told_while_it_is_news_and_its_ages_when_shown(tmp_path: Path) -> None:
-    """A restore that lost nothing is not told at a first cell long after it; `%gpu` tells it
-    with its ages counted as it is shown, not as they were at the restore."""
+def test_a_restore_is_told_at_the_next_cell_however_late_once_with_its_ages_when_shown(
+        tmp_path: Path) -> None:
+    """Someone back from coffee reads at their first cell that the kernel was moved and
+    restarted, and what came back, with its ages counted as it is shown; once."""
     ckdir = tmp_path / "ck"
     with running_kernel({"GPUFRAC_CHECKPOINT_DIR": str(ckdir)}) as k:
         assert k.run("a = 1").status == "ok"
@@ -449,7 +454,11 @@ def test_a_restore_is_told_while_it_is_news_and_its_ages_when_shown(tmp_path: Pa
                  "r['time'] -= 7200\nr['checkpoint_time'] -= 7200")
         assert k.run(shift, silent=True).status == "ok"
         first = k.run("print('hello')")
-        assert first.stdout == "hello\n", first.stdout
+        assert first.stdout.startswith("gpufrac: This kernel was moved: test.\ngpufrac: Restored "
+                                       "1 of 1 variable from the checkpoint taken at"), first.stdout
+        assert "(2.0 h ago, after cell [1]): a.\n" in first.stdout, first.stdout
+        assert first.stdout.endswith("hello\n"), first.stdout
+        assert k.run("print('again')").stdout == "again\n"
         status = k.run("%gpu").stdout
         assert "Restored 1 of 1 variable from the checkpoint taken at" in status, status
         assert "(2.0 h ago, after cell [1]): a." in status, status

@@ -132,10 +132,12 @@ def test_restart_messages_say_why_and_what() -> None:
 
 def test_back_on_a_gpu_is_told_in_short_sentences() -> None:
     text = messages.unparked("GPU 0", 0.81, ["a", "b"], 2**30, ["c"])
-    assert text == ("gpufrac: back on GPU 0 in 0.81 s. 2 variables (1.0 GiB) moved back onto "
-                    "it. c stays in host memory: there is no room under the cap. `%gpu reload` "
-                    "moves it back once there is.")
-    assert messages.thawed("GPU 1", 1.5).startswith("gpufrac: back on GPU 1 in 1.50 s. ")
+    assert text == ("gpufrac: back on GPU 0 (this cell waited under 1 s for it). 2 variables "
+                    "(1.0 GiB) moved back onto it. c stays in host memory: there is no room "
+                    "under the cap. `%gpu reload` moves it back once there is.")
+    # Durations in one way everywhere: format_duration, never "0 s" for what took time.
+    assert messages.thawed("GPU 1", 1.5, 151.0).startswith(
+        "gpufrac: back on GPU 1, thawed (2 min 31 s frozen; this cell waited 2 s for it). ")
     oom = messages.restart_cause(kenv.RestartReason("oom_killed", "give 4.0 GiB back"))
     assert "reclaimer" in oom and "give 4.0 GiB back" in oom
     failed = messages.restore_message(None, restored=[], lost={}, checkpoint_time=None,
@@ -187,11 +189,11 @@ def test_parser_errors_are_usage_errors(line: list[str], message: str) -> None:
 def test_compute_is_shown_against_its_share_and_says_whether_it_holds() -> None:
     lease = {"compute_usage": 37, "compute_request": 0.25, "compute_limit": 0.5}
     assert messages.compute_text(lease, mps=False) == (
-        "37% of the GPU's SMs; share 0.25 to 0.5 of the GPU's compute "
+        "37% of the GPU's compute; share 0.25 to 0.5 of the GPU's compute "
         "(not enforced: no CUDA MPS on this node)")
     assert messages.compute_text({**lease, "compute_limit": 0.25}, mps=True).endswith(
         "share 0.25 of the GPU's compute (held by CUDA MPS)")
-    assert messages.compute_text({"compute_usage": None}, mps=False) == "not sampled by the driver"
+    assert messages.compute_text({"compute_usage": None}, mps=False) == "not sampled"
 
 
 def test_no_lease_reason_is_the_servers_and_never_a_guess() -> None:
@@ -235,3 +237,33 @@ def test_env_offers_an_earlier_state_only_by_a_plain_folder_name() -> None:
     # A kernel without checkpoints takes no state over.
     off = kenv.parse({"GPUFRAC_RESUMABLE": '{"folder": "k"}', "GPUFRAC_NO_CHECKPOINTS": "why"})
     assert off.resumable is None
+
+
+def test_a_freeze_is_news_at_the_next_cell_in_one_sentence_each() -> None:
+    """The frozen directive leaves its sentence for the next cell, however late it comes,
+    without the words the kernel's own sentence says already."""
+    state = ladder.LadderState()
+    at = 1_700_000_000.0
+    stamp = messages.clock(at)
+    ladder.on_directive(state, {"kind": "frozen", "created": at, "cause": "job", "reason":
+                                'frozen because job "train" needs GPU 1 whole: it thaws when '
+                                "the job ends"})
+    assert state.notices == [f'gpufrac: frozen in host memory at {stamp} because job "train" '
+                             "needs GPU 1 whole: it thaws when the job ends."]
+    assert state.frozen and state.frozen_at == at
+    park = messages.frozen_news("parked at its user's request", "park", at)
+    assert park.startswith(f"gpufrac: parked at {stamp}, at its user's request: frozen in host "
+                           "memory, it gave its GPU back.")
+    assert messages.thawed_news("GPU 0", 0.2, at) == (
+        f"gpufrac: thawed at {stamp}, after being frozen for under 1 s, back on GPU 0. Nothing "
+        "was restarted: every variable, open file and thread is as it was.")
+
+
+def test_a_waiting_cell_says_what_it_waits_for_once() -> None:
+    """The agent's reason may repeat what the sentence says ("frozen in host memory, waiting
+    for a GPU: …"): said once."""
+    text = messages.waiting_for_gpu("frozen in host memory, waiting for a GPU: no GPU has "
+                                    "4.0 GiB free for its request", frozen=True)
+    assert text.count("waiting for a GPU") == 1 and text.count("frozen in host memory") == 1
+    assert text.startswith("gpufrac: waiting for a GPU (the kernel waits frozen in host memory; "
+                           "nothing is lost): no GPU has 4.0 GiB free for its request. ")

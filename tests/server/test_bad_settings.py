@@ -11,7 +11,7 @@ from harness.agent import AgentProcess
 
 from .conftest import gpufrac_config
 
-PROBLEM = "c.GpuFrac.default_request: expected a fraction 0 < f <= 1 of one GPU"
+PROBLEM = "c.GpuFrac.default_request: expected a share of one GPU: a fraction 0 < f <= 1"
 
 
 @pytest.fixture

@@ -23,9 +23,9 @@ def make_app(**traits: object) -> GpuFrac:
 @pytest.mark.parametrize(
     ("traits", "expected"),
     [
-        ({"default_request": "lots"}, "c.GpuFrac.default_request: expected a fraction"),
-        ({"default_request": "1.5"}, "c.GpuFrac.default_request: a fraction must be at most 1"),
-        ({"default_limit": "-1"}, "c.GpuFrac.default_limit: expected a fraction"),
+        ({"default_request": "lots"}, "c.GpuFrac.default_request: expected a share of one GPU"),
+        ({"default_request": "1.5"}, "c.GpuFrac.default_request: 1.5 GiB or 1.5 GPUs?"),
+        ({"default_limit": "-1"}, "c.GpuFrac.default_limit: expected a share of one GPU"),
         ({"migrate_grace_period": -5},
          "c.GpuFrac.migrate_grace_period: expected seconds from 0 to 86400, got -5"),
         ({"embedded_agent_timeout": 0},
@@ -178,10 +178,10 @@ def test_runai_and_kai_names_in_the_kernelspec() -> None:
     # KAI's gpu-memory is whole MiB; its limit can come from the platform's variable.
     memory = resolve_share({"gpufrac": {"gpu-memory": "4096"}}, None,
                            {"RUNAI_GPU_MEMORY_LIMIT": "8Gi"}, "0.25", "1")
-    assert (spec(memory.request), spec(memory.limit)) == (str(4096 * 2**20), "8Gi")
+    assert (spec(memory.request), spec(memory.limit)) == ("4096Mi", "8Gi")
     both = resolve_share({"gpufrac": {"gpu-memory": 1024, "gpu-memory-limit": 2048}}, None, {},
                          "0.25", "1")
-    assert (spec(both.request), spec(both.limit)) == (str(2**30), str(2**31))
+    assert (spec(both.request), spec(both.limit)) == ("1024Mi", "2048Mi")
 
 
 @pytest.mark.parametrize(

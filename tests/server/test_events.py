@@ -87,3 +87,27 @@ def test_a_bursting_notice_does_not_hide_what_a_restore_lost() -> None:
     moved = {"event": "migrating", "time": 100.2, "message": "Moving"}
     assert kernel_state(kernel, gpu, lease, [restored, bursting, moved],
                         now=101.0)[0] == "bursting"
+
+
+def test_a_frozen_kernel_waits_for_what_it_was_frozen_for_said_by_the_server() -> None:
+    """Not the agent's shortfall of every GPU (one job named once per GPU, ids and all): the
+    freeze's own sentence; without one, the agent's reason with leases by name."""
+    import logging
+    from types import SimpleNamespace
+
+    from jupyter_gpufrac.server.account import kernel_state
+    from jupyter_gpufrac.server.kernels import KernelGpu
+    from jupyter_gpufrac.server.settings import standalone_settings
+
+    log = logging.getLogger("test")
+    kernel = SimpleNamespace(last_activity=None)
+    gpu = KernelGpu("k-1", {}, lambda: standalone_settings(log), log)
+    lease = {"state": "pending", "frozen": True, "reason": (
+        'frozen in host memory, waiting for a GPU: GPU 0 is held whole by job "t" '
+        '(l-0123456789ab), GPU 1 is held whole by job "t" (l-0123456789ab)')}
+    frozen = {"event": "frozen", "time": 100.0,
+              "message": 'Frozen because job "t" needs GPU 0 whole: it thaws when the job ends.'}
+    assert kernel_state(kernel, gpu, lease, [frozen], now=101.0) == (
+        "waiting-for-gpu", frozen["message"], None)
+    state, reason, _ = kernel_state(kernel, gpu, lease, [], now=101.0)
+    assert state == "waiting-for-gpu" and reason is not None and "l-" not in reason

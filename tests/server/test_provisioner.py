@@ -185,7 +185,7 @@ async def test_full_node_starts_the_kernel_without_gpus(isolated: Path, no_lease
         assert provisioner.gpu.lease is None
         reason = provisioner.gpu.no_gpu_reason or ""
         assert ("The agent had no room for this kernel's request of 0.25 (512.0 MiB) (from "
-                "c.GpuFrac): no GPU has room") in reason, reason
+                "the c.GpuFrac default): no GPU has room") in reason, reason
         _, env = process_view(provisioner.pid)
         # The kernel is told why, in the same words (its %gpu says them).
         assert env["GPUFRAC_NO_LEASE_REASON"] == reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import pytest
 from unix_users import ATTACKER, user
 
 from harness.jupyter import running_server
+from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.settings import KernelSettings
 
@@ -45,7 +47,10 @@ def test_a_linked_remembered_request_file_does_not_overwrite_its_target(
         attacker = user(ATTACKER)
         os.chown(root, attacker.uid, attacker.gid)
         root.chmod(0o777)
-    s.remember_request("0.5", "1")
+    # As `%gpu request --remember` keeps it (GpuMagic._remember).
+    with contextlib.suppress(store.UnsafeCheckpointError):
+        store.write_file(root, path.name, json.dumps({"request": "0.5", "limit": "1"}).encode(),
+                         blobs=False)
     assert target.read_text() == "keep me"
     if not shared:
         # Ours alone: the request is kept, as a file of its own in place of the link.
@@ -81,7 +86,8 @@ def test_a_remembered_request_of_another_user_is_ignored(
     assert "belongs to uid" in caplog.text
     # Written by us, it is read.
     path.unlink()
-    s.remember_request("0.5", None)
+    store.write_file(root, path.name, json.dumps({"request": "0.5", "limit": None}).encode(),
+                     blobs=False)
     assert s.last_request() == {"request": "0.5", "limit": None}
 
 
