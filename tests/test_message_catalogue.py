@@ -105,31 +105,14 @@ def test_the_glossary_says_the_words_the_code_uses() -> None:
     assert {source: word for word, source in sources} == dict(contract.SOURCE_WORDS)
 
 
-# Agent sentences in node_agent/service.py, which another change is splitting into rooms: they
-# are reworded there once it lands (the lead has the list); each leaves this set as it goes.
-AWAITING_THE_SPLIT = frozenset({
-    "lease is {lease.state}; change it once it is active",
-    "lease is {lease.state}, not migrating",
-    "thawed on {self._labels(lease.physical)} after {format_duration(frozen_for)} frozen in "
-    "host memory",
-    "{reason}: frozen and thawed there in {seconds:.1f} s, nothing restarted",
-})
-
-
 def test_no_sentence_uses_a_word_the_glossary_replaces() -> None:
     [banned] = glossary_tables("Words we do not use")
     broken = []
     for pattern, instead, _ in banned:
         for s in FOUND:
-            if re.search(pattern, s.text) and s.text not in AWAITING_THE_SPLIT:
+            if re.search(pattern, s.text):
                 broken.append(f"{s.path} {s.producer}: {s.text!r} (say {instead!r})")
     assert not broken, "\n".join(broken)
-
-
-def test_the_sentences_awaiting_the_split_are_still_there() -> None:
-    """A sentence reworded in node_agent/service.py leaves AWAITING_THE_SPLIT too."""
-    agent = {s.text for s in FOUND if s.path == "node_agent/service.py"}
-    assert agent >= AWAITING_THE_SPLIT, AWAITING_THE_SPLIT - agent
 
 
 def test_jupyterlab_shows_no_markdown() -> None:

@@ -22,7 +22,7 @@ from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.kernel.state_file import CheckpointError, current_header, header_generation
 from jupyter_gpufrac.notebook_record import Notebook, read_record
 from jupyter_gpufrac.server.retention import listening
-from node_agent.quantities import format_bytes
+from node_agent.quantities import format_bytes, format_duration
 
 # How often a server says in each of its kernels' records that it still runs them.
 HEARTBEAT_S = 30.0
@@ -207,7 +207,7 @@ def _live(root_fd: int, name: str, record: Mapping[str, Any], here: ServerInfo,
     heard = record.get("heartbeat")
     if isinstance(heard, int | float) and 0 <= now - heard < SILENT_AFTER_S:
         return (f"its server on {server.get('node') or 'another machine'} was heard from "
-                f"{now - heard:.0f} s ago")
+                f"{format_duration(now - heard)} ago")
     return None
 
 

@@ -607,8 +607,8 @@ class Freezing(Room):
         seconds = time.monotonic() - started
         now = time.time()
         frozen_for = now - (lease.frozen_at or now)
-        reason = (f"thawed on {self.ctx.labels(lease.physical)} after "
-                  f"{format_duration(frozen_for)} frozen in host memory")
+        reason = (f"thawed on {self.ctx.labels(lease.physical)}, frozen in host memory for "
+                  f"{format_duration(frozen_for)}")
         with self.ledger.transaction():
             lease = self.ledger.update(
                 lease_id, state="active", parked_at=None, frozen_at=None, frozen_bytes=0,
@@ -678,7 +678,7 @@ class Freezing(Room):
                 lease_id, state="active", physical=lease.target, target=(), deadline=None,
                 fallback="", restore_until=time.time() + self.config.restore_grace)
             self.ctx.directives.add(lease, "moved", f"{reason}: frozen and thawed there in "
-                                    f"{seconds:.1f} s, nothing restarted", from_gpu=source[0],
+                                    f"{format_duration(seconds)}, nothing restarted", from_gpu=source[0],
                                     to_gpu=lease.physical[0], gpus=list(lease.physical),
                                     seconds=round(seconds, 3), request=lease.request, limit=lease.limit)
         for pid, _ in lease.pids:

@@ -10,6 +10,7 @@ from node_agent.flows.common import Caller, Conflict, whose
 from node_agent.flows.room import Room
 from node_agent.ledger import Lease
 from node_agent.stats import MIGRATED
+from node_agent.words import LEASE_STATE_WORDS
 
 
 class Moves(Room):
@@ -49,7 +50,8 @@ class Moves(Room):
         self.ctx.polling.wake()
         lease = self.ctx.lease(caller, lease_id)
         if lease.state != "migrating":
-            raise Conflict("lease", f"lease is {lease.state}, not migrating")
+            raise Conflict("lease", f"the lease is {LEASE_STATE_WORDS.get(lease.state, lease.state)}, "
+                                    "not moving")
         with self.ledger.transaction():
             lease = self.ledger.update(
                 lease.id, state="active", physical=lease.target, target=(), deadline=None,

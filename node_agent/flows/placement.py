@@ -24,6 +24,7 @@ from node_agent.flows.room import Room
 from node_agent.ledger import CLUSTER, Lease
 from node_agent.quantities import MiB, Quantity, QuantityError, check_share, format_bytes, parse_quantity
 from node_agent.stats import AFTER_WAIT, RELEASED
+from node_agent.words import LEASE_STATE_WORDS
 
 log = logging.getLogger("gpufrac.agent")
 
@@ -269,7 +270,8 @@ class Placement(Room):
         self.ctx.polling.wake()
         lease = self.ctx.lease(caller, lease_id)
         if lease.state not in ("active", "shrinking"):
-            raise Conflict("lease", f"lease is {lease.state}; change it once it is active")
+            raise Conflict("lease", f"the lease is {LEASE_STATE_WORDS.get(lease.state, lease.state)}; "
+                                    "its share can change once it runs on a GPU")
         request = change.request or parse_quantity(lease.request_spec, "request")
         limit = change.limit or parse_quantity(lease.limit_spec, "limit")
         if change.limit is None:

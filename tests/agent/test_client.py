@@ -64,7 +64,7 @@ def test_both_clients_call_every_endpoint(
         # From now on: past the notice of the resize above.
         assert c.directives(client="sync", after=-1, timeout=0) == ([], 1)
         assert "gpufrac" in c.metrics()
-        with pytest.raises(AgentError, match="active, not migrating"):
+        with pytest.raises(AgentError, match="guaranteed, not moving"):
             c.migrated(lease["id"])
         assert c.request("GET", "/v1/leases/" + lease["id"])["id"] == lease["id"]
 
@@ -78,7 +78,7 @@ def test_both_clients_call_every_endpoint(
             assert "gpufrac" in await a.metrics()
             assert (await a.register_pid(mine["id"], other.pid))["pids"] == [other.pid]
             assert await a.report_usage(mine["id"], 2**20) is None
-            with pytest.raises(AgentError, match="active, not migrating"):
+            with pytest.raises(AgentError, match="guaranteed, not moving"):
                 await a.migrated(mine["id"])
             # Calls at once share nothing but the client.
             many = await asyncio.gather(*(a.lease(lease["id"]) for _ in range(10)))

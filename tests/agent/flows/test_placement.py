@@ -26,7 +26,7 @@ def test_refusals_say_what_kind_and_which_field(agent: Agent) -> None:
     assert found.value.field == "lease"
     with pytest.raises(Conflict) as conflict:
         agent.migrated(ME, lease.id)
-    assert (conflict.value.field, conflict.value.message) == ("lease", "lease is active, not migrating")
+    assert (conflict.value.field, conflict.value.message) == ("lease", "the lease is guaranteed, not moving")
     with pytest.raises(Refused) as refused:
         agent.create_lease(ME, ask("0.25", devices=3))
     assert type(refused.value) is Refused and refused.value.field == "devices"
