@@ -36,7 +36,8 @@ demo: $(BIN)/gpufrac-agent
 test: $(BIN)/gpufrac-agent $(CHP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	# Two workers, each taking whole test files (a file's servers and agents are set up once).
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # A long randomized sequence of moves, kills and restarts against an undisturbed reference kernel.
 SOAK_STEPS ?= 2000

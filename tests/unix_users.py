@@ -46,8 +46,12 @@ def group(name: str) -> int:
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
-        subprocess.run(["groupadd", "--system", name], check=True)
-        return grp.getgrnam(name).gr_gid
+        # Another test worker may make it at the same moment: its group is as good.
+        made = subprocess.run(["groupadd", "--system", name], capture_output=True, text=True)
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise RuntimeError(f"groupadd {name} failed: {made.stderr.strip()}") from None
 
 
 def user(name: str, *groups: str) -> User:
@@ -56,9 +60,13 @@ def user(name: str, *groups: str) -> User:
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        "--user-group", name], check=True)
-        entry = pwd.getpwnam(name)
+        # Another test worker may make it at the same moment: its user is as good.
+        made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                               "--user-group", name], capture_output=True, text=True)
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise RuntimeError(f"useradd {name} failed: {made.stderr.strip()}") from None
     return User(name, entry.pw_uid, entry.pw_gid, tuple(group(g) for g in groups))
 
 

@@ -105,6 +105,9 @@ class TestShutdownAndServerStart:
         try:
             await until(lambda: not (root / deleted).exists(), "the new server to remove it", 30)
             assert (root / restarted).is_dir() and (root / running).is_dir()
+            # The sweep's summary line comes once its last folder is gone.
+            await until(lambda: "expired checkpoint folders" in second.log_text(),
+                        "the sweep's summary in the log", 30)
             log = second.log_text()
             assert f"removed the checkpoint of kernel {deleted} (shut down at" in log
             assert "removed 1 expired checkpoint folders" in log and "freeing" in log
