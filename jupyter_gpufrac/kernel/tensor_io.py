@@ -369,26 +369,6 @@ def write_storage(root: store.CheckpointDir | Path, storage: Any,
     return name, nbytes, folder.path / store.BLOB_DIR / name
 
 
-def read_storage(folder: store.CheckpointDir, name: str, nbytes: int, device: str) -> Any:
-    """Read blob ``name`` of ``folder`` into a fresh untyped storage on ``device``."""
-    import torch
-
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    storage = buffer.untyped_storage()
-    with folder.open_read(name, blob=True) as fh:
-        _read_exactly(fh, name, host_view(storage) if nbytes else memoryview(b""))
-    if device != "cpu":
-        return buffer.to(device).untyped_storage()
-    return storage
-
-
-def to_device(storage: Any, device: str) -> Any:
-    """A host storage copied to ``device``."""
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8).set_(storage).to(device).untyped_storage()
-
-
 def storage_digest(storage: Any) -> str:
     """The content address of a storage's bytes (a GPU storage is copied to the host first)."""
     if storage.device.type != "cpu":

@@ -15,18 +15,20 @@ from jupyter_client.provisioning import LocalProvisioner
 from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import clear_marker
 from jupyter_gpufrac.kernel import store
+from jupyter_gpufrac.server.agent_link import AgentError, AgentLink
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import (
     DEFAULT_REQUEST,
     build_kernel_env,
     checkpoint_dir_of,
+    gpu_variables,
     is_ipykernel,
     kernel_arguments,
     kernel_checkpoint_dir,
 )
 from jupyter_gpufrac.server.retention import mark_shut_down
 from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
-from jupyter_gpufrac.server.spares import SpareKey, SparePool
+from jupyter_gpufrac.server.spares import Spare, SpareKey, SparePool
 
 EXTENSION_NAME = "jupyter_gpufrac"
 # In the provisioner's saved info: the newest checkpoint generation the server saw.
@@ -146,6 +148,9 @@ class GpuFracProvisioner(LocalProvisioner):
                                 settings.checkpoint_user_budget,
                                 settings.checkpoint_staging_budget),
         )
+        if kwargs["env"].get(contract.RESTORE) == "1":
+            # Made ready at the directive (a move); else now, while the launch goes on.
+            await self.prepare_spare()
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result
 
@@ -223,10 +228,42 @@ class GpuFracProvisioner(LocalProvisioner):
         launch_env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launch_kernel
         try:
             return await pool.adopt(key, [os.path.expanduser(arg) for arg in cmd], launch_env,
-                                    str(kwargs.get("cwd") or os.getcwd()))
+                                    str(kwargs.get("cwd") or os.getcwd()), str(self.kernel_id))
         except Exception:
             self.log.exception("kernel %s: spare kernel failed; starting it cold", self.kernel_id)
             return None
+
+    async def prepare_spare(self, lease: dict[str, Any] | None = None) -> bool:
+        """Make a spare ready for this kernel's coming restoring launch (a move, a restart after
+        a kill): the packages its last checkpoint says it had imported, and on a GPU, CUDA's
+        context on the one ``lease`` (default: the kernel's) runs it on. Whether one is."""
+        found = self._spare_pool()
+        gpu = self.gpu
+        lease = lease if lease is not None else gpu.lease
+        if found is None or gpu.checkpoints_off is not None or (
+                lease is not None and lease.get("state") == "parked"):
+            return False
+        try:
+            await asyncio.to_thread(gpu.look_at_checkpoint)  # its imports, as last checkpointed
+            env = gpu_variables(lease, gpu.gpus) if lease is not None else {}
+            return await found[0].prepare(found[1], str(self.kernel_id), gpu.imports, env,
+                                          self._spare_prepared)
+        except Exception:  # a spare never fails a launch
+            self.log.exception("kernel %s: could not make a spare kernel ready", self.kernel_id)
+            return False
+
+    async def _spare_prepared(self, spare: Spare) -> None:
+        """A spare made ready with CUDA's context holds GPU memory: registered with the
+        kernel's lease (whose process it becomes), so the agent counts it there."""
+        info = spare.prepared_info or {}
+        lease = self.gpu.lease
+        if not info.get("cuda") or lease is None:
+            return
+        try:
+            await AgentLink(self.settings().socket_path).register_pid(str(lease["id"]), spare.pid)
+        except AgentError as err:
+            self.log.info("kernel %s: spare kernel %s not registered with its lease: %s",
+                          self.kernel_id, spare.pid, err)
 
     def _want_spare(self) -> None:
         """A spare for this kernelspec from now on, started in the background."""
@@ -258,6 +295,9 @@ class GpuFracProvisioner(LocalProvisioner):
         user's to drop after ``checkpoint_keep_seconds`` (not at a server stop: see
         :func:`~jupyter_gpufrac.server.retention.sweep`)."""
         if not restart:
+            found = self._spare_pool()
+            if found is not None:
+                found[0].forget_kernel(str(self.kernel_id))
             await self.gpu.close()
             settings = self.settings()
             if not settings.server_stopping and self.gpu.checkpoints_off is None:

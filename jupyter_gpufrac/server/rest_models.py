@@ -76,12 +76,13 @@ def node_model(
     leases: list[dict[str, Any]],
     agent: dict[str, Any],
     config_problems: list[str],
+    spares: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/node``: the GPUs, which of this user's leases sit on each, the agent,
-    and what is wrong with this server's c.GpuFrac settings."""
+    what is wrong with this server's c.GpuFrac settings, and its spare kernels (None: off)."""
     if node is None:
         return {"simulated": False, "backend": None, "mps": False, "agent": agent, "gpus": [],
-                "leases": [], "config_problems": config_problems}
+                "leases": [], "config_problems": config_problems, "spares": spares}
     simulated = bool(node.get("simulated"))
     gpus = []
     for gpu in node.get("gpus", []):
@@ -105,4 +106,5 @@ def node_model(
         "gpus": gpus,
         "leases": leases,
         "config_problems": config_problems,
+        "spares": spares,
     }
