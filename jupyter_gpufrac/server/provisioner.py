@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
@@ -33,6 +34,10 @@ from jupyter_gpufrac.server.spares import Spare, SpareKey, SparePool
 EXTENSION_NAME = "jupyter_gpufrac"
 # In the provisioner's saved info: the newest checkpoint generation the server saw.
 GENERATION_INFO = "gpufrac_checkpoint_generation"
+# A restoring launch's spare is replaced once its kernel reported the restore, or after this.
+SPARE_AFTER_RESTORE_S = 120.0
+# How long a kill waits for the process to be gone (memory freed, reaped) before it returns.
+KILL_WAIT_S = 2.0
 
 
 class GpuFracProvisioner(LocalProvisioner):
@@ -50,11 +55,17 @@ class GpuFracProvisioner(LocalProvisioner):
         hooked = is_ipykernel(list(getattr(spec, "argv", []) or []),
                               str(getattr(spec, "language", "") or ""))
         self.gpu = KernelGpu(str(self.kernel_id), metadata, self.settings, self.log,
-                             hooked=hooked, on_restored=self._let_restarter_look)
+                             hooked=hooked, on_restored=self._restored)
         self._watching_restarts = False
         self._settings_cache: KernelSettings | None = None
         # jupyter_client's restarter of this kernel, which hands itself over as it starts.
         self.restarter: Any = None
+        # A launch is under way (from pre_launch to post_launch): a process exit then is not
+        # the kernel's death.
+        self._launching = False
+        # Tasks of this kernel's launches (exit watch, the spare wanted after a restore).
+        self._exit_tasks: set[asyncio.Task[None]] = set()
+        self._restore_reported = asyncio.Event()
 
     # -- who we work for ---------------------------------------------------------------
 
@@ -79,6 +90,19 @@ class GpuFracProvisioner(LocalProvisioner):
             self._settings_cache = standalone_settings(self.log)
         return self._settings_cache
 
+    async def _restored(self) -> None:
+        """The kernel of this launch reported its restore: the launch is done."""
+        self._restore_reported.set()
+        await self._let_restarter_look()
+
+    async def _want_spare_after_restore(self) -> None:
+        """The spare a restoring launch took is replaced once the kernel reported its restore
+        (or gave up on it), not beside the restore: on a small machine a spare importing torch
+        took the CPU the restore needed."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._restore_reported.wait(), SPARE_AFTER_RESTORE_S)
+        self._want_spare()
+
     async def _let_restarter_look(self) -> None:
         # The restarter looks every few seconds; a kill before its next look would still
         # count as a failed start, and restart on new ports (cutting the open notebook's
@@ -89,6 +113,62 @@ class GpuFracProvisioner(LocalProvisioner):
             done = poll()
             if inspect.isawaitable(done):
                 await done
+
+    async def kill(self, restart: bool = False) -> None:
+        """SIGKILL the kernel's process group, as jupyter_client does, then wait (briefly) until
+        the process is gone: jupyter_client looks for that every 0.1 s, and a move or a
+        restart waits for it."""
+        process = self.process
+        await super().kill(restart=restart)
+        if process is None or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(process.pid)
+        except OSError:
+            return  # gone already
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def exited() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(fd, exited)
+        try:
+            await asyncio.wait_for(gone, KILL_WAIT_S)
+        except asyncio.TimeoutError:
+            pass  # jupyter_client waits on, and says so
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            process.poll()  # reaped here: the manager's first look finds it gone
+
+    def _watch_exit(self) -> None:
+        """Have jupyter_client's restarter look as soon as this launch's process exits, not at
+        its next poll (every ``time_to_dead``, 3 s): a killed kernel's restore starts at once.
+        Without pidfds (Linux < 5.3), the restarter's own polls find it."""
+        process = self.process
+        if process is None or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(process.pid)
+        except OSError:
+            return  # gone already: the restarter's next poll finds it
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            manager: Any = self.parent
+            # A shutdown, a restart or another launch under way is not a death to act on.
+            if (self.process is process and not self._launching and manager is not None
+                    and not getattr(manager, "shutting_down", False)):
+                task = loop.create_task(self._let_restarter_look())
+                self._exit_tasks.add(task)
+                task.add_done_callback(self._exit_tasks.discard)
+
+        loop.add_reader(fd, exited)
 
     def _restarter_reports_here(self) -> None:
         """Make the kernel manager's restarter (whichever class is configured) hand itself to
@@ -107,6 +187,7 @@ class GpuFracProvisioner(LocalProvisioner):
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         """Get (or re-read) the lease and build the kernel's GPU environment and arguments."""
+        self._launching = True
         app = self.gpufrac_app()
         if app is not None:
             # A kernel started while the server still starts its agent waits for it, rather
@@ -276,13 +357,21 @@ class GpuFracProvisioner(LocalProvisioner):
 
     async def post_launch(self, **kwargs: Any) -> None:
         """Register the kernel's pid with its lease; finish a move; tell the user where it runs."""
+        self._launching = False
+        self._watch_exit()
         await super().post_launch(**kwargs)
         if not self._watching_restarts and self.parent is not None:
             # The restarter keeps its callbacks across restarts: register once per kernel.
             self.parent.add_restart_callback(self.gpu.restarter_restarted, "restart")
             self._watching_restarts = True
         await self.gpu.launched(None if self.pid is None else int(self.pid))
-        self._want_spare()
+        if self.gpu.last_launch_reason is None:
+            self._want_spare()
+        else:
+            self._restore_reported.clear()
+            task = asyncio.get_running_loop().create_task(self._want_spare_after_restore())
+            self._exit_tasks.add(task)
+            task.add_done_callback(self._exit_tasks.discard)
         settings = self.settings()
         if settings.on_launched is not None:
             settings.on_launched(str(self.kernel_id),

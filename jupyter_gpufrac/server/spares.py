@@ -448,8 +448,9 @@ class SparePool:
         restart after a kill): it imports the installed packages among ``imports`` (what the
         kernel had imported) and, given the launch's GPU variables ``env`` (its
         CUDA_VISIBLE_DEVICES naming a GPU), makes CUDA's context there. It is kept for that
-        launch alone (:meth:`adopt`), and a replacement starts for the others. Asked again for
-        the same kernel, it imports what is new. False when no spare could be made ready.
+        launch alone (:meth:`adopt`); its replacement is :meth:`want`-ed once that launch is
+        done (started beside it, it would slow it). Asked again for the same kernel, it imports
+        what is new. False when no spare could be made ready.
         ``on_prepared`` is called once the spare has answered."""
         if self.stopped:
             return False
@@ -467,7 +468,6 @@ class SparePool:
                 return False
             del self._spares[key]
             self._prepared[kernel_id] = spare
-            self.want(key)
         problem = await spare.prepare(kernel_id, imports, env)
         if problem is not None:
             self._drop_prepared(kernel_id, problem)
@@ -538,8 +538,9 @@ class SparePool:
         """A spare turned into the kernel of this launch, or None: then launch as usual.
 
         The spare made ready for ``kernel_id`` (see :meth:`prepare`) when its GPU variables are
-        the launch's, else a ready one. Whatever the outcome, a replacement is on its way.
-        ``argv`` is the launch command, ``env`` its whole environment (JPY_PARENT_PID
+        the launch's, else a ready one. Without one, a spare is on its way for the next launch;
+        the replacement of one taken is :meth:`want`-ed once the launch is done. ``argv`` is
+        the launch command, ``env`` its whole environment (JPY_PARENT_PID
         included), ``cwd`` its folder.
         """
         if self.stopped:
@@ -564,7 +565,6 @@ class SparePool:
                 self.want(key)
                 return None
             self._spares.pop(key, None)
-        self.want(key)
         try:
             problem = self._mismatch(spare, argv, env) or await spare.order(argv, env, cwd)
         except BaseException:
