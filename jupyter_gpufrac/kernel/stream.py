@@ -4,6 +4,7 @@ through a small ring of pinned host buffers, copied asynchronously while the nex
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -263,3 +264,173 @@ def _pread_into(job: _Storage, view: memoryview, offset: int) -> None:
         if not got:
             raise OSError(f"blob {job.blob} ended after {offset + done} of {job.nbytes} bytes")
         done += got
+
+
+# -- snapshots of device storages ----------------------------------------------------------
+
+
+class PinnedPool:
+    """Pinned host buffers that GPU storages are copied into at a cell's end, kept from one
+    snapshot to the next: pinning memory takes the driver far longer than the copy (a cell must
+    not wait for it), so buffers are pinned only by the writer's thread (:meth:`grow`), for the
+    sizes snapshots asked for and found none (:meth:`want`), at most ``limit`` bytes in all.
+    Without a driver to pin them (or to check this path on a machine without one), buffers are
+    plain host memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: list[Any] = []
+        self._lent = 0
+        self._wanted: list[int] = []
+        self._lock = threading.Lock()
+
+    def _bytes(self) -> int:
+        return self._lent + sum(int(b.numel()) for b in self._free)
+
+    def take(self, nbytes: int) -> Any | None:
+        """A free buffer of ``nbytes`` to twice that, or None (then :meth:`want` it)."""
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= int(b.numel()) <= 2 * nbytes]
+            if not fits:
+                return None
+            buffer = min(fits, key=lambda b: int(b.numel()))
+            self._free.remove(buffer)
+            self._lent += int(buffer.numel())
+            return buffer
+
+    def give(self, buffer: Any) -> None:
+        """Keep ``buffer`` for the next snapshot."""
+        with self._lock:
+            self._lent -= int(buffer.numel())
+            self._free.append(buffer)
+
+    def want(self, nbytes: int) -> None:
+        """A snapshot found no buffer for ``nbytes``: the writer pins one after its write."""
+        with self._lock:
+            self._wanted.append(nbytes)
+
+    def grow(self) -> None:
+        """Pin the buffers snapshots wanted, within the limit (in the writer's thread)."""
+        with self._lock:
+            wanted, self._wanted = self._wanted, []
+            room = self.limit - self._bytes()
+        if not wanted:
+            return  # (a kernel without GPU tensors never imports torch here)
+        import torch
+
+        for nbytes in sorted(wanted):
+            if nbytes > room:
+                break
+            try:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinning_works())
+            except RuntimeError:  # no room to pin: the next snapshot holds it again
+                break
+            room -= nbytes
+            with self._lock:
+                self._free.append(buffer)
+
+    def clear(self) -> None:
+        """Let the free buffers go (the notebook paused: it holds no copy of its state)."""
+        with self._lock:
+            self._free, self._wanted = [], []
+
+    @property
+    def kept(self) -> int:
+        """Bytes held, lent or free."""
+        with self._lock:
+            return self._bytes()
+
+
+PINNED = PinnedPool(tensor_io.STAGING.limit)
+# Storages of these device types are snapshotted as a GPU's are (pinned staging on their
+# stream, or held and copied out by the writer); a check of that path on a machine without a
+# GPU adds "cpu".
+DEVICE_TYPES = ("cuda",)
+
+
+def on_device(storage: Any) -> bool:
+    """Whether ``storage`` is snapshotted as a device's."""
+    return bool(storage.device.type in DEVICE_TYPES)
+
+
+def _event_after_current_work(device: Any) -> Any:
+    """An event on ``device``'s current stream, after what was queued on it so far (None off
+    CUDA, where work is done when queued)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def snapshot_device_storage(storage: Any, unchanged: Callable[[], bool] | None) -> store.Staged:
+    """A device storage's bytes as they are at the cell's end, without the cell waiting.
+
+    With a warm pinned buffer: copied into it on the device's current stream, the one the cell
+    wrote on, so the copy runs after the cell's work and before any work queued later (a later
+    in-place change); the writer waits on its event. Without one (the first snapshot of that
+    size, or after a pause): held where it is when ``unchanged`` can tell a later change (its
+    tensors' version counters), and copied out by the writer after an event of this point of
+    the stream, then written only if still unchanged (else the next snapshot writes it); the
+    writer pins a buffer for next time. A storage whose tensors count no versions (inference
+    tensors) is copied now, into pinned memory made for it.
+    """
+    import torch
+
+    nbytes = int(storage.nbytes())
+    buffer = PINNED.take(nbytes)
+    if buffer is None:
+        PINNED.want(nbytes)
+        if unchanged is not None:
+            return store.Staged(storage, nbytes, valid=unchanged, keep=storage, on_device=True,
+                                after=_event_after_current_work(storage.device))
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinning_works())
+        release = None
+    else:
+        release = functools.partial(PINNED.give, buffer)
+    host = buffer[:nbytes]
+    source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    host.copy_(source, non_blocking=storage.device.type == "cuda")
+    done = _event_after_current_work(storage.device)
+    return store.Staged(host, nbytes, ready=None if done is None else done.synchronize,
+                        release=release)
+
+
+_writer_ring: Ring | None = None
+
+
+def write_from_device(fh: Any, staged: store.Staged,
+                      progress: Callable[[int], None] | None) -> None:
+    """Write a storage held on its device (see :func:`snapshot_device_storage`): a chunk at a
+    time copied through a small ring of pinned buffers on a stream of the writer's own, after
+    the snapshot's event; a chunk changed since the snapshot stops it (:class:`store.Torn`)."""
+    import torch
+
+    global _writer_ring
+    with _ring_lock:
+        if _writer_ring is None:
+            _writer_ring = Ring(count=2, pinned=pinning_works())
+        ring = _writer_ring
+    storage = staged.data
+    source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    side = None
+    if storage.device.type == "cuda":
+        side = torch.cuda.Stream(device=storage.device)
+        if staged.after is not None:
+            side.wait_event(staged.after)
+    for offset in range(0, staged.nbytes, ring.chunk):
+        length = min(ring.chunk, staged.nbytes - offset)
+        index, buffer = ring.take()
+        try:
+            if side is not None:
+                with torch.cuda.stream(side):
+                    buffer[:length].copy_(source[offset:offset + length], non_blocking=True)
+                side.synchronize()
+            else:
+                buffer[:length].copy_(source[offset:offset + length])
+            store.check_held(staged)  # changed meanwhile: these bytes may be torn
+            store.write_all(fh, tensor_io.host_view(buffer.untyped_storage())[:length], progress)
+        finally:
+            ring.give(index, None)
