@@ -11,18 +11,12 @@ import importlib
 import importlib.util
 import json
 import os
-import select
 import site
 import sys
 import sysconfig
+import threading
 import time
-from collections.abc import Callable
 from typing import Any
-
-
-def _say(status: Any, message: dict[str, Any]) -> None:
-    status.write(json.dumps(message) + "\n")
-    status.flush()
 
 
 def installed_roots() -> list[str]:
@@ -66,80 +60,114 @@ def importable(name: str, roots: list[str]) -> str | None:
     return None
 
 
-class Orders:
-    """The order lines on stdin (fd 0), read without a buffer that could hide one: a launch that
-    arrives while a preparation imports is seen between two imports."""
+class Status:
+    """The spare's status pipe to the server: one JSON line per message, from either thread;
+    nothing is said once it is closed (the spare became a kernel)."""
 
-    def __init__(self, fd: int = 0) -> None:
-        self._fd = fd
-        self._buffer = b""
-        self._eof = False
+    def __init__(self, fd: int) -> None:
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        self._lock = threading.Lock()
 
-    def _read(self, timeout: float | None) -> None:
-        ready, _, _ = select.select([self._fd], [], [], timeout)
-        if ready:
-            chunk = os.read(self._fd, 65536)
-            self._buffer += chunk
-            self._eof = not chunk
+    def say(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(json.dumps(message) + "\n")
+                self._file.flush()
 
-    def waiting(self) -> bool:
-        """Whether a whole line (or EOF) is there to read now."""
-        if b"\n" not in self._buffer and not self._eof:
-            self._read(0)
-        return b"\n" in self._buffer or self._eof
-
-    def next(self) -> bytes:
-        """The next line, waiting for it; b"" at EOF."""
-        while b"\n" not in self._buffer and not self._eof:
-            self._read(None)
-        line, sep, self._buffer = self._buffer.partition(b"\n")
-        return line + sep
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
 
 
-def prepare(order: dict[str, Any], interrupted: Callable[[], bool] = lambda: False
-            ) -> dict[str, Any]:
-    """Get ready for one launch: its GPU variables set (``env``: CUDA_VISIBLE_DEVICES and the
-    frameworks' caps, read when a framework first touches the GPU), CUDA's context made on the
-    GPU it names where torch sees one, then the packages the kernel had imported (``imports``)
-    imported where installed, until ``interrupted()`` says the launch is there: it does not
-    wait for them (the kernel imports what it uses). What was done, for the server."""
-    began = time.monotonic()
-    env = {str(k): str(v) for k, v in dict(order.get("env") or {}).items()}
-    os.environ.update(env)
-    names = [str(n) for n in order.get("imports") or []]
-    roots = installed_roots()
-    imported: list[str] = []
-    skipped: dict[str, str] = {}
-    failed: dict[str, str] = {}
-    left: list[str] = []
+class Importer:
+    """Imports, in a thread of its own, the installed packages a launch's kernel had imported,
+    in their order, so the spare goes on reading its orders: a launch that comes meanwhile
+    stops it after the package in progress (which goes on beside the kernel's start, as it
+    would in the kernel) rather than waiting for the rest."""
 
-    def load(name: str) -> None:
-        why = importable(name, roots)
+    def __init__(self, status: Status) -> None:
+        self._status = status
+        self._roots = installed_roots()
+        self._lock = threading.Lock()
+        self._queue: list[str] = []
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._began = time.monotonic()
+        self.imported: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.failed: dict[str, str] = {}
+        self.cuda: str | None = None
+        self.cuda_error: str | None = None
+
+    def add(self, names: list[str]) -> None:
+        """Import ``names`` too (those not imported already), after the ones queued."""
+        with self._lock:
+            self._queue += [n for n in names if n not in self._queue]
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="gpufrac-spare-imports",
+                                                daemon=True)
+                self._thread.start()
+
+    def load(self, name: str) -> None:
+        """Import one package, if installed; what happened is kept."""
+        why = importable(name, self._roots)
         if why is not None:
-            skipped[name] = why
+            self.skipped[name] = why
             return
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as err:  # the kernel will meet it again: say so
-            failed[name] = f"{type(err).__name__}: {err}"[:300]
+            self.failed[name] = f"{type(err).__name__}: {err}"[:300]
             return
-        imported.append(name)
+        self.imported.append(name)
 
-    cuda = cuda_error = None
-    if env.get("CUDA_VISIBLE_DEVICES"):
+    def _next(self) -> str | None:
+        with self._lock:
+            while self._queue and not self._stopped:
+                name = self._queue.pop(0)
+                if name not in sys.modules and name not in self.skipped and name not in self.failed:
+                    return name
+            if not self._stopped:
+                self._thread = None
+            return None
+
+    def _run(self) -> None:
+        while (name := self._next()) is not None:
+            self.load(name)
+        with self._lock:  # stopped, the launch said what was done: nothing more from here
+            if not self._stopped:
+                self._status.say(self.summary())
+
+    def stop(self) -> dict[str, Any]:
+        """The launch is there: no more imports after the one in progress; what was done."""
+        with self._lock:
+            self._stopped = True
+            left = [n for n in self._queue if n not in sys.modules]
+        return {**self.summary(), "left": left}
+
+    def summary(self) -> dict[str, Any]:
+        """What was done since the first ``prepare``, for the server (the latest it reads
+        stands)."""
+        return {"prepared": True, "seconds": time.monotonic() - self._began,
+                "imported": list(self.imported), "skipped": dict(self.skipped),
+                "failed": dict(self.failed), "left": [], "cuda": self.cuda,
+                "cuda_error": self.cuda_error}
+
+
+def prepare(order: dict[str, Any], importer: Importer) -> None:
+    """Get ready for one launch: its GPU variables set (``env``: CUDA_VISIBLE_DEVICES and the
+    frameworks' caps, read when a framework first touches the GPU), CUDA's context made on the
+    GPU it names where torch sees one (torch imported first if the kernel had it), then the
+    packages the kernel had imported (``imports``) imported in the background by
+    ``importer``, which says what it did once done."""
+    env = {str(k): str(v) for k, v in dict(order.get("env") or {}).items()}
+    os.environ.update(env)
+    names = [str(n) for n in order.get("imports") or []]
+    if env.get("CUDA_VISIBLE_DEVICES") and importer.cuda is None:
         if "torch" in names and "torch" not in sys.modules:
-            load("torch")
-        cuda, cuda_error = _cuda_context()
-    for position, name in enumerate(names):
-        if name in sys.modules or name in skipped or name in failed:
-            continue
-        if interrupted():
-            left = [n for n in names[position:] if n not in sys.modules]
-            break
-        load(name)
-    return {"prepared": True, "seconds": time.monotonic() - began, "imported": imported,
-            "skipped": skipped, "failed": failed, "left": left, "cuda": cuda,
-            "cuda_error": cuda_error}
+            importer.load("torch")
+        importer.cuda, importer.cuda_error = _cuda_context()
+    importer.add(names)
 
 
 def _cuda_context() -> tuple[str | None, str | None]:
@@ -168,7 +196,7 @@ def spare_main() -> None:
     Never touches CUDA before a ``prepare`` names a GPU. The orders come on stdin, a pipe only
     the server holds; EOF before a launch (the server stopped, or died) ends the spare.
     """
-    status = os.fdopen(int(sys.argv[1]), "w", encoding="utf-8")
+    status = Status(int(sys.argv[1]))
     began, start_env = time.monotonic(), dict(os.environ)
     failed: dict[str, str] = {}
     for name in json.loads(sys.argv[2]):
@@ -176,17 +204,18 @@ def spare_main() -> None:
             importlib.import_module(name)
         except (Exception, SystemExit) as err:  # the kernel will not have it either: say so
             failed[name] = f"{type(err).__name__}: {err}"
-    _say(status, {"ready": True, "seconds": time.monotonic() - began, "failed": failed})
+    status.say({"ready": True, "seconds": time.monotonic() - began, "failed": failed})
     launch: dict[str, Any] | None = None
+    importer: Importer | None = None
     prepared: set[str] = set()  # variables a prepare set: the launch sets them itself
-    orders = Orders()
-    for line in iter(orders.next, b""):
+    for line in iter(sys.stdin.buffer.readline, b""):
         try:
             message = json.loads(line)
             if "prepare" in message:
                 order = dict(message["prepare"])
                 prepared.update(str(k) for k in dict(order.get("env") or {}))
-                _say(status, prepare(order, orders.waiting))
+                importer = importer or Importer(status)
+                prepare(order, importer)
                 continue
             launch = dict(message["launch"])
             argv = [str(arg) for arg in launch["argv"]]
@@ -195,20 +224,24 @@ def spare_main() -> None:
                 raise ValueError(f"expected [python, -m, module, ...], got {argv[:3]}")
             os.chdir(str(launch["cwd"]))
         except Exception as err:
-            _say(status, {"error": f"{type(err).__name__}: {err}"})
+            status.say({"error": f"{type(err).__name__}: {err}"})
             raise SystemExit(1) from err
         break
     if launch is None:
         return
+    if importer is not None:
+        status.say(importer.stop())
     # The environment of the launch, wholly (CUDA_VISIBLE_DEVICES and GPUFRAC_* included), and
     # what the imports changed in it, as they would have in a kernel that imported them itself.
     env.update({k: v for k, v in os.environ.items()
                 if start_env.get(k) != v and k not in prepared})
     for name in set(start_env) - set(os.environ):
         env.pop(name, None)
-    os.environ.clear()
+    # Never empty meanwhile: the import in progress, if any, may read it.
+    for name in set(os.environ) - set(env):
+        del os.environ[name]
     os.environ.update(env)
-    _say(status, {"started": True})
+    status.say({"started": True})
     status.close()
     # As `python -m module args`: runpy sets argv[0] to the module's file, __main__ to it.
     sys.argv = [argv[0], *argv[3:]]

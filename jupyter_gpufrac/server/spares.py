@@ -252,8 +252,8 @@ class Spare:
                                   last=True)
         if problem is not None:
             return problem
-        # Made ready for this launch, it may still be importing what the kernel had imported
-        # (which a cold kernel would import too): it is waited for longer.
+        # Made ready for this launch, it may still be making CUDA's context (torch imported
+        # first), which it finishes before it reads the launch: it is waited for longer.
         deadline = time.monotonic() + (READY_DEADLINE_S if self.prepared_for else ORDER_ACK_S)
         while True:
             self.read_status()

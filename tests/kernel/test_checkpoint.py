@@ -220,7 +220,6 @@ def test_gpu_tensors_land_on_the_cpu_without_cuda(ckdir: Path) -> None:
     # What a checkpoint taken on a GPU kernel records for a CUDA tensor, read by a CPU kernel.
     import io
     import pickle
-
     from concurrent.futures import ThreadPoolExecutor
 
     from jupyter_gpufrac.kernel import pickling, tensor_io

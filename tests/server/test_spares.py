@@ -196,7 +196,7 @@ async def test_a_spare_made_ready_for_a_kernel_imports_what_it_had_imported_neve
         assert time.monotonic() < deadline, spare.messages
         spare.read_status()
         await asyncio.sleep(0.02)
-    assert spare.prepared_info is not None and spare.prepared_info["imported"] == ["yaml"]
+    assert spare.prepared_info is not None and spare.prepared_info["imported"] == ["idna", "yaml"]
     out = probe / "report.json"
     argv = [sys.executable, "-m", "spare_probe", "--out", str(out)]
     process = await pool.adopt(key, argv, launch_env(spare.env, **gpu), str(probe), "k-1")
@@ -205,6 +205,10 @@ async def test_a_spare_made_ready_for_a_kernel_imports_what_it_had_imported_neve
     assert {"idna", "yaml"} <= set(report["modules"]) and "users_module" not in report["modules"]
     assert report["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-target"
     assert report["env"]["CUPY_GPU_MEMORY_LIMIT"] == "1000"
+    deadline = time.monotonic() + 30  # its watcher, polling, may see the answer only now
+    while not told:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
     assert told == [spare]
     assert pool.spare(key) is replacement  # the ready one was not taken
     os.killpg(process.pid, signal.SIGTERM)
@@ -486,26 +490,45 @@ async def test_a_restoring_restart_adopts_the_spare_a_plain_one_does_not(
 def test_a_launch_that_comes_while_a_spare_imports_does_not_wait_for_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import builtins
+    import threading
+
     from jupyter_gpufrac.server import spare_process
 
-    for name in ("first_pkg", "second_pkg", "third_pkg"):
+    # first_pkg's import waits at a gate the test opens: the launch comes while it runs.
+    (tmp_path / "first_pkg").mkdir()
+    (tmp_path / "first_pkg" / "__init__.py").write_text(
+        "import builtins\nbuiltins.gpufrac_test_started.set()\n"
+        "assert builtins.gpufrac_test_gate.wait(30)\n")
+    for name in ("second_pkg", "third_pkg"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     # Installed, as far as the spare can tell: in a folder it counts as installed.
     monkeypatch.setattr(spare_process, "installed_roots", lambda: [str(tmp_path)])
-    asked: list[str] = []
-
-    def launch_waits() -> bool:
-        asked.append("?")
-        return "first_pkg" in sys.modules
-
+    started, gate = threading.Event(), threading.Event()
+    monkeypatch.setattr(builtins, "gpufrac_test_started", started, raising=False)
+    monkeypatch.setattr(builtins, "gpufrac_test_gate", gate, raising=False)
+    read_fd, write_fd = os.pipe()
+    status = spare_process.Status(write_fd)
     try:
-        info = spare_process.prepare({"imports": ["first_pkg", "second_pkg", "third_pkg"]},
-                                     launch_waits)
+        importer = spare_process.Importer(status)
+        spare_process.prepare({"imports": ["first_pkg", "second_pkg", "third_pkg"]}, importer)
+        assert started.wait(30)
+        # The launch: it does not wait for the import in progress, and nothing after it runs.
+        summary = importer.stop()
+        assert not gate.is_set() and "first_pkg" not in importer.imported  # still importing
+        assert summary["left"] == ["second_pkg", "third_pkg"] and summary["imported"] == []
+        gate.set()
+        for thread in threading.enumerate():
+            if thread.name == "gpufrac-spare-imports":
+                thread.join(30)
+                assert not thread.is_alive()
+        assert importer.imported == ["first_pkg"]
+        assert "second_pkg" not in sys.modules and "third_pkg" not in sys.modules
+        status.close()
+        assert os.read(read_fd, 65536) == b"", "a stopped importer says nothing more"
     finally:
+        os.close(read_fd)
         for name in ("first_pkg", "second_pkg", "third_pkg"):
             sys.modules.pop(name, None)
-    assert info["imported"] == ["first_pkg"]
-    assert info["left"] == ["second_pkg", "third_pkg"]
-    assert len(asked) == 2  # asked before each import
