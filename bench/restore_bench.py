@@ -1,5 +1,6 @@
-"""A notebook's tensors back after its kernel was SIGKILLed, as a ratio to a cold start plus a read of
-their bytes (from the disk, or on a GPU over the host-to-device link).
+"""A SIGKILLed notebook's tensors back, as a ratio to a cold start plus a read of their bytes.
+
+The read is from the disk, or on a GPU the copy over the host-to-device link.
 
 Runs a real agent (a simulated node), real jupyter_servers and real ipykernel kernels. Each round:
 a notebook makes S bytes of tensors (1 GiB each), checkpoints them (``%gpu checkpoint``: durable);
