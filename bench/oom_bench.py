@@ -74,7 +74,7 @@ def after_kill(events: list[dict[str, Any]], name: str) -> float | None:
 
 def one_round(node: Node, nbytes: int, round_no: int) -> dict[str, float]:
     server, client = node.server, AgentClient(node.agent.socket)
-    cold, nb = cold_start(server, f"borrower-{round_no}.ipynb")
+    cold, nb = cold_start(server, f"borrower-{round_no}.ipynb", "import torch")
     nb.ok(STATE.format(n=nbytes))
     nb.ok("%gpu checkpoint")  # what it restores, complete before the kill
     lease = lease_of(server, nb.kernel_id)

@@ -52,7 +52,7 @@ def lease_state(agent: AgentProcess, kernel_id: str) -> str:
 
 def one_round(server: Server, agent: AgentProcess, nbytes: int, round_no: int,
               frozen: bool) -> dict[str, float]:
-    cold, nb = cold_start(server, f"park-{nbytes}-{round_no}.ipynb")
+    cold, nb = cold_start(server, f"park-{nbytes}-{round_no}.ipynb", "import torch")
     nb.ok(STATE.format(n=nbytes), timeout=600)
     baseline, _ = timed_cell(nb, CHECK)
     nb.ok("%gpu park")

@@ -303,6 +303,9 @@ class BlobWriter:
     # copied (or held) by :meth:`stage_pending` once the snapshot knows what it keeps, so a
     # variable a budget leaves out costs no copy. Blob -> the storage, or the buffer's view.
     pending: dict[str, Any] = field(default_factory=dict)
+    # The tensors met on each pending storage and their versions then (None: one has no version
+    # counter): what tells a storage held on its device changed after the snapshot.
+    pending_tensors: dict[str, list[_Seen] | None] = field(default_factory=dict)
     _written: set[str] = field(default_factory=set)
     _by_storage: dict[int, tuple[str, int]] = field(default_factory=dict)
     _keepalive: list[Any] = field(default_factory=list)
@@ -321,6 +324,7 @@ class BlobWriter:
         self.digests.clear()
         self.followed.clear()
         self.pending.clear()
+        self.pending_tensors.clear()
 
     def _note_new(self, blob: str, write: Callable[[], None] | None = None) -> None:
         self.new_blobs.append(blob)
@@ -387,11 +391,12 @@ class BlobWriter:
             elif valid is not None:
                 staged = tensor_io.held(tensor_io.host_view(source), source, valid)
             else:
-                staged = tensor_io.snapshot_storage(source)
+                staged = tensor_io.snapshot_storage(source, self._unchanged(name))
             self.folder.stage(name, staged)
             if not staged.compress:
                 self._count_blob(staged.nbytes)  # a compressed one counts once written
         self.pending.clear()
+        self.pending_tensors.clear()
 
     def _count_new(self, blob: str, nbytes: int) -> None:
         self._note_new(blob)
@@ -435,8 +440,38 @@ class BlobWriter:
             self._keepalive.append(storage)
             if blob is not None and known[0] == blob:
                 return known  # found as remembered: this tensor's version is the one recorded
+        if known[0] in self.pending:
+            self._met(known[0], tensor)
         self.cache.remember(tensor, known[0], storage)
         return known
+
+    def _met(self, blob: str, tensor: Any) -> None:
+        """``tensor`` views the pending storage of ``blob``: remember its version now."""
+        seen = self.pending_tensors.setdefault(blob, [])
+        if seen is None:
+            return
+        if _no_version(tensor):
+            self.pending_tensors[blob] = None
+            return
+        seen.append(_Seen(weakref.ref(tensor), int(tensor._version)))
+
+    def _unchanged(self, blob: str) -> Callable[[], bool] | None:
+        """A check that no tensor met on ``blob``'s storage was written since the snapshot (a
+        view shares its base's version counter), or None when that cannot be told (a bare
+        storage, an inference tensor). A tensor that died may have written first: changed."""
+        seen = self.pending_tensors.get(blob)
+        if not seen:
+            return None
+        known = list(seen)
+
+        def unchanged() -> bool:
+            for each in known:
+                alive = each.ref()
+                if alive is None or int(alive._version) != each.version:
+                    return False
+            return True
+
+        return unchanged
 
     def record_for(self, tensor: Any) -> tuple[str, int, str]:
         """(blob, nbytes, device type) of ``tensor``'s storage, writing it if needed."""

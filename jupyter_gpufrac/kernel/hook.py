@@ -620,6 +620,7 @@ class GpuFracHook:
         ``ok`` in the report is true only when every variable came back and no cell was cut
         off: the server and the widget claim success on nothing less.
         """
+        load_started = time.monotonic()
         previous = self._previous_cells if at_start else {}
         running = previous.get("running")
         interrupted = str(running.get("cell")) if isinstance(running, dict) else None
@@ -696,6 +697,7 @@ class GpuFracHook:
                 log.warning("gpufrac: %s", older)
                 report.update(older=older, ok=False)
         self._restore_reason = reason
+        report["seconds"] = time.monotonic() - load_started
         self.restore_report = report  # the server asks for it (server_channel)
         report["message"] = self.restore_text(report["time"])
         return report

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import rng, store, tensor_io, torch_adapter
+from jupyter_gpufrac.kernel import rng, store, stream, tensor_io, torch_adapter
 from jupyter_gpufrac.kernel.groups import defer, group_size
 from jupyter_gpufrac.kernel.snapshot import Snapshots, collector_paused
 from jupyter_gpufrac.kernel.state_file import CheckpointError, check_format, current_header, header_generation
@@ -137,17 +137,16 @@ def load_groups(
     target: dict[str, Any] = {}
     lost: dict[str, str] = {}
     moved_to_cpu = 0
-    with _ReadAhead(folder, groups) as ahead:
+    with _ReadAhead(folder, groups, device) as ahead:
         for group in groups:
             names = [str(name) for name in group.get("names", [])]
             try:
                 data = _group_pickle(group, ahead)
                 unpickler = NamespaceUnpickler(
-                    io.BytesIO(data), folder, ns, device,
+                    io.BytesIO(data), ns, device, ahead.storage,
                     lambda t, b: restored_tensors.append((t, b)), storages,
                     buffers=(ahead.buffer(str(blob), int(n))
                              for blob, n in group.get("buffers", [])),
-                    fetch=ahead.storage,
                 )
                 values = unpickler.load()
                 moved_to_cpu += unpickler.moved_to_cpu_bytes
@@ -178,30 +177,39 @@ def _group_pickle(group: Mapping[str, Any], ahead: _ReadAhead) -> memoryview:
 
 class _ReadAhead:
     """Reads the storages and buffers a restore needs ahead of the unpickling, several at once
-    (the disk sees a queue, and reading overlaps unpickling), at most READ_AHEAD bytes ahead.
+    (the disk sees a queue, and reading overlaps unpickling), at most READ_AHEAD bytes of host
+    memory ahead.
 
-    A storage is read once (groups that view one storage share it); a buffer once per use
-    (two arrays must not share memory because their bytes are equal).
+    A storage is read once (groups that view one storage share it), straight onto the device
+    it is restored to (see :class:`stream.Streamer`); a buffer once per use (two arrays must not
+    share memory because their bytes are equal).
     """
 
-    def __init__(self, folder: store.CheckpointDir, groups: list[dict[str, Any]]) -> None:
+    def __init__(self, folder: store.CheckpointDir, groups: list[dict[str, Any]],
+                 device: str | None) -> None:
         self._folder = folder
-        self._plan: list[tuple[str, str, int]] = []
+        self._plan: list[tuple[str, str, int, str]] = []
         planned: set[str] = set()
-        for group in groups:
-            once = [("pack", str(group.get("blob")), int(group.get("pickle", 0)))] + [
-                ("storage", str(b), int(n)) for b, n in group.get("tensors", {}).items()]
-            for kind, blob, nbytes in once:
-                if blob not in planned:
-                    planned.add(blob)
-                    self._plan.append((kind, blob, nbytes))
-            self._plan += [("buffer", str(b), int(n)) for b, n in group.get("buffers", [])]
-        if any(kind == "storage" for kind, _, _ in self._plan):
+        storages = any(group.get("tensors") for group in groups)
+        if storages:
             # Here, not in a reading thread: torch's first import is not safe to run in two
             # threads at once (the unpickler may import it meanwhile).
             import torch  # noqa: F401
+        gpu = device if device is not None else (torch_adapter.current_device() if storages
+                                                 else "cpu")
+        for group in groups:
+            on_gpu = set(group.get("gpu", []))
+            once = [("pack", str(group.get("blob")), int(group.get("pickle", 0)), "cpu")] + [
+                ("storage", str(b), int(n), gpu if b in on_gpu else "cpu")
+                for b, n in group.get("tensors", {}).items()]
+            for kind, blob, nbytes, target in once:
+                if blob not in planned:
+                    planned.add(blob)
+                    self._plan.append((kind, blob, nbytes, target))
+            self._plan += [("buffer", str(b), int(n), "cpu") for b, n in group.get("buffers", [])]
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpufrac-restore")
-        self._pending: dict[tuple[str, str], collections.deque[Future[Any]]] = {}
+        self._streamer = stream.Streamer(folder, self._pool)
+        self._pending: dict[tuple[str, str, str], collections.deque[Future[Any]]] = {}
         self._next = 0
         self._ahead = 0
         self._packs: dict[str, bytes] = {}
@@ -212,32 +220,40 @@ class _ReadAhead:
 
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._streamer.close()
+
+    @staticmethod
+    def _host_bytes(nbytes: int, target: str) -> int:
+        """Host memory an item holds until it is taken (a device storage holds none)."""
+        return nbytes if target == "cpu" else 0
 
     def _fill(self) -> None:
         while self._next < len(self._plan) and (self._ahead < READ_AHEAD or not self._pending):
-            kind, blob, nbytes = self._plan[self._next]
+            kind, blob, nbytes, target = self._plan[self._next]
             self._next += 1
-            future = self._pool.submit(self._read, kind, blob, nbytes)
-            self._pending.setdefault((kind, blob), collections.deque()).append(future)
-            self._ahead += nbytes
+            future = (self._streamer.submit(blob, nbytes, target) if kind == "storage"
+                      else self._pool.submit(self._read, kind, blob, nbytes))
+            self._pending.setdefault((kind, blob, target), collections.deque()).append(future)
+            self._ahead += self._host_bytes(nbytes, target)
 
     def _read(self, kind: str, blob: str, nbytes: int) -> Any:
         if kind == "pack":
             return tensor_io.read_pack(self._folder, blob)
-        if kind == "storage":
-            return tensor_io.read_storage(self._folder, blob, nbytes, "cpu")
         return tensor_io.read_buffer(self._folder, blob, nbytes)
 
-    def _take(self, kind: str, blob: str, nbytes: int) -> Any:
-        queue = self._pending.get((kind, blob))
+    def _take(self, kind: str, blob: str, nbytes: int, target: str = "cpu") -> Any:
+        queue = self._pending.get((kind, blob, target))
         if not queue:
-            return self._read(kind, blob, nbytes)  # not planned (a damaged header): read now
+            # Not planned (a damaged header): read now.
+            if kind == "storage":
+                return self._streamer.take(self._streamer.submit(blob, nbytes, target))
+            return self._read(kind, blob, nbytes)
         future = queue.popleft()
         if not queue:
-            del self._pending[(kind, blob)]
-        self._ahead -= nbytes
+            del self._pending[(kind, blob, target)]
+        self._ahead -= self._host_bytes(nbytes, target)
         self._fill()
-        return future.result()
+        return self._streamer.take(future) if kind == "storage" else future.result()
 
     def pack(self, blob: str) -> bytes:
         """Pack ``blob``'s bytes (read once: the groups in it share them)."""
@@ -245,9 +261,9 @@ class _ReadAhead:
             self._packs[blob] = self._take("pack", blob, 0)
         return self._packs[blob]
 
-    def storage(self, blob: str, nbytes: int) -> Any:
-        """Storage ``blob`` in host memory."""
-        return self._take("storage", blob, nbytes)
+    def storage(self, blob: str, nbytes: int, target: str) -> Any:
+        """Storage ``blob`` on ``target`` (a device, or ``cpu``)."""
+        return self._take("storage", blob, nbytes, target)
 
     def buffer(self, blob: str, nbytes: int) -> Any:
         """A new writable buffer holding ``blob``."""

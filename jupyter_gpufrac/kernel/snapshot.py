@@ -31,6 +31,7 @@ from jupyter_gpufrac.kernel.groups import (
     referenced_blobs,
     sharing,
 )
+from jupyter_gpufrac.kernel.imported import imports_now
 from jupyter_gpufrac.kernel.pickler import NamespacePickler, unpicklable_reason
 from jupyter_gpufrac.kernel.state_file import (
     FORMAT,
@@ -359,6 +360,8 @@ class Snapshots:
             "format": FORMAT, "modules": selection.modules, "lost": lost,
             "rng": blobs.pack_blob(rng_data), "matplotlib_backend": _matplotlib_backend(),
             "unprotected": unprotected, "unprotected_why": why,
+            # What a spare kernel imports before it restores this (see server/spares.py).
+            "imports": imports_now(),
             **dict(extra),
         }
         rest_key = json.dumps([rest, carried], sort_keys=True)

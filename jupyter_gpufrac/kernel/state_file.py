@@ -43,7 +43,8 @@ def current_header(folder: store.CheckpointDir) -> dict[str, Any]:
 def recovery_point(root: Path) -> dict[str, Any] | None:
     """What a restore of ``root`` would bring back, from its header (nothing unpickled): the
     cell and time of the committed checkpoint, its generation, and the variables it left out
-    to stay within the disk budget with why; None when there is none or it is not ours."""
+    to stay within the disk budget with why, and the packages its kernel had imported; None
+    when there is none or it is not ours."""
     try:
         with store.CheckpointDir.open(Path(root)) as folder:
             if not folder.exists(store.STATE_FILE):
@@ -53,6 +54,7 @@ def recovery_point(root: Path) -> dict[str, Any] | None:
         return None
     cell, when = header.get("execution_count"), header.get("time")
     unprotected = header.get("unprotected")
+    imports = header.get("imports")
     return {
         "durable_cell": cell if isinstance(cell, int) and not isinstance(cell, bool) else None,
         "durable_time": float(when) if isinstance(when, int | float) else None,
@@ -61,6 +63,8 @@ def recovery_point(root: Path) -> dict[str, Any] | None:
                          if isinstance(v, int)} if isinstance(unprotected, dict) else {}),
         "unprotected_why": (str(header["unprotected_why"])[:1000]
                             if header.get("unprotected_why") else None),
+        "imports": ([str(name) for name in imports if isinstance(name, str)]
+                    if isinstance(imports, list) else []),
     }
 
 

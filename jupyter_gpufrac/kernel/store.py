@@ -550,6 +550,10 @@ class Staged:
     # it is and good only while ``valid()`` says nothing wrote it since the snapshot.
     valid: Callable[[], bool] | None = None
     keep: Any = None
+    # Held on a device (``data`` is a GPU storage): the writer copies it out a chunk at a time
+    # once ``after`` (an event of the notebook's stream at the snapshot; None off CUDA) happened.
+    on_device: bool = False
+    after: Any = None
 
 
 class Torn(OSError):

@@ -223,27 +223,19 @@ def held(view: memoryview, owner: Any, valid: Callable[[], bool]) -> store.Stage
     return store.Staged(view, view.nbytes, valid=valid, keep=owner)
 
 
-def snapshot_storage(storage: Any) -> store.Staged:
+def snapshot_storage(storage: Any, unchanged: Callable[[], bool] | None = None) -> store.Staged:
     """A storage's bytes as they are now, for a snapshot. A host storage is copied at once; a
-    GPU storage is copied into pinned host memory on its device's current stream, so the copy
-    is ordered before any work queued after it (a later cell writing to the tensor), and the
-    writer waits for it (``ready``) without the notebook waiting."""
-    nbytes = int(storage.nbytes())
-    if storage.device.type == "cpu":
-        if not nbytes:
-            return store.Staged(b"", 0)
-        return copy_host(host_view(storage))
-    import torch
+    GPU storage's copy is ordered on its stream, the notebook never waiting for it (see
+    :func:`stream.snapshot_device_storage`; ``unchanged`` tells whether its tensors were written
+    since, where their version counters can)."""
+    from jupyter_gpufrac.kernel import stream
 
-    try:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:  # no room for pinned memory: pageable, and the copy is synchronous
-        host = torch.empty(nbytes, dtype=torch.uint8)
-    stream = torch.cuda.current_stream(storage.device)
-    host.untyped_storage().copy_(storage, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(stream)
-    return store.Staged(host, nbytes, ready=done.synchronize)
+    nbytes = int(storage.nbytes())
+    if stream.on_device(storage):
+        return stream.snapshot_device_storage(storage, unchanged)
+    if not nbytes:
+        return store.Staged(b"", 0)
+    return copy_host(host_view(storage))
 
 
 def staged_digest(staged: store.Staged, pause: Callable[[], None] | None = None) -> str:
@@ -274,15 +266,20 @@ def write_staged(folder: store.CheckpointDir, name: str, staged: store.Staged,
     failed attempt is replaced); returns the bytes written. The caller syncs it."""
     if staged.ready is not None:
         staged.ready()
-    data: memoryview | bytes = staged_view(staged)
+    data: memoryview | bytes = b"" if staged.on_device else staged_view(staged)
     if staged.compress:
         data = zlib.compress(data, 1)
         store.check_held(staged)
     tmp, fh = folder.create_tmp(blob=True)
     try:
         with fh:
-            store.write_all(fh, data, None if staged.compress else store.held_progress(
-                staged, progress))
+            if staged.on_device:
+                from jupyter_gpufrac.kernel import stream
+
+                stream.write_from_device(fh, staged, store.held_progress(staged, progress))
+            else:
+                store.write_all(fh, data, None if staged.compress else store.held_progress(
+                    staged, progress))
         folder.publish(tmp, name, blob=True)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -290,7 +287,7 @@ def write_staged(folder: store.CheckpointDir, name: str, staged: store.Staged,
         raise
     if staged.compress and progress is not None:
         progress(staged.nbytes)
-    return len(data)
+    return staged.nbytes if staged.on_device else len(data)
 
 
 def _publish(folder: store.CheckpointDir, name: str, data: bytes) -> int:
@@ -367,26 +364,6 @@ def write_storage(root: store.CheckpointDir | Path, storage: Any,
         if nbytes:
             _write_all(fh, host_view(storage))
     return name, nbytes, folder.path / store.BLOB_DIR / name
-
-
-def read_storage(folder: store.CheckpointDir, name: str, nbytes: int, device: str) -> Any:
-    """Read blob ``name`` of ``folder`` into a fresh untyped storage on ``device``."""
-    import torch
-
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    storage = buffer.untyped_storage()
-    with folder.open_read(name, blob=True) as fh:
-        _read_exactly(fh, name, host_view(storage) if nbytes else memoryview(b""))
-    if device != "cpu":
-        return buffer.to(device).untyped_storage()
-    return storage
-
-
-def to_device(storage: Any, device: str) -> Any:
-    """A host storage copied to ``device``."""
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8).set_(storage).to(device).untyped_storage()
 
 
 def storage_digest(storage: Any) -> str:

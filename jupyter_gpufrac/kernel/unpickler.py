@@ -5,10 +5,9 @@ from __future__ import annotations
 import pickle
 import warnings
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import pickling, store, tensor_io, torch_adapter
+from jupyter_gpufrac.kernel import pickling, torch_adapter
 from jupyter_gpufrac.kernel.module_objects import MODULE_OBJECT_TAG, load_module_object
 from jupyter_gpufrac.kernel.pickling import _module_object_ref, _storage_ref, _tensor_ref, _user_ns_ref
 
@@ -28,22 +27,20 @@ class NamespaceUnpickler(pickle.Unpickler):
 
     ``storages`` may be shared by the unpicklers of one restore, so tensors of different
     groups that viewed one storage still share it. ``device`` None means the kernel's device.
-    ``root`` is the checkpoint directory held open (a path is opened and checked per blob).
-    ``fetch(blob, nbytes)``, when given, returns a storage read ahead into host memory.
     ``buffers`` are the group's out-of-band buffers, in order. Pickles of format 2 (persistent
     ids, see :meth:`persistent_load`) load as well.
+    ``fetch(blob, nbytes, target)`` returns the storage of ``blob`` read onto ``target`` (a
+    device or ``cpu``; see :class:`restore._ReadAhead`).
     """
 
     def __init__(
-        self, file: Any, root: store.CheckpointDir | Path, user_ns: dict[str, Any],
-        device: str | None,
+        self, file: Any, user_ns: dict[str, Any], device: str | None,
+        fetch: Callable[[str, int, str], Any],
         on_tensor: Callable[[Any, str], None] | None = None,
         storages: dict[tuple[str, str], Any] | None = None,
         buffers: Iterable[Any] = (),
-        fetch: Callable[[str, int], Any] | None = None,
     ) -> None:
         super().__init__(file, buffers=buffers)
-        self._root = root
         self._user_ns = user_ns
         self._device = device
         self._on_tensor = on_tensor
@@ -105,13 +102,7 @@ class NamespaceUnpickler(pickle.Unpickler):
         if storage is None:
             if device != "cpu" and target == "cpu":
                 self.moved_to_cpu_bytes += nbytes
-            if self._fetch is not None:
-                storage = self._fetch(blob, nbytes)
-                if target != "cpu":
-                    storage = tensor_io.to_device(storage, target)
-            else:
-                with store.opened(self._root) as folder:
-                    storage = tensor_io.read_storage(folder, blob, nbytes, target)
+            storage = self._fetch(blob, nbytes, target)
             self._storages[(blob, target)] = storage
         return storage
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import store, tensor_io
+from jupyter_gpufrac.kernel import store, stream, tensor_io
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +254,7 @@ class Writer:
                     keep = _seconds(POOL_KEEP_ENV, POOL_KEEP_S)
                     if (not keep or not self._cond.wait(keep)) and self._queued is None:
                         tensor_io.STAGING.clear()
+                        stream.PINNED.clear()
                         self._cond.wait()
                 job, self._queued = self._queued, None
                 self._running = job
@@ -292,6 +293,8 @@ class Writer:
                 with contextlib.suppress(OSError, store.UnsafeCheckpointError), \
                         store.CheckpointDir.open(self.root) as folder:
                     folder.remove_blobs(stale)
+            # Pinned buffers for the GPU storages this snapshot held (here, never in a cell).
+            stream.PINNED.grow()
             with self._cond:
                 self._running = None
                 self._cond.notify_all()

@@ -194,6 +194,9 @@ class DirectiveListener:
             # agent gave up on the move and killed the kernel: nothing to do here.
             self.log.info("kernel %s: lease is %s; migrate directive skipped", kernel_id, lease.get("state"))
             return
+        # The spare this kernel restarts in imports and makes its CUDA context on the target
+        # meanwhile (the lease says where: it is migrating).
+        await self._prepare_spare(kernel, lease)
         source, target = directive.get("from_gpu"), directive.get("to_gpu")
         reason = named_for_people(str(directive.get("reason") or ""))
         moves = f"from {gpu.label(source)} to {gpu.label(target)}"
@@ -260,6 +263,14 @@ class DirectiveListener:
             if gpu.restore_pending:
                 gpu.cancel_restore()
             raise
+
+    @staticmethod
+    async def _prepare_spare(kernel: Any, lease: dict[str, Any] | None) -> None:
+        """Have a spare made ready for the kernel's coming restoring launch, if it has spares."""
+        provisioner = getattr(kernel, "provisioner", None)
+        prepare = getattr(provisioner, "prepare_spare", None)
+        if prepare is not None:
+            await prepare(lease)
 
     async def _interrupt(self, kernel_id: str, kernel: Any) -> None:
         try:
@@ -505,6 +516,7 @@ class DirectiveListener:
         # A launch that began after the kill has read the killed lease and restores by itself.
         if state.last_launch_started >= killed_at:
             return
+        await self._prepare_spare(self.kernel_manager.get_kernel(kernel_id), state.lease)
         state.request_restore({
             "cause": contract.CAUSE_MIGRATED if moved else contract.CAUSE_OOM_KILLED,
             "message": message,

@@ -71,7 +71,8 @@ class NodeHandler(GpuFracHandler):
             "available": error is None,
             "error": error,
         }
-        self.write_json(node_model(node, leases, agent, list(app.config_problems)))
+        spares = app.spares.status() if app.spares is not None else None
+        self.write_json(node_model(node, leases, agent, list(app.config_problems), spares))
 
     def _with_account(self, lease: dict[str, Any]) -> dict[str, Any]:
         """A lease of this server's kernel, with the kernel's account as of this very lease:

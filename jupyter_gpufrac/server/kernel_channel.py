@@ -246,5 +246,11 @@ def restore_summary(report: dict[str, Any] | None, waited_s: float) -> dict[str,
         "checkpoint_cell": report.get("checkpoint_cell"), "error": str(error) if error else None,
         "older": str(older)[:1000] if older else None,
         "time": float(report.get("time") or time.time()),
+        # How long the kernel took to load it (None from a kernel that did not say).
+        "seconds": _seconds(report.get("seconds")),
         "message": "; ".join(parts) + ".",
     }
+
+
+def _seconds(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -102,6 +102,9 @@ class KernelGpu:
         self._state_seen: list[tuple[int, int, int] | None] | None = None
         # The committed checkpoint as its header says (checkpoint.recovery_point), or None.
         self.recovery_point: dict[str, Any] | None = None
+        # The packages the kernel had imported, as its last checkpoint names them: a spare
+        # kernel imports them before it restores it.
+        self.imports: list[str] = []
         # When the kernel view may ask the kernel for its checkpoint status again (monotonic).
         self.ask_status_after = 0.0
         # Why this kernel's launches take no checkpoints (a folder others can write), or None.
@@ -196,6 +199,7 @@ class KernelGpu:
             # is kept, so that a state put back later is known to be older).
             self.recovery_point = None if seen[0] is None else recovery_point(Path(folder))
             if self.recovery_point is not None:
+                self.imports = self.recovery_point.pop("imports")
                 self.saw_generation(self.recovery_point["durable_generation"])
 
     async def restored(self) -> None:

@@ -245,7 +245,7 @@ def build_kernel_env(
             env[contract.NO_LEASE_REASON] = no_lease_reason
         return env
     uuids = lease_gpus(lease)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
+    env.update(gpu_variables(lease, gpus))
     if lease.get("state") == "parked":
         env[contract.PARKED] = "1"
         # torch.cuda.is_available() then asks NVML, not the CUDA driver: a driver initialised
@@ -267,11 +267,23 @@ def build_kernel_env(
             env[contract.GPU_TOTAL] = str(int(gpu["memory_total"]))
         if gpu.get("context_size"):
             env[contract.CONTEXT] = str(int(gpu["context_size"]))
+    if simulated:
+        env[contract.SIMULATED] = "1"
+    return env
+
+
+def gpu_variables(lease: Mapping[str, Any], gpus: Mapping[str, Mapping[str, Any]]
+                  ) -> dict[str, str]:
+    """What a launch under ``lease`` sets that frameworks read when they first touch a GPU:
+    ``CUDA_VISIBLE_DEVICES`` and each framework's cap (a spare kernel made ready for the
+    launch is given the same, before it makes CUDA's context)."""
+    uuids = lease_gpus(lease)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(uuids)}
+    if uuids:
+        gpu = gpus.get(uuids[0], {})
         env.update(framework_caps(int(lease["limit"]), int(gpu.get("context_size") or 0),
                                   gpu.get("memory_total"), len(uuids),
                                   lease.get("compute_limit")))
-    if simulated:
-        env[contract.SIMULATED] = "1"
     return env
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
@@ -17,11 +18,13 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.checkpoint_disk import clear_marker
 from jupyter_gpufrac.kernel import store
 from jupyter_gpufrac.server import resume
+from jupyter_gpufrac.server.agent_link import AgentError, AgentLink
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.launch import (
     DEFAULT_REQUEST,
     build_kernel_env,
     checkpoint_dir_of,
+    gpu_variables,
     is_ipykernel,
     kernel_arguments,
     kernel_checkpoint_dir,
@@ -29,12 +32,16 @@ from jupyter_gpufrac.server.launch import (
 from jupyter_gpufrac.server.notebook_states import ENDED_CULLED
 from jupyter_gpufrac.server.retention import mark_shut_down
 from jupyter_gpufrac.server.settings import KernelSettings, standalone_settings
-from jupyter_gpufrac.server.spares import SpareKey, SparePool
+from jupyter_gpufrac.server.spares import Spare, SpareKey, SparePool
 from jupyter_gpufrac.server.transport import use_private_sockets
 
 EXTENSION_NAME = "jupyter_gpufrac"
 # In the provisioner's saved info: the newest checkpoint generation the server saw.
 GENERATION_INFO = "gpufrac_checkpoint_generation"
+# A restoring launch's spare is replaced once its kernel reported the restore, or after this.
+SPARE_AFTER_RESTORE_S = 120.0
+# How long a kill waits for the process to be gone (memory freed, reaped) before it returns.
+KILL_WAIT_S = 2.0
 
 
 class GpuFracProvisioner(LocalProvisioner):
@@ -52,11 +59,17 @@ class GpuFracProvisioner(LocalProvisioner):
         hooked = is_ipykernel(list(getattr(spec, "argv", []) or []),
                               str(getattr(spec, "language", "") or ""))
         self.gpu = KernelGpu(str(self.kernel_id), metadata, self.settings, self.log,
-                             hooked=hooked, on_restored=self._let_restarter_look)
+                             hooked=hooked, on_restored=self._restored)
         self._watching_restarts = False
         self._settings_cache: KernelSettings | None = None
         # jupyter_client's restarter of this kernel, which hands itself over as it starts.
         self.restarter: Any = None
+        # A launch is under way (from pre_launch to post_launch): a process exit then is not
+        # the kernel's death.
+        self._launching = False
+        # Tasks of this kernel's launches (exit watch, the spare wanted after a restore).
+        self._exit_tasks: set[asyncio.Task[None]] = set()
+        self._restore_reported = asyncio.Event()
 
     # -- who we work for ---------------------------------------------------------------
 
@@ -81,6 +94,19 @@ class GpuFracProvisioner(LocalProvisioner):
             self._settings_cache = standalone_settings(self.log)
         return self._settings_cache
 
+    async def _restored(self) -> None:
+        """The kernel of this launch reported its restore: the launch is done."""
+        self._restore_reported.set()
+        await self._let_restarter_look()
+
+    async def _want_spare_after_restore(self) -> None:
+        """The spare a restoring launch took is replaced once the kernel reported its restore
+        (or gave up on it), not beside the restore: on a small machine a spare importing torch
+        took the CPU the restore needed."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._restore_reported.wait(), SPARE_AFTER_RESTORE_S)
+        self._want_spare()
+
     async def _let_restarter_look(self) -> None:
         # The restarter looks every few seconds; a kill before its next look would still
         # count as a failed start, and restart on new ports (cutting the open notebook's
@@ -91,6 +117,62 @@ class GpuFracProvisioner(LocalProvisioner):
             done = poll()
             if inspect.isawaitable(done):
                 await done
+
+    async def kill(self, restart: bool = False) -> None:
+        """SIGKILL the kernel's process group, as jupyter_client does, then wait (briefly) until
+        the process is gone: jupyter_client looks for that every 0.1 s, and a move or a
+        restart waits for it."""
+        process = self.process
+        await super().kill(restart=restart)
+        if process is None or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(process.pid)
+        except OSError:
+            return  # gone already
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def exited() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(fd, exited)
+        try:
+            await asyncio.wait_for(gone, KILL_WAIT_S)
+        except asyncio.TimeoutError:
+            pass  # jupyter_client waits on, and says so
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            process.poll()  # reaped here: the manager's first look finds it gone
+
+    def _watch_exit(self) -> None:
+        """Have jupyter_client's restarter look as soon as this launch's process exits, not at
+        its next poll (every ``time_to_dead``, 3 s): a killed kernel's restore starts at once.
+        Without pidfds (Linux < 5.3), the restarter's own polls find it."""
+        process = self.process
+        if process is None or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(process.pid)
+        except OSError:
+            return  # gone already: the restarter's next poll finds it
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            manager: Any = self.parent
+            # A shutdown, a restart or another launch under way is not a death to act on.
+            if (self.process is process and not self._launching and manager is not None
+                    and not getattr(manager, "shutting_down", False)):
+                task = loop.create_task(self._let_restarter_look())
+                self._exit_tasks.add(task)
+                task.add_done_callback(self._exit_tasks.discard)
+
+        loop.add_reader(fd, exited)
 
     def _restarter_reports_here(self) -> None:
         """Make the kernel manager's restarter (whichever class is configured) hand itself to
@@ -109,6 +191,7 @@ class GpuFracProvisioner(LocalProvisioner):
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         """Get (or re-read) the lease and build the kernel's GPU environment and arguments."""
+        self._launching = True
         app = self.gpufrac_app()
         if app is not None:
             # A kernel started while the server still starts its agent waits for it, rather
@@ -161,6 +244,9 @@ class GpuFracProvisioner(LocalProvisioner):
             checkpoint_disk_shares=settings.checkpoint_disk_shares,
             resumable=resume.offer(gpu),
         )
+        if kwargs["env"].get(contract.RESTORE) == "1":
+            # Made ready at the directive (a move); else now, while the launch goes on.
+            await self.prepare_spare()
         result: dict[str, Any] = await super().pre_launch(**kwargs)
         return result
 
@@ -244,10 +330,42 @@ class GpuFracProvisioner(LocalProvisioner):
         launch_env["JPY_PARENT_PID"] = str(os.getpid())  # as jupyter_client's launch_kernel
         try:
             return await pool.adopt(key, [os.path.expanduser(arg) for arg in cmd], launch_env,
-                                    str(kwargs.get("cwd") or os.getcwd()))
+                                    str(kwargs.get("cwd") or os.getcwd()), str(self.kernel_id))
         except Exception:
             self.log.exception("kernel %s: spare kernel failed; starting it cold", self.kernel_id)
             return None
+
+    async def prepare_spare(self, lease: dict[str, Any] | None = None) -> bool:
+        """Make a spare ready for this kernel's coming restoring launch (a move, a restart after
+        a kill): the packages its last checkpoint says it had imported, and on a GPU, CUDA's
+        context on the one ``lease`` (default: the kernel's) runs it on. Whether one is."""
+        found = self._spare_pool()
+        gpu = self.gpu
+        lease = lease if lease is not None else gpu.lease
+        if found is None or gpu.checkpoints_off is not None or (
+                lease is not None and lease.get("state") == "parked"):
+            return False
+        try:
+            await asyncio.to_thread(gpu.look_at_checkpoint)  # its imports, as last checkpointed
+            env = gpu_variables(lease, gpu.gpus) if lease is not None else {}
+            return await found[0].prepare(found[1], str(self.kernel_id), gpu.imports, env,
+                                          self._spare_prepared)
+        except Exception:  # a spare never fails a launch
+            self.log.exception("kernel %s: could not make a spare kernel ready", self.kernel_id)
+            return False
+
+    async def _spare_prepared(self, spare: Spare) -> None:
+        """A spare made ready with CUDA's context holds GPU memory: registered with the
+        kernel's lease (whose process it becomes), so the agent counts it there."""
+        info = spare.prepared_info or {}
+        lease = self.gpu.lease
+        if not info.get("cuda") or lease is None:
+            return
+        try:
+            await AgentLink(self.settings().socket_path).register_pid(str(lease["id"]), spare.pid)
+        except AgentError as err:
+            self.log.info("kernel %s: spare kernel %s not registered with its lease: %s",
+                          self.kernel_id, spare.pid, err)
 
     def _want_spare(self) -> None:
         """A spare for this kernelspec from now on, started in the background."""
@@ -260,13 +378,21 @@ class GpuFracProvisioner(LocalProvisioner):
 
     async def post_launch(self, **kwargs: Any) -> None:
         """Register the kernel's pid with its lease; finish a move; tell the user where it runs."""
+        self._launching = False
+        self._watch_exit()
         await super().post_launch(**kwargs)
         if not self._watching_restarts and self.parent is not None:
             # The restarter keeps its callbacks across restarts: register once per kernel.
             self.parent.add_restart_callback(self.gpu.restarter_restarted, "restart")
             self._watching_restarts = True
         await self.gpu.launched(None if self.pid is None else int(self.pid))
-        self._want_spare()
+        if self.gpu.last_launch_reason is None:
+            self._want_spare()
+        else:
+            self._restore_reported.clear()
+            task = asyncio.get_running_loop().create_task(self._want_spare_after_restore())
+            self._exit_tasks.add(task)
+            task.add_done_callback(self._exit_tasks.discard)
         settings = self.settings()
         if settings.on_launched is not None:
             settings.on_launched(str(self.kernel_id),
@@ -282,6 +408,9 @@ class GpuFracProvisioner(LocalProvisioner):
         user's to drop after ``checkpoint_keep_seconds`` (not at a server stop: see
         :func:`~jupyter_gpufrac.server.retention.sweep`)."""
         if not restart:
+            found = self._spare_pool()
+            if found is not None:
+                found[0].forget_kernel(str(self.kernel_id))
             settings = self.settings()
             if self.gpu.culling:
                 # jupyter_server's idle culler: a park to disk, which the notebook's next

@@ -92,12 +92,14 @@ def node_model(
     leases: list[dict[str, Any]],
     agent: dict[str, Any],
     config_problems: list[str],
+    spares: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``GET /api/gpufrac/node``: the GPUs, which of this user's leases sit on each, the agent,
-    and what is wrong with this server's c.GpuFrac settings."""
+    what is wrong with this server's c.GpuFrac settings, and its spare kernels (None: off)."""
     if node is None:
         return {"simulated": False, "backend": None, "mps": False, "freezing": None,
-                "agent": agent, "gpus": [], "leases": [], "config_problems": config_problems}
+                "agent": agent, "gpus": [], "leases": [], "config_problems": config_problems,
+                "spares": spares}
     simulated = bool(node.get("simulated"))
     gpus = []
     for gpu in node.get("gpus", []):
@@ -125,4 +127,5 @@ def node_model(
         "gpus": gpus,
         "leases": leases,
         "config_problems": config_problems,
+        "spares": spares,
     }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -12,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,9 @@ START_DELAY_S = 2.0
 READY_WAIT_S = 2.0
 # How long the spare may take to take its launch order.
 ORDER_ACK_S = 5.0
+# A spare made ready for one kernel's launch (see SparePool.prepare) that no launch took by then
+# is reaped: that move or recovery was given up.
+PREPARED_KEEP_S = 600.0
 # A spare not ready by then is stuck: it is reaped.
 READY_DEADLINE_S = 120.0
 # Spares of one kernelspec that die before they are ready: after this many, none are started.
@@ -54,7 +56,7 @@ PER_LAUNCH = frozenset({*contract.LAUNCH_VARIABLES, "CUDA_VISIBLE_DEVICES", "JPY
 # nothing is imported from wherever the server runs.
 BOOTSTRAP = (
     "import sys; sys.path = sys.path[1:] if sys.path[:1] == [''] else sys.path; "
-    "from jupyter_gpufrac.server.spares import spare_main; spare_main()"
+    "from jupyter_gpufrac.server.spare_process import spare_main; spare_main()"
 )
 
 
@@ -130,6 +132,13 @@ class Spare:
         self.messages: list[dict[str, Any]] = []
         self._fd: int | None = status_fd
         self._pending = b""
+        # Made ready for one kernel's launch: its id, when, the GPU variables it was given (a
+        # launch must want the same), and the spare's answer once it came.
+        self.prepared_for: str | None = None
+        self.prepared_at = 0.0
+        self.prepared_env: dict[str, str] = {}
+        self.prepared_info: dict[str, Any] | None = None
+        self.prepared_told = False
 
     @property
     def pid(self) -> int:
@@ -160,6 +169,8 @@ class Spare:
                     self.messages.append(message)
                     if message.get("ready"):
                         self.ready_info = message
+                    if message.get("prepared"):
+                        self.prepared_info = message
 
     def ready(self) -> bool:
         self.read_status()
@@ -201,19 +212,21 @@ class Spare:
             await asyncio.sleep(POLL_S * 4)
         return True
 
-    async def order(self, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str | None:
-        """Send the launch order and wait for the spare to take it; None, or what went wrong."""
+    async def send(self, message: dict[str, Any], *, last: bool = False) -> str | None:
+        """Write one order line on the spare's stdin (``last``: then close it); None, or what
+        went wrong."""
         stdin = self.process.stdin
         if stdin is None:
             return "no order pipe"
-        payload = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode()
-        seen = len(self.messages)
+        payload = json.dumps(message).encode() + b"\n"
 
         def send() -> None:
-            # The close ends the order: the spare reads until EOF, then fd 0 stays at EOF, as a
-            # normal kernel's stdin does (jupyter_client closes it at once).
+            # The close after the launch leaves fd 0 at EOF, as a normal kernel's stdin is
+            # (jupyter_client closes it at once).
             stdin.write(payload)
-            stdin.close()
+            stdin.flush()
+            if last:
+                stdin.close()
 
         try:
             await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, send),
@@ -222,7 +235,26 @@ class Spare:
             return f"the order pipe broke ({err})"
         except asyncio.TimeoutError:
             return "the spare did not read its order"
-        deadline = time.monotonic() + ORDER_ACK_S
+        return None
+
+    async def prepare(self, kernel_id: str, imports: Sequence[str], env: Mapping[str, str]
+                      ) -> str | None:
+        """Make it ready for ``kernel_id``'s launch (see :meth:`SparePool.prepare`); it answers
+        in its own time (:attr:`prepared_info`). None, or what went wrong."""
+        self.prepared_for, self.prepared_at = kernel_id, time.monotonic()
+        self.prepared_env = {**self.prepared_env, **env}
+        return await self.send({"prepare": {"imports": list(imports), "env": dict(env)}})
+
+    async def order(self, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str | None:
+        """Send the launch order and wait for the spare to take it; None, or what went wrong."""
+        seen = len(self.messages)
+        problem = await self.send({"launch": {"argv": list(argv), "env": dict(env), "cwd": cwd}},
+                                  last=True)
+        if problem is not None:
+            return problem
+        # Made ready for this launch, it may still be making CUDA's context (torch imported
+        # first), which it finishes before it reads the launch: it is waited for longer.
+        deadline = time.monotonic() + (READY_DEADLINE_S if self.prepared_for else ORDER_ACK_S)
         while True:
             self.read_status()
             for message in self.messages[seen:]:
@@ -257,6 +289,8 @@ class SparePool:
         self.stopped = False
         self.adopted = 0
         self._spares: dict[SpareKey, Spare] = {}
+        # Spares made ready for one kernel's coming launch, by kernel id (see prepare).
+        self._prepared: dict[str, Spare] = {}
         self._starting: dict[SpareKey, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._failures: dict[SpareKey, int] = {}
@@ -284,7 +318,24 @@ class SparePool:
         return self._spares.get(key)
 
     def pids(self) -> list[int]:
-        return [spare.pid for spare in self._spares.values()]
+        return [spare.pid for spare in [*self._spares.values(), *self._prepared.values()]]
+
+    def status(self) -> dict[str, Any]:
+        """What the spares are and hold, for people (the REST node view): each one's pid, state
+        (importing, ready, or prepared for a kernel) and host memory, and the bounds."""
+        listed: list[dict[str, Any]] = []
+        for spare in self._spares.values():
+            listed.append({"pid": spare.pid, "state": "ready" if spare.ready() else "importing",
+                           "kernel_id": None, "bytes": _rss(spare.pid)})
+        for kernel_id, spare in self._prepared.items():
+            spare.read_status()
+            info = spare.prepared_info or {}
+            listed.append({"pid": spare.pid, "state": "prepared", "kernel_id": kernel_id,
+                           "bytes": _rss(spare.pid), "imported": info.get("imported"),
+                           "cuda": info.get("cuda")})
+        return {"max": self.max_spares, "spares": listed, "starting": len(self._starting),
+                "bytes": sum(int(item["bytes"]) for item in listed), "adopted": self.adopted,
+                "imports": list(self.imports)}
 
     # -- starting ------------------------------------------------------------------------
 
@@ -301,7 +352,7 @@ class SparePool:
             self._say_once(f"gave up {key}", "gpufrac: no more spare kernels for %s: %d failed "
                            "to start (see the log above)", key.executable, MAX_FAILURES)
             return
-        if len(self._spares) + len(self._starting) >= self.max_spares:
+        if len(self._spares) + len(self._prepared) + len(self._starting) >= self.max_spares:
             self._say_once("full", "gpufrac: %d spare kernels kept (c.GpuFrac.max_spare_kernels); "
                            "no spare for %s", self.max_spares, key.executable)
             return
@@ -390,24 +441,130 @@ class SparePool:
 
     # -- adopting ------------------------------------------------------------------------
 
+    async def prepare(self, key: SpareKey, kernel_id: str, imports: Sequence[str],
+                      env: Mapping[str, str],
+                      on_prepared: Callable[[Spare], Awaitable[None]] | None = None) -> bool:
+        """Make the spare of ``key`` ready for ``kernel_id``'s coming launch (a move, or a
+        restart after a kill): it imports the installed packages among ``imports`` (what the
+        kernel had imported) and, given the launch's GPU variables ``env`` (its
+        CUDA_VISIBLE_DEVICES naming a GPU), makes CUDA's context there. It is kept for that
+        launch alone (:meth:`adopt`); its replacement is :meth:`want`-ed once that launch is
+        done (started beside it, it would slow it). Asked again for the same kernel, it imports
+        what is new. False when no spare could be made ready.
+        ``on_prepared`` is called once the spare has answered."""
+        if self.stopped:
+            return False
+        spare = self._prepared.get(kernel_id)
+        if spare is not None and (not spare.alive() or spare.key != key
+                                  or any(spare.prepared_env.get(k, v) != v
+                                         for k, v in env.items())):
+            self._drop_prepared(kernel_id, "was made ready for another GPU or kernelspec")
+            spare = None
+        fresh = spare is None
+        if spare is None:
+            spare = self._spares.get(key)
+            if spare is None or not spare.alive():
+                self.want(key)
+                return False
+            del self._spares[key]
+            self._prepared[kernel_id] = spare
+        problem = await spare.prepare(kernel_id, imports, env)
+        if problem is not None:
+            self._drop_prepared(kernel_id, problem)
+            return False
+        if fresh:
+            self.log.info("gpufrac: kernel %s: spare kernel %s made ready for its launch "
+                          "(importing %d packages%s)", kernel_id, spare.pid, len(imports),
+                          ", CUDA on " + env["CUDA_VISIBLE_DEVICES"]
+                          if env.get("CUDA_VISIBLE_DEVICES") else "")
+            self._track(asyncio.get_running_loop().create_task(
+                self._watch_prepared(kernel_id, spare, on_prepared)))
+        return True
+
+    async def _watch_prepared(self, kernel_id: str, spare: Spare,
+                              on_prepared: Callable[[Spare], Awaitable[None]] | None) -> None:
+        """Say what the spare made ready did; reap it when no launch took it in time."""
+        deadline = spare.prepared_at + PREPARED_KEEP_S
+        called = False
+        while self._prepared.get(kernel_id) is spare:
+            spare.read_status()
+            if not called and spare.prepared_info is not None:
+                called = True
+                self._tell_prepared(spare)
+                if on_prepared is not None:
+                    await on_prepared(spare)
+            if not spare.alive():
+                self._drop_prepared(kernel_id, f"exited with status {spare.process.returncode}")
+                return
+            if time.monotonic() >= deadline:
+                self._drop_prepared(kernel_id, "was not launched in time")
+                await spare.reap()
+                return
+            await asyncio.sleep(WATCH_EVERY_S / 10 if not called else WATCH_EVERY_S)
+        if not called and spare.prepared_info is not None and on_prepared is not None:
+            await on_prepared(spare)  # adopted as soon as it was ready
+
+    def _tell_prepared(self, spare: Spare) -> None:
+        """Log, once, what a spare made ready for a kernel did."""
+        info = spare.prepared_info
+        if info is None or spare.prepared_told:
+            return
+        spare.prepared_told = True
+        self.log.info("gpufrac: spare kernel %s ready for kernel %s in %.1f s (imported %s%s; "
+                      "CUDA: %s)", spare.pid, spare.prepared_for, float(info.get("seconds") or 0),
+                      ", ".join(info.get("imported") or []) or "nothing new",
+                      "; left to the kernel, which was there first: " + ", ".join(info["left"])
+                      if info.get("left") else "",
+                      info.get("cuda") or info.get("cuda_error") or "not used")
+        if info.get("skipped"):
+            self.log.info("gpufrac: spare kernel %s left to the kernel: %s", spare.pid,
+                          "; ".join(f"{k}: {v}" for k, v in info["skipped"].items()))
+
+    def _drop_prepared(self, kernel_id: str, why: str) -> None:
+        spare = self._prepared.pop(kernel_id, None)
+        if spare is not None:
+            spare.close_status()
+            self.log.info("gpufrac: spare kernel %s %s", spare.pid, why)
+            self._track(asyncio.get_running_loop().create_task(spare.reap()))
+
+    def forget_kernel(self, kernel_id: str) -> None:
+        """The kernel shut down: a spare made ready for it goes."""
+        self._drop_prepared(kernel_id, "was made ready for a kernel that shut down")
+
+    # -- adopting ------------------------------------------------------------------------
+
     async def adopt(self, key: SpareKey, argv: Sequence[str], env: Mapping[str, str],
-                    cwd: str) -> subprocess.Popen[bytes] | None:
+                    cwd: str, kernel_id: str | None = None) -> subprocess.Popen[bytes] | None:
         """A spare turned into the kernel of this launch, or None: then launch as usual.
 
-        Whatever the outcome, a replacement is on its way. ``argv`` is the launch command,
-        ``env`` its whole environment (JPY_PARENT_PID included), ``cwd`` its folder.
+        The spare made ready for ``kernel_id`` (see :meth:`prepare`) when its GPU variables are
+        the launch's, else a ready one. Without one, a spare is on its way for the next launch;
+        the replacement of one taken is :meth:`want`-ed once the launch is done. ``argv`` is
+        the launch command, ``env`` its whole environment (JPY_PARENT_PID
+        included), ``cwd`` its folder.
         """
         if self.stopped:
             return None
-        spare = self._spares.get(key)
-        if spare is None or not (spare.ready() or await self._worth_waiting(spare)):
-            if spare is not None and not spare.alive():
-                self._forget(spare, f"exited with status {spare.process.returncode}")
-            self.log.info("gpufrac: no spare kernel ready for %s; starting one cold", key.executable)
-            self.want(key)
-            return None
-        self._spares.pop(key, None)
-        self.want(key)
+        spare = self._prepared.pop(kernel_id, None) if kernel_id is not None else None
+        if spare is not None:
+            differ = sorted(k for k, v in spare.prepared_env.items() if env.get(k) != v)
+            if differ or spare.key != key or not spare.alive():
+                why = (f"the launch wants other {', '.join(differ)}" if differ
+                       else "it is of another kernelspec" if spare.key != key else "it exited")
+                self.log.info("gpufrac: spare kernel %s made ready for kernel %s not used: %s",
+                              spare.pid, kernel_id, why)
+                await spare.reap()
+                spare = None
+        if spare is None:
+            spare = self._spares.get(key)
+            if spare is None or not (spare.ready() or await self._worth_waiting(spare)):
+                if spare is not None and not spare.alive():
+                    self._forget(spare, f"exited with status {spare.process.returncode}")
+                self.log.info("gpufrac: no spare kernel ready for %s; starting one cold",
+                              key.executable)
+                self.want(key)
+                return None
+            self._spares.pop(key, None)
         try:
             problem = self._mismatch(spare, argv, env) or await spare.order(argv, env, cwd)
         except BaseException:
@@ -419,6 +576,7 @@ class SparePool:
             self.log.info("gpufrac: spare kernel %s not used: %s", spare.pid, problem)
             await spare.reap()
             return None
+        self._tell_prepared(spare)
         self.adopted += 1
         return spare.process
 
@@ -453,7 +611,8 @@ class SparePool:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        spares, self._spares = list(self._spares.values()), {}
+        spares = [*self._spares.values(), *self._prepared.values()]
+        self._spares, self._prepared = {}, {}
         await asyncio.gather(*(spare.reap() for spare in spares), return_exceptions=True)
         if spares:
             self.log.info("gpufrac: reaped %d spare kernel(s)", len(spares))
@@ -488,56 +647,3 @@ def _rss(pid: int) -> int:
         return int(psutil.Process(pid).memory_info().rss)
     except psutil.Error:
         return 0
-
-
-# -- the spare's side ---------------------------------------------------------------------
-
-
-def _say(status: Any, message: dict[str, Any]) -> None:
-    status.write(json.dumps(message) + "\n")
-    status.flush()
-
-
-def spare_main() -> None:
-    """In the spare (BOOTSTRAP): import, say ready, wait for one order, become that kernel.
-
-    Never touches CUDA: a process that imported torch but did not initialise CUDA can still be
-    given any GPU through CUDA_VISIBLE_DEVICES. The order comes on stdin, a pipe only the server
-    holds; EOF without one (the server stopped, or died) ends the spare.
-    """
-    status = os.fdopen(int(sys.argv[1]), "w", encoding="utf-8")
-    began, start_env = time.monotonic(), dict(os.environ)
-    failed: dict[str, str] = {}
-    for name in json.loads(sys.argv[2]):
-        try:
-            importlib.import_module(name)
-        except (Exception, SystemExit) as err:  # the kernel will not have it either: say so
-            failed[name] = f"{type(err).__name__}: {err}"
-    _say(status, {"ready": True, "seconds": time.monotonic() - began, "failed": failed})
-    raw = sys.stdin.buffer.read()
-    if not raw:
-        return
-    try:
-        order = json.loads(raw)
-        argv = [str(arg) for arg in order["argv"]]
-        env = {str(k): str(v) for k, v in dict(order["env"]).items()}
-        if len(argv) < 3 or argv[1] != "-m":
-            raise ValueError(f"expected [python, -m, module, ...], got {argv[:3]}")
-        os.chdir(str(order["cwd"]))
-    except Exception as err:
-        _say(status, {"error": f"{type(err).__name__}: {err}"})
-        raise SystemExit(1) from err
-    # The environment of the launch, wholly (CUDA_VISIBLE_DEVICES and GPUFRAC_* included), and
-    # what the imports changed in it, as they would have in a kernel that imported them itself.
-    env.update({k: v for k, v in os.environ.items() if start_env.get(k) != v})
-    for name in set(start_env) - set(os.environ):
-        env.pop(name, None)
-    os.environ.clear()
-    os.environ.update(env)
-    _say(status, {"started": True})
-    status.close()
-    # As `python -m module args`: runpy sets argv[0] to the module's file, __main__ to it.
-    sys.argv = [argv[0], *argv[3:]]
-    import runpy
-
-    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -15,6 +16,8 @@ from harness.agent import AgentProcess, wait_for
 from harness.jupyter import Server, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = (
     "c.GpuFrac.migrate_grace_period = 3\n"
@@ -53,11 +56,11 @@ def gone(pid: int) -> bool:
         return True
 
 
-def move_one(agent: AgentProcess, server: Server) -> tuple[str, int, list[str]]:
+def move_one(agent: AgentProcess, server: Server, more: str = "") -> tuple[str, int, list[str]]:
     """Two notebooks spread over both GPUs, a whole-GPU job: (moved kernel, its new pid, output)."""
     notebooks = [server.open_notebook(f"n{i}.ipynb") for i in range(2)]
     for nb in notebooks:
-        nb.ok(STATE)
+        nb.ok(STATE + more)
     wait_for(lambda: spares_ready(server), 60, "a spare kernel to be ready", interval=0.2)
     job = subprocess.run(
         [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
@@ -73,12 +76,35 @@ def move_one(agent: AgentProcess, server: Server) -> tuple[str, int, list[str]]:
     return mover.kernel_id, int(words[1]), words[2:]
 
 
+# The user's own module: importing it leaves a mark, with the process and kernel it ran in.
+USERS_MODULE = """
+import os
+with open(os.path.join(os.path.dirname(__file__), "imported.txt"), "a") as f:
+    f.write(f"{os.getpid()} {os.environ.get('GPUFRAC_KERNEL_ID', '-')}\\n")
+"""
+
+
 def test_a_move_starts_in_the_spare_and_the_server_reaps_every_spare(tmp_path: Path) -> None:
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "notes_helper.py").write_text(USERS_MODULE)
+    env = {"PYTHONPATH": os.pathsep.join([str(mods), str(REPO)])}
     with AgentProcess(tmp_path / "agent", "2x2GiB",
                       ["--poll-interval", "0.2", "--migrate-grace", "90"]) as agent:
-        server = start_server(tmp_path / "server", agent.socket, CONFIG)
+        server = start_server(tmp_path / "server", agent.socket, CONFIG, env=env)
         try:
-            kernel_id, pid, (gpu, parent) = move_one(agent, server)
+            spares = server.get("/api/gpufrac/node")["spares"]
+            assert spares["max"] >= 1 and isinstance(spares["spares"], list)
+            kernel_id, pid, (gpu, parent) = move_one(agent, server, "import yaml, notes_helper")
+            # Made ready for this kernel before its launch: what it had imported that is
+            # installed (yaml), never the user's own module, which ran only in kernels.
+            ready = re.search(rf"spare kernel {pid} ready for kernel {kernel_id} .*", server.log_text())
+            assert ready and "yaml" in ready.group(0), server.log_text()[-3000:]
+            assert re.search(rf"spare kernel {pid} left to the kernel: .*notes_helper: not an "
+                             "installed package", server.log_text())
+            marks = (mods / "imported.txt").read_text().split()
+            assert marks and all(kernel != "-" for kernel in marks[1::2]), marks
+            assert str(pid) in marks[0::2]  # the restore imported it, in the kernel
             # The moved kernel runs in the spare that was ready, on the GPU it was moved to,
             # with its variables, under the same kernel id and websocket.
             assert pid in spares_ready(server)

@@ -116,6 +116,32 @@ def test_killed_again_and_again_right_after_each_restore_keeps_its_kernel(tmp_pa
         nb.close()
 
 
+def test_a_killed_kernel_restarts_when_its_process_exits_not_at_the_restarters_next_look(
+    tmp_path: Path,
+) -> None:
+    """jupyter_client's restarter looks every ``time_to_dead`` seconds (3 by default): the
+    server has it look as soon as the kernel's process exits, so a restore starts at once."""
+    slow_looks = FAST + "c.KernelRestarter.time_to_dead = 600\n"
+    with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2"]) as agent, \
+            running_server(tmp_path / "server", agent.socket, slow_looks) as server:
+        nb = server.open_notebook("killed.ipynb")
+        nb.ok("kept = [1, 2, 3]")
+        pid = kernel_pid(nb)
+        os.kill(pid, signal.SIGKILL)
+        # Well within the 600 s after which the restarter would have looked.
+        wait_for(lambda: restores(server, nb.kernel_id), 120, "the restore after SIGKILL",
+                 interval=0.2)
+        assert restores(server, nb.kernel_id)[-1]["ok"] is True
+        assert nb.ok("print(kept)").strip().endswith("[1, 2, 3]")
+        assert kernel_pid(nb) != pid
+        # A restart the user asks for is not a death: it restarts once, without a restore.
+        status, _ = server.api(f"/api/kernels/{nb.kernel_id}/restart", "POST")
+        assert status == 200
+        assert nb.ok("print('kept' in globals())").strip().endswith("False")
+        assert len(restores(server, nb.kernel_id)) == 1
+        nb.close()
+
+
 def test_cell_cut_off_by_a_move_ends_and_is_named(tmp_path: Path) -> None:
     with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2",
                                                        "--migrate-grace", "90"]) as agent, \

@@ -115,6 +115,98 @@ print(json.dumps({{"w": str(ns["w"].device), "cpu": str(ns["cpu"].device),
         "w": "cuda:0", "cpu": "cpu", "sum": float(sum(range(1000)))}
 
 
+def test_a_restore_streams_every_tensor_onto_the_gpu_bit_for_bit_with_its_sharing(
+    tmp_path: Path,
+) -> None:
+    """Through the ring of pinned buffers (chunks smaller than the tensors), onto the device,
+    never first in pageable host memory; views, aliases and storages shared across variables
+    as they were (issue 35)."""
+    save = f"""
+import json, torch
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+g = torch.Generator(device="cuda").manual_seed(3)
+base = torch.randint(0, 256, (64 * 2**20 + 12,), dtype=torch.uint8, device="cuda",
+                     generator=g).view(torch.float32)  # NaN payloads, -0.0, denormals
+model = torch.nn.Linear(256, 128).cuda()
+ns = {{"base": base, "view": base[100:5000].view(70, 70), "alias": base,
+       "strided": [base[::7]], "model": model, "half": torch.randn(999, device="cuda").half(),
+       "host": torch.arange(10.0)}}
+Checkpointer({str(tmp_path)!r}).take(ns)
+torch.save({{k: ns[k] for k in ("base", "half")}}, {str(tmp_path / "expected.pt")!r})
+print(json.dumps({{"ok": True}}))
+"""
+    load = f"""
+import json, torch
+from jupyter_gpufrac.kernel import stream
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+stream.CHUNK = 4 * 2**20
+stream._ring = stream.Ring(count=3, chunk=4 * 2**20)
+made_on_host = []
+empty = torch.empty
+def watching(*args, device=None, **kwargs):
+    if device in (None, "cpu") and args and isinstance(args[0], int) and args[0] >= 2**20:
+        made_on_host.append(args[0])
+    return empty(*args, device=device, **kwargs)
+torch.empty = watching
+ns = {{}}
+result = Checkpointer({str(tmp_path)!r}).load(ns)
+torch.empty = empty
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+same = lambda a, b: bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+base = ns["base"]
+print(json.dumps({{
+    "lost": result.lost, "pinned": stream._ring.pinned,
+    "devices": sorted({{str(ns[k].device) for k in ("base", "view", "half")}}),
+    "bits": same(base, expected["base"]) and same(ns["half"], expected["half"]),
+    "view": ns["view"].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            and same(ns["view"], base[100:5000].view(70, 70)),
+    "strided": ns["strided"][0].untyped_storage().data_ptr() == base.untyped_storage().data_ptr(),
+    "alias": ns["alias"] is base, "host": str(ns["host"].device),
+    "model": str(next(ns["model"].parameters()).device),
+    "made_on_host": made_on_host}}))
+"""
+    _python(save, CUDA_VISIBLE_DEVICES=_uuids()[0])
+    seen = _python(load, CUDA_VISIBLE_DEVICES=_uuids()[-1])
+    assert seen["lost"] == {} and seen["pinned"] is True
+    assert seen["devices"] == ["cuda:0"] and seen["model"] == "cuda:0" and seen["host"] == "cpu"
+    assert seen["bits"] and seen["view"] and seen["strided"] and seen["alias"]
+    assert seen["made_on_host"] == [], "a GPU tensor was first made in host memory"
+
+
+def test_a_cells_gpu_tensors_are_held_then_copied_into_warm_staging_on_their_stream(
+    tmp_path: Path,
+) -> None:
+    """The snapshot after a cell holds (first) or copies into warm pinned staging on the stream
+    (later); either way the next in-place change never reaches the checkpoint (issue 35)."""
+    code = f"""
+import json, torch
+from jupyter_gpufrac.kernel import stream
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+t = torch.zeros(256 * 2**20, device="cuda")  # 1 GiB
+ns = {{"t": t}}
+ck = Checkpointer({str(tmp_path)!r})
+held = []
+for cell in range(1, 4):
+    t.add_(1)
+    job = ck.begin(ns, execution_count=cell)
+    held.append([s.on_device for s in job.staged.values() if s.nbytes == 2**30])
+    if cell > 1:
+        t.add_(100)  # the next cell, at once: queued after the copy on the stream
+    job.wait(120)
+    ck.writer.flush()
+    if cell > 1:
+        t.sub_(100)
+loaded = {{}}
+Checkpointer({str(tmp_path)!r}).load(loaded)
+print(json.dumps({{"held": held, "value": float(loaded["t"][0]), "pinned": stream.PINNED.kept}}))
+"""
+    seen = _python(code, CUDA_VISIBLE_DEVICES=_uuids()[0])
+    assert seen["held"][0] == [True], "no warm buffer yet: held, not pinned in the cell"
+    assert seen["held"][1] == [False] and seen["held"][2] == [False], "then warm staging"
+    assert seen["value"] == 3.0  # the snapshot's, never the change queued after it
+    assert seen["pinned"] >= 2**30
+
+
 @pytest.mark.skipif(not nvml_works(), reason="NVML does not initialise")
 def test_the_agent_measures_a_kernel_through_nvml(tmp_path: Path) -> None:
     with AgentProcess(tmp_path / "agent", None, ["--poll-interval", "0.2"]) as agent:

@@ -220,8 +220,10 @@ def test_gpu_tensors_land_on_the_cpu_without_cuda(ckdir: Path) -> None:
     # What a checkpoint taken on a GPU kernel records for a CUDA tensor, read by a CPU kernel.
     import io
     import pickle
+    from concurrent.futures import ThreadPoolExecutor
 
     from jupyter_gpufrac.kernel import pickling, tensor_io
+    from jupyter_gpufrac.kernel.stream import Streamer
     from jupyter_gpufrac.kernel.unpickler import NamespaceUnpickler
 
     store.ensure_private_dir(ckdir)
@@ -234,8 +236,14 @@ def test_gpu_tensors_land_on_the_cpu_without_cuda(ckdir: Path) -> None:
                                            False, False, None, False))
 
     named_twice = pickle.dumps([CudaTensor()] * 2)
-    unpickler = NamespaceUnpickler(io.BytesIO(named_twice), ckdir, {}, device="cpu")
-    tensor, again = unpickler.load()
+    with store.CheckpointDir.open(ckdir) as folder, ThreadPoolExecutor(2) as pool:
+        streamer = Streamer(folder, pool)
+
+        def fetch(blob: str, nbytes: int, target: str) -> Any:
+            return streamer.take(streamer.submit(blob, nbytes, target))
+
+        unpickler = NamespaceUnpickler(io.BytesIO(named_twice), {}, "cpu", fetch)
+        tensor, again = unpickler.load()
     assert tensor.device.type == "cpu" and tensor.tolist() == [[2.0, 3.0], [4.0, 5.0]]
     assert unpickler.moved_to_cpu_bytes == 24
     assert again is tensor  # one tensor, however often it is named
@@ -257,8 +265,8 @@ def test_tensors_only_reachable_from_a_bad_variable_are_not_kept(ckdir: Path) ->
 
 
 # A fresh kernel restoring what a GPU kernel saved. torch is imported only by the restore; once
-# it is, torch reports one CUDA device, and moving a tensor there is recorded and kept on the
-# host (this torch has no CUDA). What is checked is where our restore sends the tensors.
+# it is, torch reports one CUDA device, and a storage made there is recorded and made on the
+# host (this torch has no CUDA). What is checked is where our restore makes the tensors.
 RESTORE_ON_CUDA = """
 import builtins, json, sys
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
@@ -270,13 +278,13 @@ def give_torch_a_gpu(torch):
     torch.cuda.is_available = lambda: True
     torch.cuda.current_device = lambda: 0
     torch.cuda.device_count = lambda: 1
-    to = torch.Tensor.to
-    def to_device(self, *args, **kwargs):
-        if args and str(args[0]).startswith("cuda"):
-            targets.append(str(args[0]))
-            return to(self, "cpu").clone()
-        return to(self, *args, **kwargs)
-    torch.Tensor.to = to_device
+    empty = torch.empty
+    def empty_on(*args, device=None, **kwargs):
+        if str(device).startswith("cuda"):
+            targets.append(str(device))
+            device = "cpu"
+        return empty(*args, device=device, **kwargs)
+    torch.empty = empty_on
 
 def watching_import(name, *args, **kwargs):
     fresh = "torch" not in sys.modules

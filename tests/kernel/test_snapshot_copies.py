@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from jupyter_gpufrac import contract
-from jupyter_gpufrac.kernel import store, tensor_io, writer
+from jupyter_gpufrac.kernel import store, stream, tensor_io, writer
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
 
 from .kernels import running_kernel, wait_written
@@ -311,3 +311,79 @@ def test_a_held_array_changed_while_it_is_written_is_written_again_later(
     loaded: dict[str, Any] = {}
     Checkpointer(ckdir).load(loaded)
     assert numpy.array_equal(loaded["grid"], grid)
+
+
+# -- a device's storages (issue 35), checked with host tensors standing in for a GPU's: the same
+# code, with plain host buffers where a GPU has pinned ones and no events (work is done when
+# queued on the host) ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def as_device(monkeypatch: pytest.MonkeyPatch) -> stream.PinnedPool:
+    """Host storages snapshotted as a GPU's are; a pinned pool of this test's own."""
+    pool = stream.PinnedPool(2**30)
+    monkeypatch.setattr(stream, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(stream, "PINNED", pool)
+    return pool
+
+
+def test_a_device_storage_is_held_at_first_then_copied_into_staging_the_writer_pinned(
+        ckdir: Path, as_device: stream.PinnedPool) -> None:
+    t = torch.zeros(2**20)
+    ns: dict[str, Any] = {"t": t, "rows": t.view(1024, 1024)[:8]}
+    ck = Checkpointer(ckdir)
+    job = ck.begin(ns, execution_count=1)
+    # No warm buffer: the cell did not wait to pin one; the storage is held where it is.
+    [held] = [s for s in job.staged.values() if s.on_device]
+    assert held.data.data_ptr() == t.untyped_storage().data_ptr() and held.valid is not None
+    assert job.wait(30) is job
+    # The writer pinned one for the next snapshot, after the write.
+    assert ck.writer.flush(30)
+    assert as_device.kept == 4 * 2**20
+    t.add_(1)
+    job = ck.begin(ns, execution_count=2)
+    [copied] = [s for name, s in job.staged.items() if s.nbytes == 4 * 2**20]
+    assert not copied.on_device and copied.release is not None  # the pool's buffer
+    t.add_(1)  # the next cell: after the copy, which never sees it
+    assert job.wait(30) is job
+    loaded: dict[str, Any] = {}
+    assert Checkpointer(ckdir).load(loaded).execution_count == 2
+    assert torch.equal(loaded["t"], torch.ones(2**20))
+    assert loaded["rows"].untyped_storage().data_ptr() == loaded["t"].untyped_storage().data_ptr()
+    assert as_device.kept == 4 * 2**20, "given back, kept for the next snapshot"
+
+
+def test_a_held_device_storage_changed_before_it_is_written_is_written_again_later(
+        ckdir: Path, as_device: stream.PinnedPool, slow: None) -> None:
+    t = torch.zeros(2**22)  # 16 MiB, written slowly
+    ns: dict[str, Any] = {"t": t}
+    ck = Checkpointer(ckdir)
+    ck.take(ns, execution_count=1)
+    as_device.clear()  # a pause: the warm buffers went
+    t.add_(1)
+    job = ck.begin(ns, execution_count=2)
+    assert any(s.on_device for s in job.staged.values())
+    t[5:9].add_(1)  # the next cell, through a view (which shares the version counter)
+    with pytest.raises(writer.WriteError, match="changed while it was written"):
+        job.wait(60)
+    assert durable_cell(ckdir) == 1, "the last good checkpoint stays"
+    ck.take(ns, execution_count=3)
+    loaded: dict[str, Any] = {}
+    assert Checkpointer(ckdir).load(loaded).execution_count == 3
+    assert torch.equal(loaded["t"], t)
+
+
+def test_an_inference_tensor_on_a_device_is_copied_at_the_cells_end(
+        ckdir: Path, as_device: stream.PinnedPool) -> None:
+    with torch.inference_mode():
+        t = torch.zeros(2**20)
+    ns: dict[str, Any] = {"t": t}
+    job = Checkpointer(ckdir).begin(ns, execution_count=1)
+    # No version counter to tell a later change by: it cannot be held.
+    assert not any(s.on_device for s in job.staged.values())
+    with torch.inference_mode():
+        t.add_(1)
+    job.wait(30)
+    loaded: dict[str, Any] = {}
+    Checkpointer(ckdir).load(loaded)
+    assert torch.equal(loaded["t"], torch.zeros(2**20))

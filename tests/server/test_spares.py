@@ -40,6 +40,12 @@ os.replace(out + ".tmp", out)
 time.sleep(120)
 """
 
+USERS_MODULE = """
+import os
+with open(os.path.join(os.path.dirname(__file__), "imported.txt"), "a") as f:
+    f.write(f"{os.getpid()} {os.environ.get('GPUFRAC_KERNEL_ID', '-')}\\n")
+"""
+
 
 @pytest.fixture
 def probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -47,6 +53,8 @@ def probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "spare_probe.py").write_text(PROBE)
     (tmp_path / "mods" / "slow_import.py").write_text("import time\ntime.sleep(30)\n")
+    # The user's own code: importing it leaves a mark, with the process and kernel it ran in.
+    (tmp_path / "mods" / "users_module.py").write_text(USERS_MODULE)
     path = os.pathsep.join(p for p in (str(tmp_path / "mods"), os.environ.get("PYTHONPATH")) if p)
     monkeypatch.setenv("PYTHONPATH", path)
     return tmp_path
@@ -140,6 +148,107 @@ async def test_adopted_spare_becomes_the_launch_and_a_replacement_starts(
     assert process.poll() is None
     os.killpg(process.pid, signal.SIGTERM)
     assert process.wait(10) == -signal.SIGTERM
+
+
+async def prepared(spare: spares.Spare, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        spare.read_status()
+        if spare.prepared_info is not None:
+            return spare.prepared_info
+        assert spare.alive() and time.monotonic() < deadline, spare.messages
+        await asyncio.sleep(0.02)
+
+
+async def test_a_spare_made_ready_for_a_kernel_imports_what_it_had_imported_never_user_code(
+    probe: Path, pool: SparePool
+) -> None:
+    key = probe_key()
+    spare = await ready_spare(pool, key)
+    imports = ["idna", "users_module", "email", "no_such_package"]
+    gpu = {"CUDA_VISIBLE_DEVICES": "GPU-target", "CUPY_GPU_MEMORY_LIMIT": "1000"}
+    told: list[spares.Spare] = []
+
+    async def on_prepared(ready: spares.Spare) -> None:
+        told.append(ready)
+
+    assert await pool.prepare(key, "k-1", imports, gpu, on_prepared)
+    info = await prepared(spare)
+    # The installed package is imported; the user's module on PYTHONPATH is not (its code has
+    # not run anywhere), nor is what is not installed; what was loaded already is skipped.
+    assert info["imported"] == ["idna"]
+    assert set(info["skipped"]) == {"users_module", "no_such_package"}
+    assert "not an installed package" in info["skipped"]["users_module"]
+    assert not (probe / "mods" / "imported.txt").exists()
+    assert info["cuda"] is None  # no GPU here: nothing initialised
+    # Kept for that kernel alone: counted, shown, and a replacement starts for the others.
+    status = pool.status()
+    assert [(s["pid"], s["state"], s["kernel_id"]) for s in status["spares"]
+            if s["state"] == "prepared"] == [(spare.pid, "prepared", "k-1")]
+    assert all(s["bytes"] > 0 for s in status["spares"])
+    assert status["bytes"] == sum(s["bytes"] for s in status["spares"])
+    replacement = await ready_spare(pool, key)
+    assert replacement.pid != spare.pid
+    # Asked again (the directive, then the launch), it imports only what is new.
+    assert await pool.prepare(key, "k-1", [*imports, "yaml"], gpu)
+    deadline = time.monotonic() + 60
+    while sum(1 for m in spare.messages if m.get("prepared")) < 2:
+        assert time.monotonic() < deadline, spare.messages
+        spare.read_status()
+        await asyncio.sleep(0.02)
+    assert spare.prepared_info is not None and spare.prepared_info["imported"] == ["idna", "yaml"]
+    out = probe / "report.json"
+    argv = [sys.executable, "-m", "spare_probe", "--out", str(out)]
+    process = await pool.adopt(key, argv, launch_env(spare.env, **gpu), str(probe), "k-1")
+    assert process is spare.process
+    report = await read_report(out)
+    assert {"idna", "yaml"} <= set(report["modules"]) and "users_module" not in report["modules"]
+    assert report["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-target"
+    assert report["env"]["CUPY_GPU_MEMORY_LIMIT"] == "1000"
+    deadline = time.monotonic() + 30  # its watcher, polling, may see the answer only now
+    while not told:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert told == [spare]
+    assert pool.spare(key) is replacement  # the ready one was not taken
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(10)
+
+
+async def test_a_spare_made_ready_for_another_gpu_is_never_adopted(
+    probe: Path, pool: SparePool, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = probe_key()
+    spare = await ready_spare(pool, key)
+    assert await pool.prepare(key, "k-1", ["idna"], {"CUDA_VISIBLE_DEVICES": "GPU-a"})
+    await prepared(spare)
+    replacement = await ready_spare(pool, key)
+    out = probe / "report.json"
+    argv = [sys.executable, "-m", "spare_probe", "--out", str(out)]
+    with caplog.at_level(logging.INFO, "test-spares"):
+        process = await pool.adopt(key, argv, launch_env(spare.env, CUDA_VISIBLE_DEVICES="GPU-b"),
+                                   str(probe), "k-1")
+    # CUDA may hold the other GPU in it: reaped, and the launch takes the ready spare instead.
+    assert f"spare kernel {spare.pid} made ready for kernel k-1 not used" in caplog.text
+    assert "CUDA_VISIBLE_DEVICES" in caplog.text
+    assert process is replacement.process
+    await until_gone(spare.pid)
+    report = await read_report(out)
+    assert report["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-b"
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(10)
+
+
+async def test_a_spare_made_ready_for_a_kernel_that_shuts_down_is_reaped(
+    probe: Path, pool: SparePool
+) -> None:
+    key = probe_key()
+    spare = await ready_spare(pool, key)
+    assert await pool.prepare(key, "k-1", [], {})
+    assert [s["state"] for s in pool.status()["spares"]].count("prepared") == 1
+    pool.forget_kernel("k-1")
+    await until_gone(spare.pid)
+    assert "prepared" not in [s["state"] for s in pool.status()["spares"]]
 
 
 async def test_no_ready_spare_or_a_dead_one_means_a_cold_launch(
@@ -376,3 +485,50 @@ async def test_a_restoring_restart_adopts_the_spare_a_plain_one_does_not(
         await served_pool.stop()
     for pid in [*pids, spare.pid]:
         await until_gone(pid, 5)
+
+
+def test_a_launch_that_comes_while_a_spare_imports_does_not_wait_for_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import builtins
+    import threading
+
+    from jupyter_gpufrac.server import spare_process
+
+    # first_pkg's import waits at a gate the test opens: the launch comes while it runs.
+    (tmp_path / "first_pkg").mkdir()
+    (tmp_path / "first_pkg" / "__init__.py").write_text(
+        "import builtins\nbuiltins.gpufrac_test_started.set()\n"
+        "assert builtins.gpufrac_test_gate.wait(30)\n")
+    for name in ("second_pkg", "third_pkg"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # Installed, as far as the spare can tell: in a folder it counts as installed.
+    monkeypatch.setattr(spare_process, "installed_roots", lambda: [str(tmp_path)])
+    started, gate = threading.Event(), threading.Event()
+    monkeypatch.setattr(builtins, "gpufrac_test_started", started, raising=False)
+    monkeypatch.setattr(builtins, "gpufrac_test_gate", gate, raising=False)
+    read_fd, write_fd = os.pipe()
+    status = spare_process.Status(write_fd)
+    try:
+        importer = spare_process.Importer(status)
+        spare_process.prepare({"imports": ["first_pkg", "second_pkg", "third_pkg"]}, importer)
+        assert started.wait(30)
+        # The launch: it does not wait for the import in progress, and nothing after it runs.
+        summary = importer.stop()
+        assert not gate.is_set() and "first_pkg" not in importer.imported  # still importing
+        assert summary["left"] == ["second_pkg", "third_pkg"] and summary["imported"] == []
+        gate.set()
+        for thread in threading.enumerate():
+            if thread.name == "gpufrac-spare-imports":
+                thread.join(30)
+                assert not thread.is_alive()
+        assert importer.imported == ["first_pkg"]
+        assert "second_pkg" not in sys.modules and "third_pkg" not in sys.modules
+        status.close()
+        assert os.read(read_fd, 65536) == b"", "a stopped importer says nothing more"
+    finally:
+        os.close(read_fd)
+        for name in ("first_pkg", "second_pkg", "third_pkg"):
+            sys.modules.pop(name, None)
