@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import os
 import re
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -18,16 +16,20 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import List, Unicode, default, validate
 
 from jupyter_gpufrac import contract
-from jupyter_gpufrac.checkpoint_disk import Usage, free_disk, measure
 from jupyter_gpufrac.kernel.budget import parse_budget
-from jupyter_gpufrac.server import retention
-from jupyter_gpufrac.server.account import kernel_push
 from jupyter_gpufrac.server.agent_link import (
     AgentError,
     AgentLink,
     AgentUnavailable,
     server_client_name,
     server_client_prefix,
+)
+from jupyter_gpufrac.server.agent_socket import default_agent_socket
+from jupyter_gpufrac.server.checkpoint_folder import (
+    CheckpointFolder,
+    checkpoint_budgets,
+    disk_budget_specs,
+    staging_budget,
 )
 from jupyter_gpufrac.server.config_traits import (
     NotedBool,
@@ -41,18 +43,10 @@ from jupyter_gpufrac.server.embedded_agent import EmbeddedAgent
 from jupyter_gpufrac.server.events import KernelEventLog
 from jupyter_gpufrac.server.handlers import handlers, own_leases
 from jupyter_gpufrac.server.keeper import StateKeeper
-from jupyter_gpufrac.server.kernel_channel import restore_report, restore_summary
-from jupyter_gpufrac.server.kernels import KernelGpu, Kernels
+from jupyter_gpufrac.server.kernel_follower import KernelFollower
+from jupyter_gpufrac.server.kernels import Kernels
 from jupyter_gpufrac.server.launch import lease_gpus
-from jupyter_gpufrac.server.notebook_states import (
-    EarlierState,
-    ServerInfo,
-    clock,
-    current_user,
-    how_it_ended,
-    owner_problem,
-)
-from jupyter_gpufrac.server.resume import heartbeat
+from jupyter_gpufrac.server.notebook_states import ServerInfo, current_user, owner_problem
 from jupyter_gpufrac.server.settings import (
     KernelSettings,
     agent_command,
@@ -64,16 +58,11 @@ from jupyter_gpufrac.server.stopping import FlushSocket
 from node_agent.quantities import QuantityError, parse_quantity
 
 _SIMULATE_SPEC = re.compile(r"^\s*\d+\s*x\s*\S+\s*$")
-RESTORE_REPORT_WAIT_S = 60.0
-# How long a kernel's account waits for the kernel manager to list a launching kernel.
-ACCOUNT_LIST_WAIT_S = 60.0
 AGENT_CHECK_TIMEOUT_S = 2.0
 # Restarting an embedded agent that keeps dying: at most once per this many seconds.
 EMBEDDED_RESTART_EVERY_S = 5.0
 RECONNECT_IVL_MS = 10  # a kernel socket's first retry; then doubling, up to:
 RECONNECT_IVL_MAX_MS = 25
-# The REST kernel view measures the checkpoint folder at most this often (a walk of stat calls).
-CHECKPOINT_DISK_CACHE_S = 10.0
 # The ranges of the settings in seconds.
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -324,32 +313,14 @@ class GpuFrac(ExtensionApp):
             return self._bad_setting(proposal, f"{err.field}: {err.message}")
         return value
 
-    def disk_budget_specs(self) -> dict[str, tuple[float | None, int | None]]:
-        """The two disk budgets as set: (share of the space free for checkpoints, or bytes)."""
-        return {"kernel": parse_budget(self.checkpoint_kernel_budget,
-                                       "c.GpuFrac.checkpoint_kernel_budget"),
-                "user": parse_budget(self.checkpoint_user_budget,
-                                     "c.GpuFrac.checkpoint_user_budget")}
-
     def checkpoint_budgets(self, taken: int | None = None) -> tuple[int, int]:
-        """(per-kernel, per-user) checkpoint budgets in bytes now: a share is of the space free
-        for checkpoints, free disk plus what the user's checkpoints take (``taken``, when it
-        was just measured; else measured here: file I/O)."""
-        specs = self.disk_budget_specs()
-        room = 0
-        if any(share is not None for share, _ in specs.values()):
-            if taken is None:
-                taken = measure(Path(self.checkpoint_dir)).total
-            room = free_disk(Path(self.checkpoint_dir)) + taken
-        kernel, user = (int(share * room) if share is not None else int(nbytes or 0)
-                        for share, nbytes in specs.values())
-        return kernel, user
+        """(per-kernel, per-user) checkpoint budgets in bytes now (see ``checkpoint_budgets``)."""
+        return checkpoint_budgets(self.checkpoint_dir, self.checkpoint_kernel_budget,
+                                  self.checkpoint_user_budget, taken)
 
     def staging_budget(self) -> int:
         """The snapshot memory budget in bytes: a share of the host's RAM, or a size."""
-        share, nbytes = parse_budget(self.checkpoint_staging_budget,
-                                     "c.GpuFrac.checkpoint_staging_budget", "the host's RAM")
-        return int(share * psutil.virtual_memory().total) if share is not None else int(nbytes or 0)
+        return staging_budget(self.checkpoint_staging_budget)
 
     @validate("agent_socket", "checkpoint_dir")
     def _validate_path(self, proposal: Any) -> str:
@@ -477,7 +448,6 @@ class GpuFrac(ExtensionApp):
             default_limit=self.default_limit,
             checkpoint_root=self.checkpoint_dir,
             events=self.events,
-            on_launched=self._kernel_launched,
             agent_command=agent_command(self.agent_socket, self.agent_state_dir),
             config_problems=tuple(self.config_problems),
             checkpoint_keep_seconds=self.checkpoint_keep_seconds,
@@ -490,7 +460,7 @@ class GpuFrac(ExtensionApp):
         # A size is given to each kernel as bytes; a share, as the share: each kernel measures
         # the disk again as it fills and empties (a disk full at the server's start must not
         # fix its kernels' budgets for the server's life).
-        specs = self.disk_budget_specs()
+        specs = disk_budget_specs(self.checkpoint_kernel_budget, self.checkpoint_user_budget)
         self.kernel_settings.checkpoint_disk_shares = {
             name: share for name, (share, _) in specs.items() if share is not None}
         (self.kernel_settings.checkpoint_kernel_budget,
@@ -498,16 +468,23 @@ class GpuFrac(ExtensionApp):
             None if share is not None else int(nbytes or 0) for share, nbytes in specs.values())
         self.kernel_settings.checkpoint_staging_budget = self.staging_budget()
         self.check_folders()
-        self.events.on_event = self._account_changed
         self.keeper = StateKeeper(self.kernels, self.kernel_settings, self.stop_grace_period,
                                   self.log)
+        self.follower = KernelFollower(
+            self.serverapp, self.kernels, self.events, self.keeper, self._spawn,
+            lambda: self.agent_error, self.log, resume=self.resume,
+            lease_poll_interval=self.lease_poll_interval, park_after=self.park_after,
+        )
+        self.kernel_settings.on_launched = self.follower.launched
+        self.events.on_event = self.follower.account_changed
         self.keeper.follow_renames(event_logger)
         if km is not None:
             self.keeper.watch_culling(km)
         self._stopping: asyncio.Task[None] | None = None
         self.flush_socket: FlushSocket | None = None
-        # The checkpoint folder as last measured, and the disk budgets then.
-        self._disk: tuple[float, Usage, int, int] | None = None
+        self.checkpoint_folder = CheckpointFolder(
+            self.checkpoint_dir, self.checkpoint_keep_seconds, self.checkpoint_sweep_interval,
+            self.kernels, self.kernel_settings, self.checkpoint_budgets, self.log)
         self.settings["gpufrac_app"] = self
         self.log.info(
             "gpufrac: agent socket %s, checkpoints in %s, client %s",
@@ -533,10 +510,11 @@ class GpuFrac(ExtensionApp):
             self.link, self.client_name, serverapp.kernel_manager, self.kernels, self.events,
             self.migrate_grace_period, self.log,
         )
+        self.follower.listener = self.listener
         self._spawn(self.listener.run())
-        self._spawn(self._watch_leases())
+        self._spawn(self.follower.watch_leases())
         self._spawn(self._watch_agent())
-        self._spawn(self._sweep_checkpoints_forever())
+        self._spawn(self.checkpoint_folder.sweep_forever())
         if not self.kernel_settings.folder_problem:
             self._spawn(self.keeper.say_if_hard_links_refused())
         self.flush_socket = FlushSocket(serverapp.runtime_dir, self.keeper.flush, self.log)
@@ -626,50 +604,6 @@ class GpuFrac(ExtensionApp):
         root = getattr(contents, "root_dir", None) or getattr(self.serverapp, "root_dir", "")
         return os.path.abspath(str(root)) if root else ""
 
-    # -- checkpoints on disk -----------------------------------------------------------
-
-    async def _sweep_checkpoints_forever(self) -> None:
-        """Remove expired checkpoints at start, then every checkpoint_sweep_interval."""
-        while True:
-            await self.sweep_checkpoints()
-            if not self.checkpoint_sweep_interval:
-                return
-            await asyncio.sleep(self.checkpoint_sweep_interval)
-
-    async def sweep_checkpoints(self) -> list[retention.Removed]:
-        """One sweep of the checkpoint folder, its I/O off the event loop; never raises."""
-        if self.kernel_settings.folder_problem:
-            return []  # not the user's alone: nothing in it is touched
-        km = self.kernels.kernel_manager
-        running = set(km.list_kernel_ids()) if km is not None else set()
-        try:
-            removed = await asyncio.to_thread(
-                retention.sweep, self.checkpoint_dir, self.checkpoint_keep_seconds, running,
-                2 * self.checkpoint_sweep_interval, self.log)
-        except Exception:  # a sweep must never stop the server or the next sweep
-            self.log.exception("gpufrac: the checkpoint sweep of %s failed", self.checkpoint_dir)
-            return []
-        if removed:
-            self._disk = None
-        return removed
-
-    async def checkpoint_disk(self, kernel_id: str) -> dict[str, Any] | None:
-        """The REST model's ``checkpoint_disk`` for ``kernel_id``; None when it cannot be said."""
-        now = time.time()
-        cached = self._disk
-        if cached is None or now - cached[0] >= CHECKPOINT_DISK_CACHE_S:
-            try:
-                usage = await asyncio.to_thread(measure, Path(self.checkpoint_dir))
-            except OSError as err:
-                self.log.info("gpufrac: measuring %s: %s", self.checkpoint_dir, err)
-                return None
-            kernel, user = await asyncio.to_thread(self.checkpoint_budgets, usage.total)
-            cached = self._disk = (now, usage, kernel, user)
-        return {**cached[1].model(kernel_id, now), "kernel_budget": cached[2],
-                "user_budget": cached[3]}
-
-    # -- following kernels -------------------------------------------------------------
-
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -679,162 +613,6 @@ class GpuFrac(ExtensionApp):
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self.log.error("gpufrac: background task failed", exc_info=task.exception())
-
-    def _kernel_launched(self, kernel_id: str, info: dict[str, Any]) -> None:
-        """After each launch: when it restored, wait for the kernel hook's report; when an
-        earlier state of its notebook waits for the user's word (c.GpuFrac.resume "ask"), ask."""
-        if info.get("notebook") and kernel_id not in self.events.notebooks:
-            # Its events name the notebook from the start (the session is listed later).
-            self.events.notebooks[kernel_id] = str(info["notebook"])
-        reason = info.get("reason")
-        if reason is not None:
-            self._spawn(self._follow_restore(kernel_id, reason))
-        state = info.get("resumable")
-        if isinstance(state, EarlierState) and self.resume == contract.RESUME_ASK:
-            cell = f"after cell [{state.cell}], " if state.cell else ""
-            self.events.emit(
-                kernel_id, "resumable",
-                f"This notebook's earlier kernel left its state: {how_it_ended(state)}. Its last "
-                f"checkpoint ({cell}{clock(state.time)}) holds "
-                f"{len(state.names)} variable{'' if len(state.names) == 1 else 's'}. Restore it, "
-                "or start fresh.", reason=how_it_ended(state))
-
-    def _account_changed(self, kernel_id: str) -> None:
-        # Written in the event itself, so a `%gpu` run after anything that shows the event
-        # reads it; only a launch's events, before the kernel is listed, wait for the listing.
-        if not self._leave_account(kernel_id):
-            self._spawn(self._leave_account_once_listed(kernel_id))
-
-    async def _leave_account_once_listed(self, kernel_id: str) -> None:
-        if await self._listed(kernel_id):
-            self._leave_account(kernel_id)
-
-    async def _listed(self, kernel_id: str) -> bool:
-        """Wait until the kernel manager lists a launching kernel (a new one is listed only once
-        its first launch is done); False when it is not listed in time."""
-        km = self.serverapp.kernel_manager if self.serverapp else None
-        deadline = time.monotonic() + ACCOUNT_LIST_WAIT_S
-        while km is not None and kernel_id not in km:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return km is not None
-
-    def _leave_account(self, kernel_id: str) -> bool:
-        """After each event of a kernel: its account, for `%gpu`, in its folder (a small file,
-        computed when written, so the last one written follows the last event). False while
-        the kernel manager does not list the kernel yet."""
-        km = self.serverapp.kernel_manager if self.serverapp else None
-        if km is None or kernel_id not in km:
-            return km is None
-        gpu = self.kernels.get(kernel_id)
-        if gpu is not None:
-            gpu.write_account(kernel_push(km.get_kernel(kernel_id), gpu, gpu.lease,
-                                          self.events.events(kernel_id),
-                                          agent_error=self.agent_error))
-        return True
-
-    async def _follow_restore(self, kernel_id: str, reason: dict[str, Any]) -> None:
-        listed = await self._listed(kernel_id)
-        kernel = (self.serverapp.kernel_manager.get_kernel(kernel_id)
-                  if listed and self.serverapp is not None else None)
-        report = None if kernel is None else await restore_report(kernel, RESTORE_REPORT_WAIT_S)
-        gpu = self.kernels.get(kernel_id)
-        if gpu is not None and report is not None:
-            gpu.saw_generation(report.get("generation"))
-            await gpu.restored()
-        where = gpu.where() if gpu is not None else {}
-        cause = str(reason.get("message") or "Restarted").rstrip(".")
-        summary = restore_summary(report, RESTORE_REPORT_WAIT_S)
-        if gpu is not None:
-            gpu.last_restore = summary
-        if reason.get("cause") == contract.CAUSE_PARKED and summary["ok"]:
-            # Nothing happened to the notebook that it must hear of: "parked" said it all, and
-            # the REST model keeps the verified report. A loss is said like any other.
-            self.log.info("kernel %s: parked with every variable (%s)", kernel_id,
-                          summary["message"])
-            return
-        message = f"{cause}; {summary['message']}"
-        if reason.get("cause") == contract.CAUSE_RESUMED:
-            # Short enough for a notification: from when and where, what came back and not.
-            message = f"Resumed from {reason.get('from_where')}: {summary['message']}"
-        self.events.emit(
-            kernel_id, "restored", message, cause=reason.get("cause"),
-            reason=str(reason.get("message") or ""), restored=summary["restored"],
-            lost=summary["lost"], deferred=summary["deferred"], ok=summary["ok"],
-            interrupted_cell=summary["interrupted_cell"], **where,
-        )
-
-    async def _watch_leases(self) -> None:
-        """A GPU share for kernels that started without one, once there is room."""
-        while True:
-            await asyncio.sleep(self.lease_poll_interval)
-            try:
-                await self._look_at_leases()
-            except Exception:  # the watch must outlive any one bad answer
-                self.log.exception("gpufrac: the lease watch failed; looking again")
-
-    async def _look_at_leases(self) -> None:
-        kernels = self.kernels.items()
-        await self._refresh_notebooks()
-        # Each kernel's newest checkpoint generation, learned while it runs: a restore after
-        # a crash then knows what the folder held before anyone could rename it.
-        await asyncio.to_thread(_look_at_checkpoints,
-                                [gpu for _, gpu in kernels if gpu.hooked and not gpu.closed])
-        if self.agent_error is None:
-            for kernel_id, gpu in kernels:
-                if gpu.lease is None and gpu.launches and not gpu.closed:
-                    await self._give_gpu(kernel_id, gpu)
-            self._park_idle(kernels)
-
-    def _park_idle(self, kernels: list[tuple[str, KernelGpu]]) -> None:
-        """Park the kernels idle for park_after seconds (a refused one waits as long again)."""
-        km = self.kernels.kernel_manager
-        if not self.park_after or self.listener is None or km is None:
-            return
-        now = time.time()
-        for kernel_id, gpu in kernels:
-            kernel = km.get_kernel(kernel_id) if kernel_id in km else None
-            last = getattr(kernel, "last_activity", None)
-            if (getattr(kernel, "execution_state", None) != "idle"
-                    or not isinstance(last, datetime.datetime)):
-                continue
-            idle = now - last.timestamp()
-            if idle >= self.park_after and gpu.parkable(now, self.park_after):
-                self._spawn(self.listener.park_idle(kernel_id, idle))
-
-    async def _give_gpu(self, kernel_id: str, gpu: KernelGpu) -> None:
-        """A kernel that started without a GPU share gets one once there is room."""
-        if self.listener is None or self.listener.busy(kernel_id):
-            return
-        lease = await gpu.acquire_lease()
-        if lease is None:
-            return
-        uuids = lease_gpus(lease)
-        label = gpu.label(uuids[0] if uuids else None)
-        self.log.info("kernel %s: a GPU share became free on %s", kernel_id, label)
-        self._spawn(self.listener.restart_onto_lease(kernel_id, {
-            "cause": contract.CAUSE_PLACED,
-            "message": f"A GPU share became free on {label}: restarted there with its variables.",
-            "from_gpu": None, "to_gpu": uuids[0] if uuids else None,
-        }))
-
-    async def _refresh_notebooks(self) -> None:
-        """Which notebook each kernel serves, so messages can name it."""
-        sessions = getattr(self.serverapp, "session_manager", None)
-        if sessions is None:
-            return
-        try:
-            for session in await sessions.list_sessions():
-                kernel = session.get("kernel") or {}
-                if kernel.get("id") and session.get("path"):
-                    kernel_id, path = str(kernel["id"]), str(session["path"])
-                    before = self.events.notebooks.get(kernel_id)
-                    self.events.notebooks[kernel_id] = path
-                    if before != path:
-                        await self.keeper.session_moved(kernel_id, path)
-        except Exception as err:  # a lookup for messages must never stop the watch
-            self.log.debug("gpufrac: sessions: %s", err)
 
     # -- the agent's health ------------------------------------------------------------
 
@@ -950,41 +728,3 @@ class GpuFrac(ExtensionApp):
                               lease["id"], lease.get("kernel_id"), server_pid)
             except AgentError as err:
                 self.log.info("gpufrac: stale lease %s not released: %s", lease["id"], err)
-
-
-def default_agent_socket(log: Any) -> str:
-    """$GPUFRAC_AGENT_SOCKET, else the rule every part follows (``default_socket_path``);
-    where that names the per-user folder under /tmp and another user made it first (to
-    listen in, or by mistake), a folder of the user's own instead, named in the log with the
-    squatter's for an administrator, and given to kernels and terminals in the environment."""
-    from node_agent.client import (
-        default_socket_path,
-        own_socket_path,
-        personal_socket_folders,
-        socket_folder_problem,
-    )
-
-    chosen = os.environ.get(contract.AGENT_SOCKET) or default_socket_path()
-    folder = os.path.dirname(chosen)
-    problem = socket_folder_problem(chosen)
-    if os.environ.get(contract.AGENT_SOCKET) or problem is None or \
-            folder not in personal_socket_folders():
-        return chosen
-    instead = own_socket_path(chosen)
-    log.warning("gpufrac: the agent's usual socket folder %s cannot be used: %s. Using %s "
-                "instead; an administrator should remove %s.", folder, problem, instead, folder)
-    os.environ[contract.AGENT_SOCKET] = instead
-    return instead
-
-
-def _look_at_checkpoints(gpus: list[KernelGpu]) -> None:
-    """:meth:`KernelGpu.look_at_checkpoint` of each, and its record's heartbeat (in a thread:
-    file I/O); never raises."""
-    for gpu in gpus:
-        try:
-            gpu.look_at_checkpoint()
-            heartbeat(gpu)
-        except Exception:  # one unreadable folder must not stop the lease watch
-            gpu.log.debug("gpufrac: kernel %s: checkpoint not read", gpu.kernel_id,
-                          exc_info=True)
-

@@ -123,7 +123,8 @@ class KernelHandler(GpuFracHandler):
         self.write_json(kernel_model(
             kernel_id, kernel, gpu, lease, app.events.events(kernel_id),
             agent_error=agent_error, notebook=await self._notebook(kernel_id),
-            checkpoint_disk=await app.checkpoint_disk(kernel_id), checkpoint_status=status,
+            checkpoint_disk=await app.checkpoint_folder.disk_model(kernel_id),
+            checkpoint_status=status,
             resumable=resumable_model(
                 await asyncio.to_thread(offered, gpu) if gpu is not None else None,
                 app.events.events(kernel_id)),

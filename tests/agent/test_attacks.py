@@ -24,7 +24,7 @@ import pytest
 from unix_users import ADMINS, ATTACKER, VICTIM, User, as_user, group, user
 
 from harness.agent import AgentProcess, http_bytes, raw_request, wait_for
-from jupyter_gpufrac.server.app import default_agent_socket
+from jupyter_gpufrac.server.agent_socket import default_agent_socket
 from node_agent.api import REFUSALS_LOGGED_PER_S, REQUEST_TIMEOUT, TURNS_PER_USER
 from node_agent.cli import main as cli_main
 from node_agent.client import AgentClient, AgentError
