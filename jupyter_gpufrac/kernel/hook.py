@@ -7,61 +7,46 @@ import contextlib
 import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
 import types
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
-import psutil
-from IPython.core.error import UsageError
-
-from jupyter_gpufrac import contract
-from jupyter_gpufrac.kernel import env as kenv
 from jupyter_gpufrac.kernel import (
+    cell_errors,
     frameworks,
     history,
     ladder,
     messages,
     namespace,
     offload,
+    parking,
+    restoring,
     rng,
     server_channel,
     store,
     torch_adapter,
 )
+from jupyter_gpufrac.kernel import env as kenv
+from jupyter_gpufrac.kernel.agent_client import AGENT_CALL_TIMEOUT, make_client
 from jupyter_gpufrac.kernel.budget import DiskLimits
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer, CheckpointError, CheckpointResult
 from jupyter_gpufrac.kernel.directives import DirectiveWatcher
 from jupyter_gpufrac.kernel.disk_shares import SharedDiskLimits
 from jupyter_gpufrac.kernel.import_hook import after_import
 from jupyter_gpufrac.kernel.observations import ObservationSender
-from jupyter_gpufrac.kernel.state_file import header_generation
-from jupyter_gpufrac.notebook_record import RECORD, Notebook, adopt, read_record
+from jupyter_gpufrac.kernel.served_notebook import ServedNotebook
 from jupyter_gpufrac.wake import WakeReceiver, wake_path
 
 log = logging.getLogger(__name__)
 
-AGENT_CALL_TIMEOUT = 5.0
 FIRST_LINE_CHARS = 80
-# A parked kernel restores into host memory up to this share of what is available; the rest
-# stays in the checkpoint (`%gpu restore` loads it).
-HOST_ROOM_SHARE = 0.8
-# How often a cell waiting for a GPU asks the agent again (seconds, growing to the second).
-UNPARK_POLL_FIRST_S = 0.1
-UNPARK_POLL_MAX_S = 2.0
 # A kernel that exits waits this long for the checkpoint being written (jupyter_client kills a
 # kernel that has not exited 5 s after it was asked to shut down).
 EXIT_FLUSH_S = 4.0
-
-
-# A cell that only parks (as IPython has transformed it by then): run on a kernel that holds
-# no GPU, it does not take one first.
-_ONLY_PARK = re.compile(r"""^\s*(?:%gpu\s+park|get_ipython\(\)\.run_line_magic\(['"]gpu['"],"""
-                        r"""\s*['"]park['"]\))\s*$""")
 
 
 def cell_label(execution_count: int | None, source: str) -> str:
@@ -70,13 +55,6 @@ def cell_label(execution_count: int | None, source: str) -> str:
     if len(first) > FIRST_LINE_CHARS:
         first = first[: FIRST_LINE_CHARS - 1] + "…"
     return f"[{execution_count if execution_count is not None else ' '}] {first}".rstrip()
-
-
-def make_client(socket_path: str | None, timeout: float = AGENT_CALL_TIMEOUT) -> Any:
-    """An ``AgentClient``; imported late so the kernel works where the agent package is absent."""
-    from node_agent.client import AgentClient
-
-    return AgentClient(socket_path, timeout=timeout)
 
 
 class GpuFracHook:
@@ -92,8 +70,7 @@ class GpuFracHook:
         self.checkpointer = self._make_checkpointer(environment.checkpoint_generation)
         # The notebook this kernel serves as the server's record says, and which record that
         # was (inode, mtime, size): it goes into every checkpoint's header.
-        self._notebook: dict[str, str] | None = None
-        self._record_seen: tuple[int, int, int] | None = None
+        self._served = ServedNotebook(environment.checkpoint_dir)
         # An earlier kernel's state of the notebook waits (c.GpuFrac.resume "ask", "never"):
         # the first cell says `%gpu restore` takes it over.
         self._resume_untold = environment.resumable is not None and not environment.restore
@@ -173,7 +150,7 @@ class GpuFracHook:
         if self.env.has_lease and self.limit is not None:
             self._import_hooks.append(after_import("tensorflow", self.on_tensorflow_imported))
         if self.env.restore:
-            self.restore_at_start()
+            restoring.restore_at_start(self)
         elif self.env.checkpoint_dir_stable:
             # A kernel started afresh (or restarted by its user) holds nothing: that empty
             # namespace is now the last good state, not whatever an earlier process saved.
@@ -241,7 +218,7 @@ class GpuFracHook:
         if self.torch_seen and torch_adapter.oom_exception_types():
             kinds += tuple(torch_adapter.gpu_error_types())
         if kinds:
-            self.ip.set_custom_exc(kinds, _error_handler(self))
+            self.ip.set_custom_exc(kinds, cell_errors.error_handler(self))
 
     def on_tensorflow_imported(self, tensorflow: types.ModuleType) -> None:
         """Cap TensorFlow at the limit (less the context) before it touches a GPU."""
@@ -273,50 +250,14 @@ class GpuFracHook:
             elif action is ladder.Action.CAP_REQUEST:
                 self.apply_cap()
             elif action is ladder.Action.FROZEN:
-                self._on_frozen()
+                parking.on_frozen(self)
             elif action is ladder.Action.THAWED:
-                self._on_thawed(directive)
+                parking.on_thawed(self, directive)
             elif action is ladder.Action.MOVED:
                 target = directive.get("gpus") or [directive.get("to_gpu")]
                 with contextlib.suppress(Exception):  # the labels; the process runs there
-                    self._take_gpu(make_client(self.env.agent_socket), {},
+                    parking.take_gpu(self, make_client(self.env.agent_socket), {},
                                    [str(u) for u in target if u])
-
-    def _on_frozen(self) -> None:
-        """The agent froze this process: cells ask for the GPU back before they run. A cell
-        that runs now waits in its next CUDA call; it asks for the GPU back at once."""
-        with self._lock:
-            self.frozen = True
-            if self._unpark_before_cell not in self.ip.input_transformers_post:
-                self.ip.input_transformers_post.append(self._unpark_before_cell)
-            running = self._running is not None
-        if running and self.env.lease_id:
-            try:
-                make_client(self.env.agent_socket).unpark(self.env.lease_id)
-            except Exception as exc:  # the next cell asks again
-                log.warning("gpufrac: asking to thaw for the running cell failed: %s", exc)
-
-    def _on_thawed(self, directive: Mapping[str, Any]) -> None:
-        """The agent thawed this process (room came back): cells run at once again, where
-        the agent put it, and the next cell says so unless a cell asked for the thaw (it
-        said so itself)."""
-        uuids = [str(u) for u in directive.get("gpus") or [directive.get("gpu")] if u]
-        try:
-            self._take_gpu(make_client(self.env.agent_socket), {}, uuids)
-        except Exception:  # the labels only; the process runs there
-            with self._lock:
-                self.frozen = False
-                with contextlib.suppress(ValueError):
-                    self.ip.input_transformers_post.remove(self._unpark_before_cell)
-        created = directive.get("created")
-        at = float(created) if isinstance(created, int | float) else time.time()
-        if at <= self._thawed_by_cell_at:
-            return
-        frozen_s = directive.get("frozen_s")
-        with self._lock:
-            self.state.notices.append(messages.thawed_news(
-                self.gpu_label(), float(frozen_s) if isinstance(frozen_s, int | float) else None,
-                at))
 
     # -- cells -------------------------------------------------------------------------------
 
@@ -366,7 +307,7 @@ class GpuFracHook:
         with contextlib.suppress(Exception):
             self._tell_checkpoint_failure()
         raw = str(getattr(info, "raw_cell", "") or "")
-        if not ((self.parked or self.frozen) and _ONLY_PARK.match(raw)):
+        if not ((self.parked or self.frozen) and parking.ONLY_PARK.match(raw)):
             # A `%gpu park` of a kernel without a GPU leaves the news for the cell that
             # takes one back.
             self.tell_news()
@@ -436,14 +377,6 @@ class GpuFracHook:
             return True
         lease = self.lease_info(timeout=1.0)
         return lease is not None and lease.get("state") == "migrating"
-
-    def cut_off_text(self) -> str:
-        """Why the running cell stopped, said before its traceback."""
-        running = self._running or {}
-        cell = running.get("cell") or "this cell"
-        return (f"gpufrac: cell {cell} was cut off because this kernel is moving to another "
-                "GPU and the cell did not end in time. After the move the variables are as "
-                "they were before this cell; re-run it then.")
 
     def _maybe_end_shrink(self) -> None:
         # The agent sends no directive when a reclaim ends; its lease goes back to "active".
@@ -527,19 +460,8 @@ class GpuFracHook:
 
     def notebook(self) -> dict[str, str] | None:
         """The notebook this kernel serves (user, folder, path), as the server's record in the
-        kernel's folder says; read again only when the record changed (a rename)."""
-        if not self.env.checkpoint_dir_given:
-            return None
-        try:
-            st = os.stat(self.env.checkpoint_dir / RECORD, follow_symlinks=False)
-        except OSError:
-            return self._notebook
-        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if seen != self._record_seen:
-            self._record_seen = seen
-            found = Notebook.from_json((read_record(self.env.checkpoint_dir) or {}).get("notebook"))
-            self._notebook = found.to_json() if found is not None else None
-        return self._notebook
+        kernel's folder says (None where no launcher made that folder)."""
+        return self._served.notebook() if self.env.checkpoint_dir_given else None
 
     def flush_checkpoints(self, timeout: float = EXIT_FLUSH_S) -> None:
         """Wait, at most ``timeout`` seconds, for the checkpoint being written and the owed one
@@ -615,172 +537,20 @@ class GpuFracHook:
         return result
 
     def restore(self, reason: kenv.RestartReason | None, *, at_start: bool) -> dict[str, Any]:
-        """Restore the last good checkpoint into the namespace; returns the report.
-
-        ``ok`` in the report is true only when every variable came back and no cell was cut
-        off: the server and the widget claim success on nothing less.
-        """
-        load_started = time.monotonic()
-        previous = self._previous_cells if at_start else {}
-        running = previous.get("running")
-        interrupted = str(running.get("cell")) if isinstance(running, dict) else None
-        report: dict[str, Any] = {
-            "time": time.time(), "kernel_id": self.env.kernel_id, "pid": os.getpid(),
-            "cause": reason.cause if reason else "manual",
-            "reason": asdict(reason) if reason else None,
-            "restored": [], "lost": [], "lost_reasons": {}, "newer_names": [], "deferred": {},
-            "room": None,
-            "interrupted_cell": interrupted,
-            "checkpoint_time": None, "checkpoint_cell": None, "moved_to_cpu_bytes": 0,
-            "ok": False, "error": None,
-        }
-        room = self._room() if at_start else None
-        # The simulated node counts a kernel's whole memory; a GPU counts its device memory.
-        measure = "bytes" if self.env.simulated else "gpu_bytes"
-        if self.parked:
-            # Everything lands in host memory (the park moved GPU tensors there first).
-            room, measure = int(psutil.virtual_memory().available * HOST_ROOM_SHARE), "bytes"
-        cpu_fallback = False
-        # The newest generation known before loading: the server's, or this process's own.
-        newest = max(self.env.checkpoint_generation, self.checkpointer.generation)
-        try:
-            if self.env.checkpoints_off:
-                raise CheckpointError(f"checkpoints are off for this kernel: "
-                                      f"{self.env.checkpoints_off}")
-            try:
-                loaded = self.checkpointer.load(self.ip.user_ns, budget=room, measure=measure)
-            except CheckpointError as exc:
-                oom = torch_adapter.oom_exception_types()
-                if not (oom and isinstance(exc.__cause__, oom)):
-                    raise
-                # The GPU tensors do not fit under the cap (or the GPU is busy): the variables
-                # matter more than where they live, so load them into host memory instead.
-                torch_adapter.empty_cache()
-                loaded = self.checkpointer.load(self.ip.user_ns, device="cpu", budget=room,
-                                                measure=measure)
-                cpu_fallback = True
-        except CheckpointError as exc:
-            report["error"] = str(exc)
-        else:
-            known = set(loaded.restored) | set(loaded.lost) | set(loaded.modules) | set(
-                loaded.deferred)
-            newer = sorted(set(previous.get("names", [])) - known)
-            began = running.get("execution_count") if isinstance(running, dict) else None
-            # A cut-off cell did not run: the last that ran is the one before it.
-            last_cell = began - 1 if isinstance(began, int) else previous.get("execution_count")
-            self._readopt_offloaded(loaded.header.get("offloaded", []))
-            self._restored_names = [*loaded.restored, *loaded.modules]
-            self._rng_after_restore = loaded.rng_state or None
-            report.update(
-                restored=loaded.restored + loaded.modules, lost=sorted(loaded.lost),
-                lost_reasons=loaded.lost, newer_names=newer,
-                checkpoint_time=loaded.checkpoint_time, checkpoint_cell=loaded.execution_count,
-                moved_to_cpu_bytes=loaded.moved_to_cpu_bytes, rng=loaded.rng,
-                deferred=loaded.deferred, room=room,
-                # Cells that ran after the checkpoint (its write failed, or had not ended)
-                # lost their effects, whatever names came back.
-                ok=(not loaded.lost and not newer and interrupted is None and not loaded.deferred
-                    and not _ran_after(last_cell, loaded.execution_count)),
-                last_cell=last_cell if isinstance(last_cell, int) else None,
-                cpu_reason=("they did not fit in this kernel's GPU memory limit"
-                            if cpu_fallback else "this kernel has no CUDA device"),
-            )
-            found = header_generation(loaded.header)
-            report["generation"] = found
-            if newest and found < newest:
-                # Loaded, but never as if it were the latest: its folder was replaced or
-                # renamed (by someone who can write above it), or restored from a backup.
-                older = (f"this checkpoint is older than the newest one recorded for it "
-                         f"(generation {found} < {newest}): its folder was replaced or renamed "
-                         f"since, so these variables are as they were then, not as after your "
-                         f"last cells")
-                log.warning("gpufrac: %s", older)
-                report.update(older=older, ok=False)
-        self._restore_reason = reason
-        report["seconds"] = time.monotonic() - load_started
-        self.restore_report = report  # the server asks for it (server_channel)
-        report["message"] = self.restore_text(report["time"])
-        return report
+        """Restore the last good checkpoint into the namespace; returns the report."""
+        return restoring.restore(self, reason, at_start=at_start)
 
     def restore_text(self, now: float | None = None) -> str:
         """The last restore for people, its ages counted to ``now`` (when it is shown)."""
-        r = self.restore_report
-        if r is None:
-            return ""
-        text = messages.restore_message(
-            self._restore_reason, restored=r["restored"], lost=r["lost_reasons"],
-            checkpoint_time=r["checkpoint_time"], checkpoint_cell=r["checkpoint_cell"],
-            last_cell=r.get("last_cell"), newer_names=r["newer_names"],
-            moved_to_cpu_bytes=r["moved_to_cpu_bytes"], interrupted_cell=r["interrupted_cell"],
-            error=r["error"], deferred=r["deferred"], room=r["room"], now=now,
-            **({"cpu_reason": r["cpu_reason"]} if r.get("cpu_reason") else {}))
-        return f"Warning: {r['older']}.\n{text}" if r.get("older") else text
-
-    def _room(self) -> int | None:
-        """What this kernel may load without setting off a reclaim (None: no limit known).
-
-        A kernel stopped to give loaned memory back that loads all of it again would only be
-        stopped again: what does not fit waits on disk.
-        """
-        lease = self.lease_info(timeout=2.0)
-        room = lease.get("room") if lease else None
-        return int(room) if isinstance(room, int) else None
+        return restoring.restore_text(self, now)
 
     def restore_deferred(self, names: list[str]) -> tuple[list[str], dict[str, str]]:
         """Load variables a restore kept on disk (``names``, or all); (loaded, lost)."""
-        restored, lost = self.checkpointer.load_deferred(self.ip.user_ns, names)
-        self._restored_names += restored
-        return restored, lost
+        return restoring.restore_deferred(self, names)
 
     def resume(self) -> dict[str, Any]:
-        """``%gpu restore`` in a fresh kernel: take over the state its notebook's earlier kernel
-        left (the server offered it) as a kernel resumed at start does: its folder becomes this
-        kernel's, then variables, generators and cell numbers come back. Raises
-        CheckpointError when it cannot be taken over (nothing changed then)."""
-        offer = self.env.resumable
-        if offer is None:
-            raise CheckpointError("no earlier state of this notebook waits to be taken over")
-        self.flush_checkpoints()
-        folder = self.env.checkpoint_dir
-        try:
-            adopt(folder.parent, offer.folder, folder.name, (contract.WAKE_SOCKET,))
-        except (OSError, store.UnsafeCheckpointError) as exc:
-            raise CheckpointError(f"the earlier state in {folder.parent / offer.folder} could "
-                                  f"not be taken over ({exc})") from None
-        self.env = replace(self.env, resumable=None)
-        self.checkpointer = self._make_checkpointer(
-            max(offer.generation, self.checkpointer.generation))
-        self._previous_cells = self._read_previous_cells()
-        report = self.restore(offer.reason, at_start=True)
-        last = history.last_number(self._previous_cells, report.get("checkpoint_cell"))
-        if last is not None:
-            history.continue_after(self.ip, self._previous_cells, last, set(report["restored"]),
-                                   running=True)
-        return report
-
-    def restore_at_start(self) -> None:
-        """GPUFRAC_RESTORE: bring the variables back and keep the message for the first cell."""
-        report = self.restore(self.env.restart_reason, at_start=True)
-        # The notebook's cell numbers go on from the old process's (its In/Out with them).
-        last = history.last_number(self._previous_cells, report.get("checkpoint_cell"))
-        if last is not None:
-            history.continue_after(self.ip, self._previous_cells, last, set(report["restored"]))
-        # Output at load time reaches the kernel's log, not a cell: tell it with the first cell.
-        print(report["message"], flush=True)
-        self._restore_untold = True
-        # The restored state is the last good one from now on; the cut-off cell is reported once.
-        self._write_cells(running=None)
-
-    def _readopt_offloaded(self, records: list[Any]) -> None:
-        ns = self.ip.user_ns
-        adopted = []
-        for raw in records:
-            if isinstance(raw, dict) and raw.get("name") in ns:
-                value = ns[raw["name"]]
-                adopted.append(offload.Offloaded(raw["name"], raw.get("kind", "tensor"),
-                                                 raw.get("device", "cuda"),
-                                                 int(raw.get("nbytes", 0)), id(value)))
-        self.offloaded = adopted
+        """``%gpu restore`` in a fresh kernel: take over its notebook's earlier state."""
+        return restoring.resume(self)
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -823,109 +593,17 @@ class GpuFracHook:
     # -- parking -----------------------------------------------------------------------------
 
     def park_for_server(self) -> dict[str, Any]:
-        """The server parks this kernel next: GPU tensors go to host memory, then a checkpoint
-        records them and where they were (raises CheckpointError; then nothing stays moved)."""
-        allocated = torch_adapter.allocated_bytes() or 0
-        available = int(psutil.virtual_memory().available)
-        if allocated > available * HOST_ROOM_SHARE:
-            raise CheckpointError(
-                f"its GPU tensors ({messages.fmt_bytes(allocated)}) do not fit in the host memory "
-                f"available ({messages.fmt_bytes(available)}), so it keeps its GPU")
-        moved = self.release(cache_only=False, reason="park")
-        try:
-            result = self.checkpoint(trigger="park")
-        except BaseException:
-            self.offloaded = [r for r in self.offloaded if r not in moved]
-            offload.reload(self.ip.user_ns, moved, None)
-            raise
-        return {"checkpoint": result.to_json(),
-                "offloaded_bytes": sum(r.nbytes for r in moved)}
+        """GPU tensors to host memory, then a checkpoint (see :func:`parking.park_for_server`)."""
+        return parking.park_for_server(self)
 
     def _unpark_before_cell(self, lines: list[str]) -> list[str]:
-        """An input transformer: IPython runs it before the cell, and what it raises stops the
-        cell from running (the error is the cell's output)."""
-        if not self.parked and not self.frozen:
-            return lines
-        if _ONLY_PARK.match("".join(lines)):
-            return lines  # `%gpu park` of a kernel that holds no GPU: nothing to take back
-        parent = getattr(self.ip, "parent_header", None)
-        parent = parent if isinstance(parent, dict) else {}
-        if (parent.get("content") or {}).get("silent"):
-            return lines
-        # ipykernel may transform one cell twice: a wait given up on is not begun again.
-        msg_id = str((parent.get("header") or {}).get("msg_id") or "")
-        if self._unpark_refused is not None and self._unpark_refused[0] == msg_id:
-            raise UsageError(self._unpark_refused[1])
-        try:
-            self.unpark()
-        except UsageError as exc:
-            self._unpark_refused = (msg_id, str(exc))
-            raise
-        return lines
+        """The input transformer a parked or frozen kernel runs before each cell (one bound
+        method, so that it can be removed again)."""
+        return parking.unpark_before_cell(self, lines)
 
     def unpark(self) -> None:
-        """Get a GPU back (waiting, interruptibly, while none has room), let CUDA see it, and
-        move the parked tensors back; raises UsageError when the cell must not run."""
-        started = time.monotonic()
-        lease_id = self.env.lease_id
-        if not lease_id:
-            return
-        # Read once: the thaw's notice may reach the directive thread before this returns.
-        frozen = self.frozen and not self.parked
-        frozen_at = self.state.frozen_at
-        # Why it has no GPU comes first (a freeze or park told at this cell, however late).
-        self.tell_news()
-        client = make_client(self.env.agent_socket)
-        try:
-            lease = client.unpark(lease_id)
-            delay, told = UNPARK_POLL_FIRST_S, False
-            while lease.get("state") != "active":
-                if not told and lease.get("state") != "thawing":
-                    print(messages.waiting_for_gpu(lease.get("reason"), frozen), flush=True)
-                    told = True
-                time.sleep(delay)
-                delay = min(delay * 1.5, UNPARK_POLL_MAX_S)
-                lease = client.lease(lease_id)
-        except KeyboardInterrupt:
-            with contextlib.suppress(Exception):  # parked again, or it would take a GPU unseen
-                client.park(lease_id)
-            raise UsageError("gpufrac: stopped waiting for a GPU; the cell did not run and the "
-                             "kernel stays parked. Run a cell to wait again.") from None
-        except Exception as exc:  # the agent refused or went away: nothing changed here
-            raise UsageError(f"gpufrac: this kernel is parked and could not get a GPU back: "
-                             f"{exc}. The cell did not run; run it again, or see `%gpu`.") from None
-        uuids = [str(u) for u in lease.get("physical_gpus") or []]
-        if frozen:
-            # Thawed: CUDA, its memory and every object were kept; nothing to move back.
-            self._thawed_by_cell_at = time.time()
-            self._take_gpu(client, lease, uuids)
-            print(messages.thawed(self.gpu_label(), time.monotonic() - started,
-                                  None if frozen_at is None else time.time() - frozen_at),
-                  flush=True)
-            return
-        if not torch_adapter.attach_cuda(",".join(uuids)):
-            raise UsageError(
-                "gpufrac: CUDA was initialised in this kernel while it was parked (by code sent "
-                "outside a cell), so it cannot see the GPU it got back. Restart the kernel.")
-        self._take_gpu(client, lease, uuids)
-        back, left, _ = self.reload()
-        print(messages.unparked(self.gpu_label(), time.monotonic() - started,
-                                [r.name for r in back], sum(r.nbytes for r in back),
-                                [r.name for r in left]), flush=True)
-
-    def _take_gpu(self, client: Any, lease: Mapping[str, Any], uuids: list[str]) -> None:
-        """Where the kernel runs from now on, as the agent placed it."""
-        gpu: dict[str, Any] = {}
-        with contextlib.suppress(Exception):  # the labels only; the GPU is the lease's
-            gpu = next((g for g in client.node().get("gpus", []) if g.get("uuid") in uuids), {})
-        self.env = replace(
-            self.env, parked=False, gpu_uuid=uuids[0] if uuids else None,
-            gpu_index=gpu.get("index"), gpu_name=gpu.get("name"),
-            gpu_total=gpu.get("memory_total"), context=int(gpu.get("context_size") or 0))
-        self.parked = self.frozen = False
-        with contextlib.suppress(ValueError):
-            self.ip.input_transformers_post.remove(self._unpark_before_cell)
-        self.apply_cap()
+        """Get a GPU back before a cell runs (see :func:`parking.unpark`)."""
+        parking.unpark(self)
 
     def cell_started(self) -> float:
         """When the running cell began (now, outside a cell)."""
@@ -959,28 +637,6 @@ class GpuFracHook:
         except Exception:
             return None
 
-    def oom_explanation(self, error: BaseException, source: str) -> str:
-        """What a GPU memory failure means for this kernel: whose memory ran out, and why."""
-        reserved = torch_adapter.reserved_bytes()
-        shares: list[dict[str, Any]] = []
-        if self.env.has_lease:
-            with contextlib.suppress(Exception):  # the explanation must come, agent or not
-                node = make_client(self.env.agent_socket, timeout=2.0).node()
-                gpus: list[dict[str, Any]] = node.get("gpus", [])
-                gpu = next((g for g in gpus if g.get("uuid") == self.env.gpu_uuid), {})
-                shares = list(gpu.get("shares", []))
-        cause = messages.oom_cause(
-            wanted=messages.oom_wanted(error), reserved=reserved, cap=self.cap,
-            gpu_free=torch_adapter.free_bytes(), shares=shares, own_lease=self.env.lease_id,
-        )
-        return messages.oom_explanation(
-            request=self.request, limit=self.limit,
-            total=self.env.gpu_total or torch_adapter.device_total(),
-            reserved=reserved, allocated=torch_adapter.allocated_bytes(), cap=self.cap,
-            shrunk=self.state.shrinking, has_lease=self.env.has_lease, source=source,
-            cause=cause,
-        )
-
     def summary(self) -> dict[str, Any]:
         """Machine-readable state for the server (``user_expressions``) and ``%gpu``."""
         last = self.checkpointer.last
@@ -1012,38 +668,3 @@ class GpuFracHook:
             "parked": self.parked,
         }
 
-
-def _error_handler(hook: GpuFracHook) -> Any:
-    """A ``set_custom_exc`` handler: the usual traceback, after what a cut-off cell means and
-    before what a GPU memory failure means here (other errors of the same classes are shown
-    as IPython would)."""
-
-    def handler(shell: Any, etype: type, value: BaseException, tb: Any,
-                tb_offset: int | None = None) -> None:
-        stb: list[str] = shell.InteractiveTB.structured_traceback(
-            etype, value, tb, tb_offset=tb_offset
-        )
-        if isinstance(value, KeyboardInterrupt):
-            # The user reads why first; the traceback only says where the cell was.
-            if hook.moving():
-                stb = [hook.cut_off_text(), *stb]
-            extra: list[str] = []
-        else:
-            source = messages.oom_source(value)
-            extra = [] if source is None else [hook.oom_explanation(value, source)]
-        # IPython ignores what a custom handler returns; _showtraceback is what showtraceback
-        # ends with, and ipykernel turns it into the cell's error output and the reply.
-        show = getattr(shell, "_showtraceback", None)
-        if show is not None:
-            show(etype, value, [*stb, *extra])
-        else:
-            print(shell.InteractiveTB.stb2text(stb), file=sys.stderr)
-            print(*extra, file=sys.stderr)
-
-    return handler
-
-
-def _ran_after(last_cell: object, checkpoint_cell: object) -> bool:
-    """Whether cell ``last_cell`` ran after the checkpoint taken after ``checkpoint_cell``."""
-    return (isinstance(last_cell, int) and isinstance(checkpoint_cell, int)
-            and 0 < checkpoint_cell < last_cell)

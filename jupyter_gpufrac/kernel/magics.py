@@ -14,9 +14,10 @@ from IPython.core.error import UsageError
 
 from jupyter_gpufrac import checkpoint_disk, contract
 from jupyter_gpufrac.kernel import messages, store, torch_adapter
+from jupyter_gpufrac.kernel.agent_client import make_client
 from jupyter_gpufrac.kernel.budget import unprotected_line
 from jupyter_gpufrac.kernel.checkpoint import CheckpointError
-from jupyter_gpufrac.kernel.hook import GpuFracHook, make_client
+from jupyter_gpufrac.kernel.hook import GpuFracHook
 from node_agent.caps import mps_running
 from node_agent.quantities import format_duration
 from node_agent.words import CHECKPOINT_ON_DISK, FROZEN_IN_HOST_MEMORY
