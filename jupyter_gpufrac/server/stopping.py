@@ -17,7 +17,7 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.kernel_channel import checkpoint, checkpoint_status
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.notebook_states import clock
-from node_agent.api import peer_credentials
+from node_agent.peers import peer_credentials
 
 # A kernel that runs a cell is asked this often whether the last completed cell's checkpoint
 # is written (on its control channel, answered while the cell runs).

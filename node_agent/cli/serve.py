@@ -317,9 +317,10 @@ gpufrac-agent serve --socket /run/gpufrac/agent.sock --admin-group gpu-admins
 
     def execute(self) -> int:
         # Imported here: status and run should start fast and need none of this.
-        from node_agent.api import listen_tcp, listen_unix, make_app
+        from node_agent.api import make_app
         from node_agent.devices import BackendUnavailable, open_backend
         from node_agent.devices.freezing import open_freezer
+        from node_agent.http_server import listen_tcp, listen_unix
         from node_agent.ledger import Ledger
         from node_agent.service import Agent
 

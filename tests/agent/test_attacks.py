@@ -25,9 +25,9 @@ from unix_users import ADMINS, ATTACKER, VICTIM, User, as_user, group, user
 
 from harness.agent import AgentProcess, http_bytes, raw_request, wait_for
 from jupyter_gpufrac.server.agent_socket import default_agent_socket
-from node_agent.api import REFUSALS_LOGGED_PER_S, REQUEST_TIMEOUT, TURNS_PER_USER
 from node_agent.cli import main as cli_main
 from node_agent.client import AgentClient, AgentError
+from node_agent.http_server import REFUSALS_LOGGED_PER_S, REQUEST_TIMEOUT, TURNS_PER_USER
 
 # What `serve` imports, loaded before any fork: a child that became another user may not be
 # able to read this Python's own files (they can live under root's home).

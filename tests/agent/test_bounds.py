@@ -16,14 +16,6 @@ from hypothesis import strategies as st
 
 from harness.agent import AgentProcess, http_bytes, raw_request
 from node_agent import cli
-from node_agent.api import (
-    ApiError,
-    parse_create_lease,
-    parse_observation,
-    parse_pid,
-    parse_resize,
-    parse_usage,
-)
 from node_agent.devices.simulated import SimulatedBackend
 from node_agent.ledger import Ledger
 from node_agent.metrics import render_metrics
@@ -35,6 +27,14 @@ from node_agent.quantities import (
     format_duration,
     parse_kai_gpu_memory,
     parse_quantity,
+)
+from node_agent.request_bodies import (
+    ApiError,
+    parse_create_lease,
+    parse_observation,
+    parse_pid,
+    parse_resize,
+    parse_usage,
 )
 from node_agent.service import Agent, AgentConfig, Caller, CreateLease, OverQuota, Resize
 from node_agent.stats import Observation

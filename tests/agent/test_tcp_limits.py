@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from harness.agent import ROOT, AgentProcess, free_port, http_bytes, raw_request, wait_for
-from node_agent.api import BODY_BUFFER, BODY_BUFFER_PER_CALLER, TCP_UNAUTHENTICATED
+from node_agent.http_server import BODY_BUFFER, BODY_BUFFER_PER_CALLER, TCP_UNAUTHENTICATED
 
 TOKEN = "t0ken-for-the-tests-0123456789"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")

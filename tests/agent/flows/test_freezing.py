@@ -90,7 +90,8 @@ def test_a_whole_gpu_job_on_a_one_gpu_node_freezes_the_notebooks_and_thaws_them_
                  what="its memory back on the GPU")
     thawed = [d for d in _heard(c, cursor) if d["kind"] == "unparked"]
     assert sorted(d["lease_id"] for d in thawed) == sorted([a["id"], b["id"]])
-    assert all(d["thawed"] and d["frozen_s"] > 0 and "after" in d["reason"] for d in thawed)
+    assert all(d["thawed"] and d["frozen_s"] > 0
+               and "frozen in host memory for" in d["reason"] for d in thawed)
     assert a_proc.alive() and b_proc.alive()
     assert _metric(c, "gpufrac_freezes_total", cause="job") == 2
     assert _metric(c, "gpufrac_kills_total") == 0
