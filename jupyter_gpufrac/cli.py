@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_gpufrac import contract
+from jupyter_gpufrac.wake import unix_address
 
 # Exit statuses: every kernel durable; some not; no server answered.
 DURABLE, NOT_ALL, NO_SERVER = 0, 1, 2
@@ -69,7 +70,8 @@ def _ask(path: Path, timeout: float) -> list[dict[str, Any]] | None:
     with contextlib.suppress(OSError, ValueError), \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(str(path))
+        with unix_address(str(path)) as address:
+            sock.connect(address)
         sock.sendall(b"flush\n")
         data = b""
         while not data.endswith(b"\n") and (chunk := sock.recv(65536)):

@@ -20,7 +20,7 @@ def wake_path(checkpoint_dir: str | os.PathLike[str]) -> str:
 
 
 @contextlib.contextmanager
-def _address(path: str) -> Iterator[str]:
+def unix_address(path: str) -> Iterator[str]:
     """``path`` as an AF_UNIX address: itself, or through ``/proc/self/fd`` when too long
     (pytest's and JupyterHub's folders can be)."""
     if len(os.fsencode(path)) <= ADDRESS_MAX:
@@ -36,7 +36,7 @@ def _address(path: str) -> Iterator[str]:
 def wake(path: str) -> bool:
     """Send one wake-up; False when nobody listens there (no kernel, or one restarting)."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, _address(path) as address:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, unix_address(path) as address:
             sock.setblocking(False)
             sock.sendto(b"!", address)
     except BlockingIOError:  # its queue is full: the kernel has wake-ups waiting already
@@ -56,7 +56,7 @@ class WakeReceiver:
                 os.unlink(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
-            with _address(path) as address:
+            with unix_address(path) as address:
                 self._sock.bind(address)
             # bind() honours the umask; nobody but the kernel's user needs to wake it (its
             # folder is 0700 as well).

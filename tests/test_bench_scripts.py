@@ -24,6 +24,11 @@ def test_bench_script_imports(script: Path) -> None:
     spec.loader.exec_module(module)  # runs imports and definitions; main() stays behind __main__
 
 
+# Names with a leading underscore that their library documents for public use: a forked
+# child leaves with os._exit, never running its parent's exit handlers.
+DOCUMENTED_UNDERSCORED = frozenset({"os._exit"})
+
+
 @pytest.mark.parametrize("script", BENCH, ids=lambda p: p.name)
 def test_bench_scripts_use_only_public_names_and_never_the_tests(script: Path) -> None:
     """What a benchmark measures must be what users run: public names, no test scaffolding."""
@@ -39,7 +44,8 @@ def test_bench_scripts_use_only_public_names_and_never_the_tests(script: Path) -
             assert all(a.name.split(".")[0] not in ("tests", "support") for a in node.names)
         elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
               and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
-              and node.value.id in imported_modules):
+              and node.value.id in imported_modules
+              and ast.unparse(node) not in DOCUMENTED_UNDERSCORED):
             raise AssertionError(f"{script.name}:{node.lineno} uses the private {ast.unparse(node)}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             assert node.value not in ("tests", "tests/"), f"{script.name}:{node.lineno} reaches into tests"

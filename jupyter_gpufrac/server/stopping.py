@@ -17,6 +17,7 @@ from jupyter_gpufrac import contract
 from jupyter_gpufrac.server.kernel_channel import checkpoint, checkpoint_status
 from jupyter_gpufrac.server.kernels import KernelGpu
 from jupyter_gpufrac.server.notebook_states import clock
+from jupyter_gpufrac.wake import unix_address
 from node_agent.peers import peer_credentials
 
 # A kernel that runs a cell is asked this often whether the last completed cell's checkpoint
@@ -140,7 +141,9 @@ class FlushSocket:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+            # A runtime folder deep enough leaves no room in an AF_UNIX address for the name.
+            with unix_address(str(self.path)) as address:
+                self._server = await asyncio.start_unix_server(self._serve, path=address)
             os.chmod(self.path, 0o600)
         except OSError as exc:
             self._log.warning("gpufrac: `jupyter gpufrac flush` cannot reach this server: "
