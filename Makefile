@@ -37,7 +37,7 @@ test: $(BIN)/gpufrac-agent $(CHP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	# Two workers, each taking whole test files (a file's servers and agents are set up once).
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 # A long randomized sequence of moves, kills and restarts against an undisturbed reference kernel.
 SOAK_STEPS ?= 2000
