@@ -1,9 +1,8 @@
-"""What every test shares: no system agent of the machine's own, and the slow folders first."""
+"""What every test shares: the machine's own GPU agent is none of the tests' business."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -22,19 +21,3 @@ def no_system_agent(monkeypatch: pytest.MonkeyPatch,
     for module in (client, command):
         monkeypatch.setattr(module, "SYSTEM_SOCKET", path)
     yield path
-
-
-# Folders whose files run for minutes each (real servers, kernels, browsers): `make test`'s
-# workers take whole files in collection order, so these go first and the many short files
-# even the workers out at the end instead of one long file running alone.
-SLOW_FIRST = ("e2e", "browser", "hub")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-
-    def rank(item: pytest.Item) -> int:
-        parts = item.path.relative_to(here).parts if item.path.is_relative_to(here) else ()
-        return SLOW_FIRST.index(parts[0]) if parts and parts[0] in SLOW_FIRST else len(SLOW_FIRST)
-
-    items.sort(key=rank)  # stable: a file's own tests keep their order
