@@ -484,6 +484,13 @@ class KernelGpu:
         The kernel keeps running where it is: the caller restarts it onto the lease (with its
         variables), since a process cannot change GPUs.
         """
+        lease = await self._new_lease()
+        if lease is not None:
+            self.lease, self.no_gpu_reason = lease, None
+        return lease
+
+    async def _new_lease(self) -> dict[str, Any] | None:
+        """A lease made for this kernel, not yet its own (``self.lease``); None if no room."""
         if self.closed:
             return None
         settings = self.settings()
@@ -497,7 +504,6 @@ class KernelGpu:
             # The kernel shut down while the lease was being made: nobody would release it.
             await self._give_back(settings, str(lease["id"]))
             return None
-        self.lease, self.no_gpu_reason = lease, None
         return lease
 
     async def refresh(self) -> dict[str, Any] | None:
@@ -524,17 +530,23 @@ class KernelGpu:
                 raise
         running_on = lease_gpus(self.lease)
         self.lease = None
-        lease = await self.acquire_lease()
+        lease = await self._new_lease()
         if lease is None:
             self.no_gpu_reason = ("The GPU agent restarted without this kernel's lease and has no "
                                   "room for it now; it gets one as soon as there is room.")
             return "lost"
-        if lease_gpus(lease) != running_on:
-            return "moved"
-        if self.pid is not None:
+        outcome = "moved" if lease_gpus(lease) != running_on else "recreated"
+        if outcome == "recreated" and self.pid is not None:
+            # The lease becomes the kernel's only with its pid: a status read in between would
+            # show a share that no process is charged against.
             link = AgentLink(self.settings().socket_path)
-            self.lease = await link.register_pid(str(lease["id"]), self.pid)
-        return "recreated"
+            try:
+                lease = await link.register_pid(str(lease["id"]), self.pid)
+            except AgentError:
+                self.lease = lease  # still this kernel's, to be released when it closes
+                raise
+        self.lease, self.no_gpu_reason = lease, None
+        return outcome
 
     def parkable(self, now: float, wait: float) -> bool:
         """Whether an idle kernel may be parked now (``wait``: seconds after a refusal)."""
