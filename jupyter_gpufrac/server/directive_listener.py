@@ -31,6 +31,8 @@ INTERRUPT_WAIT_S = 5.0
 PARK_CHECKPOINT_S = 300.0
 # How long a park waits for the kernel to be idle (the `%gpu park` cell to end).
 PARK_IDLE_WAIT_S = 10.0
+# How long a move waits for a shutdown in progress to end (jupyter_client asks, then kills).
+SHUTDOWN_WAIT_S = 30.0
 
 
 def restart_cause(directive: dict[str, Any]) -> str:
@@ -211,6 +213,7 @@ class DirectiveListener:
         agent_deadline = float(directive.get("deadline") or now + self.grace_period + 60)
         time_left = max(agent_deadline - now - RESTART_MARGIN_S, 1.0)
         grace = min(self.grace_period, time_left)
+
         idle = await wait_until_idle(kernel, clock)
         if not idle:
             # Nothing moves yet: the running cell gets its grace period, and the user a countdown.
@@ -224,7 +227,10 @@ class DirectiveListener:
                 "the last completed cell.",
                 deadline=now + grace, **where,
             )
-            idle = await wait_until_idle(kernel, clock + grace)
+            idle = await wait_until_idle(kernel, clock + grace,
+                                         unless=lambda: self._shut_down(kernel_id, gpu))
+            if await self._shut_down_meanwhile(kernel_id, kernel, gpu):
+                return
         cut_off = not idle
         if cut_off:
             self.events.emit(
@@ -256,6 +262,9 @@ class DirectiveListener:
         self, kernel_id: str, gpu: KernelGpu, reason: dict[str, Any]
     ) -> None:
         """Restart the kernel now; the new process restores the last good checkpoint."""
+        if self._shut_down(kernel_id, gpu):
+            self.log.info("kernel %s: shut down by its user; not restarted", kernel_id)
+            return
         gpu.request_restore(reason)
         try:
             await self._restart(kernel_id, now=True)
@@ -263,6 +272,25 @@ class DirectiveListener:
             if gpu.restore_pending:
                 gpu.cancel_restore()
             raise
+
+    def _shut_down(self, kernel_id: str, gpu: KernelGpu) -> bool:
+        """Whether the kernel was shut down for good (its user's or the server's doing)."""
+        return gpu.closed or kernel_id not in self.kernel_manager
+
+    async def _shut_down_meanwhile(self, kernel_id: str, kernel: Any, gpu: KernelGpu) -> bool:
+        """Whether the kernel was shut down while a move waited for its cell: then the move has
+        nothing to restart (its GPU is free already). A shutdown in progress is waited for: a
+        restart of the user's also passes through one, and the move goes on after that."""
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        while getattr(kernel, "shutting_down", False) and not self._shut_down(kernel_id, gpu):
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        if not self._shut_down(kernel_id, gpu):
+            return False
+        self.log.info("kernel %s: shut down by its user while a move waited for its cell; "
+                      "nothing to move", kernel_id)
+        return True
 
     @staticmethod
     async def _prepare_spare(kernel: Any, lease: dict[str, Any] | None) -> None:

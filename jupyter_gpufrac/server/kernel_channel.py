@@ -6,14 +6,17 @@ import asyncio
 import queue
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from jupyter_gpufrac import contract
 from node_agent.quantities import format_bytes, format_duration
 
 
-async def wait_until_idle(kernel: Any, deadline: float) -> bool:
-    """Whether the kernel is not running a cell before ``deadline`` (monotonic seconds).
+async def wait_until_idle(kernel: Any, deadline: float,
+                          unless: Callable[[], bool] | None = None) -> bool:
+    """Whether the kernel is not running a cell before ``deadline`` (monotonic seconds); False
+    at once when ``unless()`` becomes true (the wait is moot).
 
     The server tracks each kernel's execution state from its IOPub status messages;
     polling that attribute costs nothing and needs no extra kernel connection. A kernel
@@ -22,7 +25,7 @@ async def wait_until_idle(kernel: Any, deadline: float) -> bool:
     while True:
         if getattr(kernel, "execution_state", None) in ("idle", "starting"):
             return True
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or (unless is not None and unless()):
             return False
         await asyncio.sleep(0.1)
 

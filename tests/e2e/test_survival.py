@@ -194,6 +194,49 @@ def test_cell_cut_off_by_a_move_ends_and_is_named(tmp_path: Path) -> None:
         nb.close()
 
 
+def test_shut_down_by_its_user_during_a_moves_countdown_it_stays_shut_down(
+        tmp_path: Path) -> None:
+    """The user's shutdown wins over a move waiting for the running cell: the move does not
+    restart the kernel, and the notebook's next kernel starts fresh, as after any shutdown."""
+    with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2",
+                                                       "--migrate-grace", "90"]) as agent, \
+            running_server(tmp_path / "server", agent.socket,
+                           FAST + "c.GpuFrac.migrate_grace_period = 60\n") as server:
+        stay = server.open_notebook("stay.ipynb")
+        nb = server.open_notebook("busy.ipynb")
+        nb.ok("saved = 'before'")
+        nb.send("import time\ntime.sleep(600)")
+        job = subprocess.Popen(
+            [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
+             "--timeout", "120", "--", "sleep", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            wait_for(lambda: server.kernel_status(nb.kernel_id)["state"] == "move-pending", 30,
+                     "a countdown while the cell runs", interval=0.1)
+            sessions = server.get("/api/sessions")
+            session = next(s for s in sessions if s["kernel"]["id"] == nb.kernel_id)
+            nb.close()
+            assert server.api(f"/api/sessions/{session['id']}", "DELETE")[0] == 204
+            # The move's end is the job's start: the kernel's GPU is freed by its shutdown.
+            assert job.wait(60) == 0, job.stderr.read() if job.stderr else ""
+        finally:
+            if job.poll() is None:
+                job.kill()
+        # The move's waiting ends with the shutdown, not with the grace period (a minute).
+        wait_for(lambda: f"kernel {nb.kernel_id}: shut down by its user while a move waited"
+                 in server.log_text(), 10, "the move to see the shutdown", interval=0.1)
+        log = server.log_text()
+        assert f"kernel {nb.kernel_id}: restarting" not in log, log
+        assert f"gpufrac event migrating for kernel {nb.kernel_id}" not in log, log
+        assert server.api(f"/api/kernels/{nb.kernel_id}")[0] == 404
+        fresh = server.open_notebook("busy.ipynb")
+        assert fresh.ok("print('saved' in globals())").strip().endswith("False")
+        assert "restored" not in server.events(fresh.kernel_id)
+        fresh.close()
+        stay.close()
+
+
 def test_lost_agent_is_said_and_a_fresh_agent_gets_the_lease_back(tmp_path: Path) -> None:
     agent = AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2"]).start()
     try:
