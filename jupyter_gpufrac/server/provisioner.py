@@ -408,6 +408,10 @@ class GpuFracProvisioner(LocalProvisioner):
         user's to drop after ``checkpoint_keep_seconds`` (not at a server stop: see
         :func:`~jupyter_gpufrac.server.retention.sweep`)."""
         if not restart:
+            # A spare wanted after a restore, a restarter's look: moot for a kernel gone for good
+            # (left pending, the closing loop would warn of each).
+            for task in list(self._exit_tasks):
+                task.cancel()
             found = self._spare_pool()
             if found is not None:
                 found[0].forget_kernel(str(self.kernel_id))

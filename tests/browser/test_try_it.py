@@ -183,10 +183,14 @@ def test_try_it_walked_end_to_end_in_the_glossarys_words(
                           " {theme: 'JupyterLab Light'})")
 
             # 2. Two notebooks: the second runs on idle GPU 1, so that it can burst.
+            # A fresh kernel holds next to nothing; the simulated node counts what its
+            # interpreter grew by after its pid was registered (tens of MiB: "0.1" at most).
             first = walk.new_notebook()
-            expect(item).to_have_text(re.compile(r"^GPU 0: (<0\.1|0)/4\.0 GiB$"), timeout=90_000)
+            expect(item).to_have_text(re.compile(r"^GPU 0: (<0\.1|0|0\.1)/4\.0 GiB$"),
+                                      timeout=90_000)
             second = walk.new_notebook()
-            expect(item).to_have_text(re.compile(r"^GPU 1: (<0\.1|0)/4\.0 GiB$"), timeout=90_000)
+            expect(item).to_have_text(re.compile(r"^GPU 1: (<0\.1|0|0\.1)/4\.0 GiB$"),
+                                      timeout=90_000)
             walk.cell("a, b, c, d = 1, 2, 3, 4")
             # 4. The panel: where the share came from, in %gpu's words; ids only in tooltips.
             page.evaluate("window.jupyterapp.commands.execute('gpufrac:open-panel')")
