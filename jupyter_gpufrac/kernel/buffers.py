@@ -18,6 +18,15 @@ TRACKED_MIN = 1024 * 1024
 _SAMPLES = 64
 _SAMPLE = 64
 _ENDS = 256
+# A hot buffer whose sample stopped changing is watched again; one then found written all over
+# at once (a cell that writes the same values again, cell after cell) stays hot for HOT_FIRST,
+# then twice as many snapshots, up to HOT_MAX, before the next try. A try costs that cell a
+# fault per page (about four copies of the buffer here); staying hot costs a copy at each cell
+# that leaves the buffer alone, so tries come no more often than every four such copies.
+HOT_FIRST = 4
+HOT_MAX = 8
+# Up to this size a hot buffer that may have settled is hashed to prove it (40 ms at most here).
+HASHED_MAX = 32 * 1024 * 1024
 
 
 def inner_pages(address: int, nbytes: int) -> tuple[int, int, int]:
@@ -53,6 +62,11 @@ class Followed:
     watched: bool = False
     digest: str | None = None  # of the bytes in ``blob``, once the writer hashed them
     edges: bytes = b""  # while watched: the bytes outside its whole pages, compared instead
+    # While hot: snapshots left before it is watched again; and how often watching it again
+    # met it written all over at once (the next wait doubles with each, up to HOT_MAX).
+    hot_for: int = 0
+    strikes: int = 0
+    rewatched: bool = False  # watched again, from hot, by this snapshot
 
     def hashed(self, digest: str) -> None:
         """The writer hashed the bytes it saved in ``blob`` (its thread)."""
@@ -105,22 +119,40 @@ class BufferTracker:
             start, length, before = inner_pages(address, view.nbytes)
             written = self._watch.written(start, length, protect_again=True)
             if written == 0 and _edges(view, before, length) == entry.edges:
+                entry.strikes, entry.rewatched = 0, False  # quiet a whole cell: it settled
                 self._next[key] = entry
                 return entry.blob, False
             if written is not None and written * mmap.PAGESIZE * 2 < length:
                 # A few values set: still watched (its pages protected again by that call).
-                return self._follow(owner, view, address, watch=False, keep=True), True
+                return self._follow(owner, view, address, watch=False, keep=True,
+                                    strikes=entry.strikes), True
             self._watch.unwatch(start, length)
-            return self._follow(owner, view, address, watch=False), True
+            self._watch.collapse(start, length)
+            strikes = entry.strikes + 1 if entry.rewatched else entry.strikes
+            hot_for = min(HOT_FIRST * 2 ** (strikes - 1), HOT_MAX) if strikes else 0
+            return self._follow(owner, view, address, watch=False, strikes=strikes,
+                                hot_for=hot_for), True
         now = sample(view)
         if now != entry.sample:
-            return self._follow(owner, view, address, watch=False, taken=now), True
+            return self._follow(owner, view, address, watch=False, taken=now,
+                                strikes=entry.strikes, hot_for=entry.hot_for), True
         # Hot, and perhaps no longer changing: only its digest against that of the bytes last
-        # saved (which the writer took) proves it unchanged; watched again either way.
-        if entry.digest is not None and tensor_io.digest(view) == entry.digest:
+        # saved (which the writer took) proves it unchanged, and it is watched again. A large
+        # one is not hashed where writes can be watched (on the notebook's thread that costs
+        # 1.2 s a GiB here, three times a watch's page faults): it is saved once more and
+        # watched again, unless watching it again met it rewritten all over before (then it
+        # waits its turn).
+        if entry.digest is not None and (view.nbytes <= HASHED_MAX or not self.watching) \
+                and tensor_io.digest(view) == entry.digest:
             self._next[key] = self._rewatched(entry, view)
             return entry.blob, False
-        return self._follow(owner, view, address, watch=True, taken=now), True
+        if not self.watching:
+            return self._follow(owner, view, address, watch=False, taken=now), True
+        if entry.hot_for > 0:
+            return self._follow(owner, view, address, watch=False, taken=now,
+                                strikes=entry.strikes, hot_for=entry.hot_for - 1), True
+        return self._follow(owner, view, address, watch=True, taken=now,
+                            strikes=entry.strikes, rewatched=True), True
 
     def _rewatched(self, entry: Followed, view: memoryview) -> Followed:
         """``entry`` watched again, where that can be."""
@@ -130,6 +162,7 @@ class BufferTracker:
                 self._anonymous = Anonymous()
             entry.watched = self._watch.watch(start, length, self._anonymous)
             entry.edges = _edges(view, before, length) if entry.watched else b""
+        entry.rewatched = entry.watched
         return entry
 
     def unchanged_check(self, owner: Any) -> Callable[[], bool] | None:
@@ -156,7 +189,8 @@ class BufferTracker:
         return entry if entry is not None and entry.owner() is owner else None
 
     def _follow(self, owner: Any, view: memoryview, address: int, *, watch: bool,
-                taken: bytes | None = None, keep: bool = False) -> str:
+                taken: bytes | None = None, keep: bool = False, strikes: int = 0,
+                hot_for: int = 0, rewatched: bool = False) -> str:
         """A new blob for ``owner``'s buffer, watched from now on if ``watch`` (or, with
         ``keep``, still watched as it was)."""
         watched = keep
@@ -168,7 +202,8 @@ class BufferTracker:
         followed = Followed(weakref.ref(owner, self._gone), address, view.nbytes,
                             self._new_name(),
                             taken if taken is not None else sample(view), watched,
-                            edges=_edges(view, before, length) if watched else b"")
+                            edges=_edges(view, before, length) if watched else b"",
+                            hot_for=hot_for, strikes=strikes, rewatched=rewatched and watched)
         self._next[id(owner)] = followed
         return followed.blob
 

@@ -15,8 +15,14 @@ import numpy
 import pandas
 import pytest
 
-from jupyter_gpufrac.kernel import tensor_io, writes
-from jupyter_gpufrac.kernel.buffers import TRACKED_MIN, BufferTracker, inner_pages, sample
+from jupyter_gpufrac.kernel import buffers, tensor_io, writes
+from jupyter_gpufrac.kernel.buffers import (
+    HOT_FIRST,
+    TRACKED_MIN,
+    BufferTracker,
+    inner_pages,
+    sample,
+)
 from jupyter_gpufrac.kernel.checkpoint import Checkpointer
 from jupyter_gpufrac.kernel.writes import Anonymous, WriteWatch
 
@@ -113,6 +119,72 @@ def test_a_buffer_written_cell_after_cell_is_not_watched_and_its_sample_tells(
     tracker.commit()
     assert watch.written(start, length, protect_again=False) == 0
     assert tracker.decide(w, view, address) == (blob, False)
+
+
+def test_a_buffer_rewritten_with_the_same_values_is_not_watched_again_every_other_cell(
+        watch: WriteWatch, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``a *= 1.0`` cell after cell: its sample never changes, so it looks settled, and
+    watching it again costs the next cell a fault per page. After one such try it stays hot
+    for HOT_FIRST snapshots (saved each time, as a watch would have found it written), and
+    it is never hashed on the notebook's thread where it is large (slower than the faults it
+    would save)."""
+    def no_hashing(_data: Any) -> str:
+        raise AssertionError("hashed on the notebook's thread")
+
+    monkeypatch.setattr(tensor_io, "digest", no_hashing)
+    monkeypatch.setattr(buffers, "HASHED_MAX", MiB)  # as for buffers of GiBs
+    tracker = BufferTracker(watch)
+    a = numpy.random.default_rng(5).random(MiB)
+    view, address = view_of(a)
+    start, length, _before = inner_pages(address, a.nbytes)
+
+    def cell() -> bool:
+        """A cell rewriting every value as it was; whether the buffer was watched during it."""
+        watched = watch.written(start, length, protect_again=False) is not None
+        numpy.multiply(a, 1.0, out=a)
+        changed = tracker.decide(a, view, address)[1]
+        entry = tracker.followed(a)
+        assert changed and entry is not None
+        entry.hashed("0" * 40)  # the writer's digest: known, and never used while watching
+        tracker.commit()
+        return watched
+
+    tracker.decide(a, view, address)
+    tracker.commit()
+    watched = [cell() for _ in range(3 + HOT_FIRST + 2)]
+    # New: watched; then hot; its sample unchanged: watched again (the try); found written
+    # all over again: hot for HOT_FIRST snapshots; then the next try.
+    assert watched == [True, False, True] + [False] * (HOT_FIRST + 1) + [True], watched
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address``, in KiB."""
+    inside = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_a_buffer_gone_hot_gets_back_the_huge_pages_its_watch_split(watch: WriteWatch) -> None:
+    a = numpy.ones(64 * MiB // 8)
+    view, address = view_of(a)
+    middle = address + a.nbytes // 2  # NumPy's huge pages start past the allocator's header
+    if anon_huge_kib(middle) == 0:
+        pytest.skip("no transparent huge pages for NumPy's memory here")
+    tracker = BufferTracker(watch)
+    tracker.decide(a, view, address)
+    tracker.commit()
+    a += 1.0  # every page written once while watched: each becomes a page of its own
+    assert anon_huge_kib(middle) == 0, "the watch split them"
+    tracker.decide(a, view, address)  # written all over: hot, no longer watched
+    tracker.commit()
+    assert anon_huge_kib(middle) >= 32 * 1024, "collapsed again (MADV_COLLAPSE)"
 
 
 def test_a_few_values_set_keep_a_buffer_watched(watch: WriteWatch) -> None:
