@@ -135,6 +135,10 @@ class Usage(Room):
         if ended:
             # A restart: the new process starts from what it holds, not what the old one held.
             self.gone(lease.id, ended)
+            if lease.frozen:
+                # Its frozen process died and the restart registered before a poll saw it go:
+                # what the freeze kept went with it (the poll no longer sees the old pid).
+                lease = self.ctx.freezing.frozen_process_ended(lease)
         self.track(lease, pid)
         return self.ledger.leases[lease.id]
 

@@ -142,6 +142,15 @@ def test_a_killed_kernel_restarts_when_its_process_exits_not_at_the_restarters_n
         nb.close()
 
 
+def whole_gpu_job(agent: AgentProcess) -> subprocess.Popen[str]:
+    """A one-GPU job on a node of two GPUs that each run a notebook: one of them must move."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
+         "--timeout", "120", "--", "sleep", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
 def test_cell_cut_off_by_a_move_ends_and_is_named(tmp_path: Path) -> None:
     with AgentProcess(tmp_path / "agent", "2x2GiB", ["--poll-interval", "0.2",
                                                        "--migrate-grace", "90"]) as agent, \
@@ -152,11 +161,7 @@ def test_cell_cut_off_by_a_move_ends_and_is_named(tmp_path: Path) -> None:
         # No explicit checkpoint: every completed cell leaves one.
         nb.ok("saved = 'before'")
         cell = nb.send("unsaved = 'after'\nimport time\ntime.sleep(600)")
-        job = subprocess.Popen(
-            [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
-             "--timeout", "120", "--", "sleep", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
+        job = whole_gpu_job(agent)
         try:
             pending = wait_for(
                 lambda: (s := server.kernel_status(nb.kernel_id))["state"] == "move-pending" and s,
@@ -206,11 +211,7 @@ def test_shut_down_by_its_user_during_a_moves_countdown_it_stays_shut_down(
         nb = server.open_notebook("busy.ipynb")
         nb.ok("saved = 'before'")
         nb.send("import time\ntime.sleep(600)")
-        job = subprocess.Popen(
-            [sys.executable, "-m", "node_agent", "--socket", agent.socket, "run", "--gpus", "1",
-             "--timeout", "120", "--", "sleep", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
+        job = whole_gpu_job(agent)
         try:
             wait_for(lambda: server.kernel_status(nb.kernel_id)["state"] == "move-pending", 30,
                      "a countdown while the cell runs", interval=0.1)

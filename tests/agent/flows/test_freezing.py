@@ -156,6 +156,24 @@ def test_park_by_freezing_keeps_the_process_and_the_next_unpark_thaws_it(
     assert _metric(c, "gpufrac_freezes_total", cause="park") == 1
 
 
+def test_a_frozen_process_replaced_by_its_restart_before_a_poll_ends_the_freeze(
+    start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
+) -> None:
+    """The host's OOM killer takes a frozen kernel, and jupyter_client restarts it within
+    0.1 s: the new process registers before any poll sees the old one gone. What the freeze
+    kept went with the old process; the lease must say so, not stay frozen for good."""
+    agent = start_agent("--poll-interval", "3600", spec="1x2GiB")
+    c = agent.client()
+    a, proc = notebook_holding(agent, holders, "512Mi", "1Gi", 50)
+    assert c.freeze(a["id"], reason="parked after 1 s idle")["frozen"]
+    proc.proc.kill()
+    proc.proc.wait()
+    restarted = holders()
+    lease = c.register_pid(a["id"], restarted.pid)
+    assert (lease["state"], lease["frozen"], lease["pids"]) == ("parked", False, [restarted.pid])
+    assert "frozen process ended" in lease["fallback"], lease
+
+
 def test_a_freeze_that_cannot_be_used_says_why_for_the_fallback(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder]
 ) -> None:
