@@ -568,15 +568,23 @@ class DirectiveListener:
         try:
             await asyncio.sleep(0)
             deadline = time.monotonic() + KILL_SETTLE_S
-            while await kernel.is_alive():  # the notice may come a moment before the exit
-                if time.monotonic() >= deadline:
+            while True:
+                # Someone else's launch (a restart that began meanwhile, or the user's shutdown
+                # or restart) has it in hand; a new process's liveness says nothing of the old.
+                if (gpu.restarter_restarts != restarts or gpu.launches != launches
+                        or getattr(kernel, "shutting_down", False)):
+                    return
+                if not await kernel.is_alive():
+                    break
+                if time.monotonic() >= deadline:  # the notice may come a moment before the exit
                     self.log.info("kernel %s: reported killed but alive; leaving it be", kernel_id)
                     return
                 await asyncio.sleep(0.05)
-            if gpu.restarter_restarts != restarts or gpu.launches != launches:
-                return
             self.log.info("kernel %s: killed by the agent; restarting it now", kernel_id)
             await self._restart(kernel_id, now=True)
         finally:
-            if restarter and kernel_id in self.kernel_manager:
+            # A shutdown under way ends with no restarter (for good) or starts its own (a
+            # restart): one started now would outlive the kernel and launch it again.
+            if (restarter and kernel_id in self.kernel_manager
+                    and not getattr(kernel, "shutting_down", False)):
                 kernel.start_restarter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,5 +87,39 @@ async def test_a_directive_for_a_lease_the_kernel_does_not_hold_is_ignored(
         assert any(f"names lease {forged['id']}, not the kernel's ({own})" in m for m in seen), seen
         assert provisioner.gpu.lease["id"] == own
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+    finally:
+        await app.stop_extension()
+
+
+async def test_a_kill_notice_during_its_users_shutdown_leaves_it_shut_down(
+    jp_serverapp: Any, jp_fetch: Any, own_agent: AgentProcess
+) -> None:
+    """The agent's kill notice and the user's shutdown cross: the notice must not hand the
+    kernel back to jupyter_client's restarter, which would launch it again once it is gone.
+    The kernel is stopped (SIGSTOP), so it stays alive to the notice and its shutdown runs
+    for the whole of jupyter_client's wait before it kills it."""
+    await jp_serverapp.extension_manager.start_all_extensions()
+    app = jp_serverapp.web_app.settings["gpufrac_app"]
+    listener = app.listener
+    manager = jp_serverapp.kernel_manager
+    try:
+        reply = await jp_fetch("api", "kernels", method="POST", body=json.dumps({}))
+        kernel_id = json.loads(reply.body)["id"]
+        kernel = manager.get_kernel(kernel_id)
+        gpu = kernel.provisioner.gpu
+        await until(lambda: gpu.lease is not None and gpu.lease["pids"], 30, "the kernel's pid")
+        launches = gpu.launches
+        os.kill(kernel.provisioner.pid, signal.SIGSTOP)
+        notice = asyncio.ensure_future(listener.killed(kernel_id, {
+            "kind": "killed", "kernel_id": kernel_id, "created": time.time(),
+            "reason": "stopped to return loaned memory"}))
+        await asyncio.sleep(0.2)  # the notice is waiting for the process to exit
+        shutdown = asyncio.ensure_future(manager.shutdown_kernel(kernel_id))
+        await asyncio.wait_for(asyncio.gather(notice, shutdown), 60)
+        assert kernel_id not in manager
+        # The restarter looks every `time_to_dead` seconds: two looks find nothing to restart.
+        await asyncio.sleep(2 * kernel.provisioner.restarter.time_to_dead + 0.5)
+        assert gpu.launches == launches and not await kernel.is_alive()
+        assert not [x for x in own_agent.client().leases() if x.get("kernel_id") == kernel_id]
     finally:
         await app.stop_extension()
