@@ -261,9 +261,11 @@ def staged_view(staged: store.Staged) -> memoryview:
 
 
 def write_staged(folder: store.CheckpointDir, name: str, staged: store.Staged,
-                 progress: Callable[[int], None] | None = None) -> int:
+                 progress: Callable[[int], None] | None = None,
+                 hurried: Callable[[], bool] = lambda: False) -> int:
     """Write a staged blob under ``name`` (a temporary renamed into place: a blob left by a
-    failed attempt is replaced); returns the bytes written. The caller syncs it."""
+    failed attempt is replaced), past the page cache while ``hurried()`` (see
+    :func:`store.write_direct`); returns the bytes written. The caller syncs it."""
     if staged.ready is not None:
         staged.ready()
     data: memoryview | bytes = b"" if staged.on_device else staged_view(staged)
@@ -278,8 +280,8 @@ def write_staged(folder: store.CheckpointDir, name: str, staged: store.Staged,
 
                 stream.write_from_device(fh, staged, store.held_progress(staged, progress))
             else:
-                store.write_all(fh, data, None if staged.compress else store.held_progress(
-                    staged, progress))
+                store.write_direct(fh, data, None if staged.compress else store.held_progress(
+                    staged, progress), hurried)
         folder.publish(tmp, name, blob=True)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

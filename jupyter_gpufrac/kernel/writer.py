@@ -66,6 +66,7 @@ class Job:
     identity: tuple[int, int, int, int] | None = None  # of the state file once committed
     written_at: float | None = None  # when it became durable (monotonic)
     pause: Callable[[], None] | None = None  # between chunks: waits while a cell runs
+    hurried: Callable[[], bool] = lambda: False  # whether someone waits for it now
     _count: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -194,6 +195,9 @@ class Writer:
                     return
                 self._cond.wait(left)
 
+    def _waited_for(self) -> bool:
+        return self._hurried > 0
+
     def when_idle(self, callback: Callable[[], None]) -> bool:
         """Call ``callback`` (in the writer's thread) once nothing is written or queued; False
         when that is already so (then it is not called)."""
@@ -258,7 +262,7 @@ class Writer:
                         self._cond.wait()
                 job, self._queued = self._queued, None
                 self._running = job
-            job.pause = self._pause
+            job.pause, job.hurried = self._pause, self._waited_for
             stale: list[str] = []
             try:
                 stale = self._write(job)
@@ -369,7 +373,7 @@ class Writer:
 
 
 def _write_blob(folder: store.CheckpointDir, job: Job, name: str, staged: store.Staged) -> None:
-    job.written(tensor_io.write_staged(folder, name, staged, job.progress), staged)
+    job.written(tensor_io.write_staged(folder, name, staged, job.progress, job.hurried), staged)
 
 
 def _write_shared_blob(folder: store.CheckpointDir, content: store.ContentStore | None, job: Job,

@@ -154,6 +154,7 @@ def test_lease_resize_migrate_and_restore_in_a_new_kernel(tmp_path: Path, agent:
         while "this kernel is being moved" not in seen:
             assert time.monotonic() < deadline, f"no migrate notice in {seen!r}"
             seen += k.run("late = 1").stdout  # also: defined after the checkpoint
+        wait_written(k)  # the checkpoint after that cell is written in the background
         names = k.value("__import__('jupyter_gpufrac.kernel', fromlist=['x'])"
                         ".summary()['last_checkpoint']['names']")
         assert {"model", "opt", "double", "Net", "items", "late"} <= set(names)
