@@ -110,8 +110,7 @@ _ALIGN = 4096
 
 
 def write_direct(fh: io.FileIO, data: memoryview | bytes,
-                 progress: Callable[[int], None] | None = None,
-                 hurried: Callable[[], bool] = lambda: True) -> None:
+                 progress: Callable[[int], None] | None, hurried: Callable[[], bool]) -> None:
     """:func:`write_all` to an unbuffered file, a chunk at a time bypassing the page cache
     while ``hurried()`` says so and the file system allows it."""
     view = memoryview(data).cast("B")

@@ -82,7 +82,7 @@ def test_a_hurried_write_bypasses_the_page_cache_from_the_chunk_it_is_hurried_on
 
     path = tmp_path / "blob"
     with open(path, "wb", buffering=0) as fh:
-        store.write_direct(fh, data, hurried=hurried)
+        store.write_direct(fh, data, None, hurried=hurried)
         # The descriptor is as it was: what follows (fsync, close) is unchanged.
         import fcntl
 
@@ -99,7 +99,7 @@ def test_a_write_nobody_waits_for_goes_through_the_page_cache(tmp_path: Path) ->
     data = numpy.random.default_rng(1).bytes(store.DIRECT_MIN + 5000)
     path = tmp_path / "blob"
     with open(path, "wb", buffering=0) as fh:
-        store.write_direct(fh, data, hurried=lambda: False)
+        store.write_direct(fh, data, None, hurried=lambda: False)
     assert resident(path) == 1.0
     assert path.read_bytes() == data
 
@@ -108,7 +108,7 @@ def test_a_disk_that_fills_during_a_hurried_write_says_so(tmp_path: Path, enospc
     data = bytes(store.DIRECT_MIN + store.WRITE_CHUNK)
     store.inject_enospc_after(store.WRITE_CHUNK + 100)
     with open(tmp_path / "blob", "wb", buffering=0) as fh, pytest.raises(OSError) as raised:
-        store.write_direct(fh, data, hurried=lambda: True)
+        store.write_direct(fh, data, None, hurried=lambda: True)
     assert raised.value.errno == errno.ENOSPC
 
 
