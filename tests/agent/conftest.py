@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from .fake_cuda import VARIANTS, FakeCuda, Target, build
 
 if TYPE_CHECKING:
     from harness.kubelet import FakeKubelet
+    from node_agent.client import AgentClient
 
 ALLOCATE = (
     "import sys\n"
@@ -107,6 +109,21 @@ def notebook_holding(agent: AgentProcess, holders: Callable[..., Holder], reques
     lease = c.register_pid(lease["id"], h.pid)
     h.hold(mib)
     return lease, h
+
+
+def until_stopped(c: AgentClient, cursor: int, *, client: str | None = None,
+                  lease: str | None = None, timeout: float = 20) -> list[dict[str, Any]]:
+    """The directives after ``cursor`` up to a stop. A shrink or a move comes a grace before its
+    stop, but where the test's own steps take longer than the grace (a loaded machine), one read
+    has both."""
+    found: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while not any(d["kind"] == "killed" for d in found):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no stop after {[d['kind'] for d in found]}"
+        more, cursor = c.directives(client=client, lease=lease, after=cursor, timeout=left)
+        found += more
+    return found
 
 
 def run_job(agent: AgentProcess, out: Path) -> subprocess.Popen[str]:

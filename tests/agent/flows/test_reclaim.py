@@ -11,7 +11,7 @@ import pytest
 from harness.agent import AgentProcess, wait_for
 from node_agent.client import AgentClient, AgentError
 
-from ..conftest import Holder, notebook_holding
+from ..conftest import Holder, notebook_holding, until_stopped
 
 MiB = 2**20
 
@@ -31,6 +31,7 @@ def _reclaim_setup(
     return agent, owner, owner_proc, borrower, borrower_proc, quiet, quiet_proc
 
 
+
 @pytest.mark.parametrize("scheduler", ["--node-scheduler", "--no-node-scheduler"])
 def test_reclaim_shrinks_then_kills_a_borrower(
     start_agent: Callable[..., AgentProcess], holders: Callable[..., Holder], scheduler: str
@@ -41,14 +42,12 @@ def test_reclaim_shrinks_then_kills_a_borrower(
     c = agent.client()
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     owner_proc.hold(300)  # the owner grows into memory the borrower holds
-    found, cursor = c.directives(client="jupyter", after=cursor, timeout=10)
-    assert [(d["kind"], d["lease_id"]) for d in found] == [("shrink", borrower["id"])]
-    shrink = found[0]
+    found = until_stopped(c, cursor, client="jupyter")
+    assert [(d["kind"], d["lease_id"]) for d in found] == [("shrink", borrower["id"]),
+                                                            ("killed", borrower["id"])]
+    shrink, killed = found
     assert shrink["request"] == 128 * MiB and shrink["usage"] > 128 * MiB
     assert "above its request" in shrink["reason"]
-    found, _ = c.directives(client="jupyter", after=cursor, timeout=10)
-    assert [(d["kind"], d["lease_id"]) for d in found] == [("killed", borrower["id"])]
-    killed = found[0]
     assert killed["cause"] == "reclaim" and "stopped to return" in killed["reason"]
     assert (killed["stops_in_window"], killed["kill_window"]) == (1, 600)
     assert killed["pids"] == [borrower_proc.pid] and killed["gpu"] == borrower["physical_gpu"]
@@ -104,10 +103,9 @@ def test_a_restoring_kernel_is_spared_while_another_borrower_covers(
              what="both bursting")
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     owner_proc.hold(300)  # owed 112 MiB, ~20 MiB free: the settled borrower's loan covers it
-    found, cursor = c.directives(client="jupyter", after=cursor, timeout=10)
-    assert [(d["kind"], d["lease_id"]) for d in found] == [("shrink", settled["id"])]
-    found, cursor = c.directives(client="jupyter", after=cursor, timeout=10)
-    assert [(d["kind"], d["lease_id"]) for d in found] == [("killed", settled["id"])]
+    found = until_stopped(c, cursor, client="jupyter")
+    assert [(d["kind"], d["lease_id"]) for d in found] == [("shrink", settled["id"]),
+                                                            ("killed", settled["id"])]
     # Its memory is back; the restoring kernel was never asked.
     assert c.directives(lease=restoring["id"], after=0, timeout=1)[0] == []
     assert restoring_proc.alive() and c.lease(restoring["id"])["state"] == "active"
@@ -126,10 +124,8 @@ def test_a_restoring_kernel_still_gives_back_when_nothing_else_covers(
     wait_for(lambda: c.lease(borrower["id"])["bursting"], what="restoring and bursting")
     _, cursor = c.directives(lease=borrower["id"], after=-1, timeout=0)
     owner_proc.hold(300)
-    found, cursor = c.directives(lease=borrower["id"], after=cursor, timeout=10)
-    assert [d["kind"] for d in found] == ["shrink"]
-    found, _ = c.directives(lease=borrower["id"], after=cursor, timeout=10)
-    assert [d["kind"] for d in found] == ["killed"]
+    found = until_stopped(c, cursor, lease=borrower["id"])
+    assert [d["kind"] for d in found] == ["shrink", "killed"]
     wait_for(lambda: not borrower_proc.alive(), what="the borrower killed")
     assert owner_proc.alive() and c.lease(owner["id"])["state"] == "active"
 
@@ -225,11 +221,10 @@ def test_a_lease_above_its_limit_is_asked_back_then_stopped_with_nobody_owed(
     proc.hold(100)
     assert c.directives(client="jupyter", after=cursor, timeout=1)[0] == [], "within its limit"
     proc.hold(300)
-    found, cursor = c.directives(client="jupyter", after=cursor, timeout=10)
-    assert [(d["kind"], d["cause"]) for d in found] == [("shrink", "limit")]
-    assert "above its limit of 256.0 MiB" in found[0]["reason"]
-    found, _ = c.directives(client="jupyter", after=cursor, timeout=10)
-    assert [(d["kind"], d["cause"]) for d in found] == [("killed", "limit")]
-    assert "stayed" in found[0]["reason"] and "above its limit of 256.0 MiB" in found[0]["reason"]
+    found = until_stopped(c, cursor, client="jupyter")
+    assert [(d["kind"], d["cause"]) for d in found] == [("shrink", "limit"), ("killed", "limit")]
+    shrink, killed = found
+    assert "above its limit of 256.0 MiB" in shrink["reason"]
+    assert "stayed" in killed["reason"] and "above its limit of 256.0 MiB" in killed["reason"]
     wait_for(lambda: not proc.alive(), what="the process over its limit stopped")
     assert c.lease(lease["id"])["state"] == "killed"

@@ -22,7 +22,7 @@ from node_agent.client import AgentError
 from node_agent.quantities import parse_quantity
 from node_agent.service import ACTIONS, NOTICES, Agent, Caller, Resize
 
-from ..conftest import Holder, notebook_holding
+from ..conftest import Holder, notebook_holding, until_stopped
 from .conftest import ME, ask
 
 MiB = 2**20
@@ -46,11 +46,10 @@ def test_a_borrower_killed_by_reclaim_frees_its_memory_at_once(
     gpu = borrower["physical_gpu"]
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     owner_proc.hold(300)  # the owner grows into what the borrower holds
-    found, cursor = c.directives(client="jupyter", after=cursor, timeout=20)
-    assert [d["kind"] for d in found] == ["shrink"]
-    found, cursor = c.directives(client="jupyter", after=cursor, timeout=20)
-    assert [(d["kind"], d["cause"]) for d in found] == [("killed", "reclaim")]
-    assert found[0]["usage"] > 450 * MiB, "the notice says what it held"
+    found = until_stopped(c, cursor, client="jupyter")
+    assert [d["kind"] for d in found] == ["shrink", "killed"]
+    assert found[1]["cause"] == "reclaim"
+    assert found[1]["usage"] > 450 * MiB, "the notice says what it held"
 
     # Right after the kill, before any measurement: nothing of the borrower counts.
     assert c.lease(borrower["id"])["usage"] == 0
@@ -76,11 +75,10 @@ def test_a_kernel_stopped_for_a_move_that_timed_out_restarts_with_room(
     assert moving["physical_gpu"] == gpu1
     _, cursor = c.directives(client="jupyter", after=-1, timeout=0)
     job = c.create_lease(client="job", kind="job", request="1")
-    found, _ = c.directives(client="jupyter", after=cursor, timeout=20)
-    assert [d["kind"] for d in found] == ["migrate"]
-    found, _ = c.directives(client="jupyter", after=found[-1]["seq"], timeout=20)
-    assert [(d["kind"], d["cause"]) for d in found] == [("killed", "migrate_timeout")]
-    assert found[0]["usage"] > 400 * MiB, "measured at the deadline, before the kill"
+    found = until_stopped(c, cursor, client="jupyter")
+    assert [d["kind"] for d in found] == ["migrate", "killed"]
+    assert found[1]["cause"] == "migrate_timeout"
+    assert found[1]["usage"] > 400 * MiB, "measured at the deadline, before the kill"
 
     lease = c.lease(moving["id"])
     assert (lease["state"], lease["physical_gpu"], lease["usage"]) == ("killed", gpu0, 0)
