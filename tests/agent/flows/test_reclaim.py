@@ -46,6 +46,7 @@ def test_reclaim_shrinks_then_kills_a_borrower(
     assert [(d["kind"], d["lease_id"]) for d in found] == [("shrink", borrower["id"]),
                                                             ("killed", borrower["id"])]
     shrink, killed = found
+    assert killed["created"] - shrink["created"] >= 1, "stopped a grace after the shrink"
     assert shrink["request"] == 128 * MiB and shrink["usage"] > 128 * MiB
     assert "above its request" in shrink["reason"]
     assert killed["cause"] == "reclaim" and "stopped to return" in killed["reason"]
@@ -224,6 +225,7 @@ def test_a_lease_above_its_limit_is_asked_back_then_stopped_with_nobody_owed(
     found = until_stopped(c, cursor, client="jupyter")
     assert [(d["kind"], d["cause"]) for d in found] == [("shrink", "limit"), ("killed", "limit")]
     shrink, killed = found
+    assert killed["created"] - shrink["created"] >= 0.5, "stopped a grace after the shrink"
     assert "above its limit of 256.0 MiB" in shrink["reason"]
     assert "stayed" in killed["reason"] and "above its limit of 256.0 MiB" in killed["reason"]
     wait_for(lambda: not proc.alive(), what="the process over its limit stopped")
