@@ -213,6 +213,7 @@ class DirectiveListener:
         agent_deadline = float(directive.get("deadline") or now + self.grace_period + 60)
         time_left = max(agent_deadline - now - RESTART_MARGIN_S, 1.0)
         grace = min(self.grace_period, time_left)
+
         idle = await wait_until_idle(kernel, clock)
         if not idle:
             # Nothing moves yet: the running cell gets its grace period, and the user a countdown.
