@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpufrac.kernel import budget, namespace, rng, store, tensor_io
+from jupyter_gpufrac.kernel import budget, namespace, rng, store, stream, tensor_io
 from jupyter_gpufrac.kernel.blobs import BlobWriteError, BlobWriter, IncrementalCache, PandasGuard
 from jupyter_gpufrac.kernel.buffers import BufferTracker
 from jupyter_gpufrac.kernel.fingerprints import Fingerprint, Fingerprints, FingerprintSession
@@ -154,13 +154,24 @@ class Snapshots:
         self.generation = 0
         # The disk budgets each checkpoint stays within (None: unbounded).
         self.limits: budget.DiskLimits | None = None
-        # The memory a snapshot may copy at a cell's end (None: unbounded).
-        self.staging_budget: int | None = None
+        self._staging_budget: int | None = None
         # The cell whose snapshot waits for the writer (see owe_if_busy), None when none does;
         # since when (monotonic), and what takes it.
         self.owed: int | None = None
         self.owed_since: float | None = None
         self._owed: Callable[[], object] | None = None
+
+    @property
+    def staging_budget(self) -> int | None:
+        """The memory a snapshot may copy at a cell's end (None: unbounded)."""
+        return self._staging_budget
+
+    @staging_budget.setter
+    def staging_budget(self, nbytes: int | None) -> None:
+        # The staging pools keep what one snapshot copied for the next: as much as it may copy.
+        self._staging_budget = nbytes
+        if nbytes is not None:
+            tensor_io.STAGING.limit = stream.PINNED.limit = nbytes
 
     @property
     def state_path(self) -> Path:

@@ -197,8 +197,12 @@ class StagingPool:
 
 
 def _pool_limit() -> int:
+    """What a snapshot may copy unless told otherwise: c.GpuFrac.checkpoint_staging_budget's
+    default share of the host's RAM (a kernel given a budget keeps that much; see
+    :attr:`Snapshots.staging_budget`). A pool that kept less would let the largest snapshot's
+    buffer go after each write, and the next one would copy into fresh memory."""
     try:
-        return max(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
+        return max(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4)
     except (ValueError, OSError):
         return 1 << 30
 

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 # so a notebook that pauses holds no copy of its state.
 POOL_KEEP_ENV = "GPUFRAC_STAGING_KEEP_S"
 POOL_KEEP_S = 5.0
+# ... but not while a cell that started less than this long ago still runs: its end likely
+# takes the next snapshot (a 4 GiB copy took 4-16 s into fresh memory on a 2-core VM, 0.4 s
+# into a kept buffer); a longer cell is a job of its own, and its pause lets them go.
+POOL_KEEP_CELL_ENV = "GPUFRAC_STAGING_KEEP_CELL_S"
+POOL_KEEP_CELL_S = 30.0
 # While a cell runs, the writer waits between the chunks it writes, for at most this long into
 # the cell: a cell's own work then has the CPU and the memory bandwidth to itself (on two
 # cores a writer copying into the page cache beside it made a training step 1.7x slower), and
@@ -195,6 +200,13 @@ class Writer:
                     return
                 self._cond.wait(left)
 
+    def _cell_keeps_pools(self) -> bool:
+        """Whether the staging pools wait for the running cell: its end likely takes the next
+        snapshot, which would otherwise copy into fresh memory (a loop of training cells)."""
+        return (self._cell_since is not None
+                and time.monotonic() - self._cell_since < _seconds(POOL_KEEP_CELL_ENV,
+                                                                   POOL_KEEP_CELL_S))
+
     def _waited_for(self) -> bool:
         return self._hurried > 0
 
@@ -256,7 +268,9 @@ class Writer:
             with self._cond:
                 while self._queued is None:
                     keep = _seconds(POOL_KEEP_ENV, POOL_KEEP_S)
-                    if (not keep or not self._cond.wait(keep)) and self._queued is None:
+                    if keep and (self._cond.wait(keep) or self._cell_keeps_pools()):
+                        continue  # a job, a cell starting or ending, or a cell that runs
+                    if self._queued is None:
                         tensor_io.STAGING.clear()
                         stream.PINNED.clear()
                         self._cond.wait()

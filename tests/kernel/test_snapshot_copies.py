@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -167,6 +169,59 @@ def test_staging_memory_is_kept_warm_between_snapshots_and_let_go_when_idle(
     while tensor_io.STAGING.kept and time.monotonic() < deadline:
         time.sleep(0.05)
     assert tensor_io.STAGING.kept == 0, "let go once nothing was written for a while"
+
+
+# In a process of its own: another test's writer would let the shared pools go on its keep.
+RUNNING_CELL_KEEPS = """
+import json, sys, time, torch
+from jupyter_gpufrac.kernel import tensor_io
+from jupyter_gpufrac.kernel.checkpoint import Checkpointer
+ck = Checkpointer(sys.argv[1])
+ck.writer.cell(running=True)
+started = time.monotonic()
+ck.take({"t": torch.zeros(2**22)}, execution_count=1)
+time.sleep(max(0.0, started + 1.0 - time.monotonic()))  # what is checked: nothing for 5 keeps
+kept = tensor_io.STAGING.kept
+while tensor_io.STAGING.kept and time.monotonic() < started + 10:
+    time.sleep(0.05)
+print(json.dumps({"kept": kept, "later": tensor_io.STAGING.kept,
+                  "after": time.monotonic() - started}))
+"""
+
+
+def test_staging_memory_waits_for_a_running_cells_end_but_not_for_a_long_job(
+        ckdir: Path) -> None:
+    # Cells that follow each other (a training loop) each take a snapshot at their end: a cell
+    # that runs longer than the keep must not make the next copy go into fresh memory.
+    env = {**os.environ, writer.CELL_YIELD_ENV: "0", writer.POOL_KEEP_ENV: "0.2",
+           writer.POOL_KEEP_CELL_ENV: "2"}
+    done = subprocess.run([sys.executable, "-c", RUNNING_CELL_KEEPS, str(ckdir)], env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["kept"] >= 2**24, "kept for the running cell's end, five keeps into it"
+    assert got["later"] == 0, "let go once the cell ran longer than a cell keeps them"
+    assert got["after"] >= 2, "not before"
+
+
+def test_the_staging_pools_keep_as_much_as_the_kernels_snapshot_budget(
+        ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pool keeping less than a snapshot may copy lets the largest copy go after each write:
+    # the next cell's copy of 4 GiB then went into fresh memory (4-16 s here, not 0.3-0.5 s).
+    monkeypatch.setattr(tensor_io.STAGING, "limit", tensor_io.STAGING.limit)
+    monkeypatch.setattr(stream.PINNED, "limit", stream.PINNED.limit)
+    assert tensor_io.STAGING.limit >= psutil.virtual_memory().total // 4 - 2**20, \
+        "by default, what c.GpuFrac.checkpoint_staging_budget lets a snapshot copy (25%)"
+    ck = Checkpointer(ckdir)
+    ck.staging_budget = 40 * 2**20
+    assert (tensor_io.STAGING.limit, stream.PINNED.limit) == (40 * 2**20, 40 * 2**20)
+    tensor_io.STAGING.clear()
+    ck.take({"a": torch.zeros(2**22), "b": torch.ones(2**22)}, execution_count=1)
+    assert tensor_io.STAGING.kept == 2 * 2**24, "both copies wait for the next snapshot"
+    ck.take({"a": torch.ones(2**22), "b": torch.zeros(2**22), "c": torch.full((2**22,), 2.0)},
+            execution_count=2)
+    assert 2 * 2**24 <= tensor_io.STAGING.kept <= 40 * 2**20, "no more than the budget is kept"
+    ck.staging_budget = None
+    assert tensor_io.STAGING.limit == 40 * 2**20, "an unbounded snapshot keeps the last limit"
 
 
 def test_cells_that_outrun_the_disk_owe_their_snapshots_and_the_last_is_taken_when_idle(
