@@ -16,6 +16,17 @@ with warnings.catch_warnings():
     import torch  # noqa: F401
 
 
+@pytest.fixture(autouse=True)
+def staging_limits() -> Iterator[None]:
+    """The staging pools' limits as they were: a snapshot budget set in a test is the whole
+    process's (one kernel a process), and would follow the tests after it."""
+    from jupyter_gpufrac.kernel import stream, tensor_io
+
+    limits = tensor_io.STAGING.limit, stream.PINNED.limit
+    yield
+    tensor_io.STAGING.limit, stream.PINNED.limit = limits
+
+
 @pytest.fixture
 def ckdir(tmp_path: Path) -> Path:
     """A checkpoint directory path (not created yet: the checkpointer creates it 0700)."""

@@ -204,11 +204,9 @@ def test_staging_memory_waits_for_a_running_cells_end_but_not_for_a_long_job(
 
 
 def test_the_staging_pools_keep_as_much_as_the_kernels_snapshot_budget(
-        ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        ckdir: Path) -> None:
     # A pool keeping less than a snapshot may copy lets the largest copy go after each write:
     # the next cell's copy of 4 GiB then went into fresh memory (4-16 s here, not 0.3-0.5 s).
-    monkeypatch.setattr(tensor_io.STAGING, "limit", tensor_io.STAGING.limit)
-    monkeypatch.setattr(stream.PINNED, "limit", stream.PINNED.limit)
     assert tensor_io.STAGING.limit >= psutil.virtual_memory().total // 4 - 2**20, \
         "by default, what c.GpuFrac.checkpoint_staging_budget lets a snapshot copy (25%)"
     ck = Checkpointer(ckdir)
