@@ -750,16 +750,33 @@ class Freezing(Room):
                                   "its frozen state while the agent was down", "thaw_failed")
         elif lease.state == "freezing":
             log.info("lease %s: a freeze was cut short by an agent restart; undoing it", lease_id)
-            self.ledger.update(lease_id, state="active", reason="running: a freeze was cut "
-                               "short by an agent restart")
             if states & {LOCKED, CHECKPOINTED}:
                 await self._steps.thaw_back(lease.pids)
+            if lease_id in self.ledger.leases:
+                # Then at once, so no reader sees it running where a job waits to run.
+                self.ledger.update(lease_id, state="active", reason="running: a freeze was cut "
+                                   "short by an agent restart")
+                self._make_way_again(lease_id)
         elif lease.state == "thawing":
             moved = set(lease.physical) != set(lease.frozen_on)
             await self._thaw(lease_id, dict(zip(lease.frozen_on, lease.physical, strict=True))
                              if moved else None, AT_ONCE)
         elif lease.state == "pending":
             self.ctx.placement.activate_pending()
+
+    def _make_way_again(self, notebook_id: str) -> None:
+        """A job still waits for the notebook whose freeze was undone (the ledger keeps what
+        each pending lease waits for): it is frozen for the job again, or asked to park."""
+        notebook = self.ledger.leases.get(notebook_id)
+        if notebook is None or notebook.state not in ("active", "shrinking"):
+            return
+        for job in list(self.ledger.leases.values()):
+            if (job.state == "pending" and notebook_id in job.waits_for
+                    and set(job.physical) & set(notebook.physical)):
+                log.info("lease %s: freezing it again for lease %s, which waits for it",
+                         notebook_id, job.id)
+                self.make_way(notebook, job)
+                return
 
     def _ask_again(self, lease_id: str, again: float) -> None:
         if lease_id in self._unknown and lease_id not in self._acting:

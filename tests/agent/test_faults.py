@@ -102,9 +102,15 @@ def check_guarantees(c: AgentClient) -> None:
     totals = {g["uuid"]: g["memory_total"] for g in c.node()["gpus"]}
     logical: dict[str, int] = {}
     physical: dict[str, int] = {}
-    for lease in c.leases():
-        assert lease["state"] in ("pending", "active", "migrating", "shrinking", "killed")
-        for u in lease["logical_gpus"]:
+    leases = c.leases()
+    said = [(x["id"], x["kind"], x["state"], x["logical_gpus"], x["request"], x["reason"])
+            for x in leases]
+    for lease in leases:
+        assert lease["state"] in ("pending", "active", "migrating", "shrinking", "freezing",
+                                  "thawing", "killed")
+        # A job placed by freezing plans its GPU whole: the notebooks being frozen for it
+        # leave the plan once frozen (they thaw when it ends).
+        for u in lease["logical_gpus"] if lease["state"] != "freezing" else ():
             logical[u] = logical.get(u, 0) + lease["request"]
         if lease["state"] == "pending":
             continue
@@ -113,7 +119,7 @@ def check_guarantees(c: AgentClient) -> None:
         for u in where:
             physical[u] = physical.get(u, 0) + lease["request"]
     for u, total in totals.items():
-        assert logical.get(u, 0) <= total, f"logical plan over capacity on {u}"
+        assert logical.get(u, 0) <= total, f"logical plan over capacity on {u}: {said}"
         assert physical.get(u, 0) <= total, f"guarantees over capacity on {u}"
 
 
@@ -126,7 +132,9 @@ def test_sigkill_during_churn_and_compaction(
     thread = threading.Thread(target=churn.run, daemon=True)
     thread.start()
     kills = 0
-    for _ in range(8):
+    # Eight kills, and more (up to 20) until compaction has moved a notebook at least once:
+    # on a loaded machine all of the first eight can fall between compactions.
+    while kills < 8 or (churn.moves < 1 and kills < 20):
         # Let some work through, then kill at a random moment.
         target = churn.ops + rnd.randint(2, 6)
         wait_for(lambda t=target: churn.ops >= t or churn.errors, timeout=30, what="churn progress")
@@ -161,7 +169,7 @@ def test_sigkill_during_churn_and_compaction(
     agent.start()
     wait_for(lambda: not set(dead) & {x["id"] for x in c.leases()}, what="dead leases cleaned up")
     check_ledger(agent)
-    assert kills == 8
+    assert kills >= 8
 
 
 def test_an_orphan_deadline_outlives_agent_restarts(

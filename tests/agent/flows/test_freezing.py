@@ -380,3 +380,49 @@ def test_a_cell_that_waits_too_long_to_thaw_restarts_its_kernel_within_its_reque
 
     asyncio.run(scenario())
     ledger.close()
+
+
+def test_a_jobs_freeze_cut_short_by_an_agent_restart_is_made_again(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    """The agent is killed while a notebook is being frozen for a whole-GPU job: the next
+    agent undoes the freeze cut short (the driver's state is not known to be whole), and then
+    makes way for the job again, which would otherwise wait for good."""
+    backend = SimulatedBackend("1x2GiB")
+    freezer = SimulatedFreezer(backend)
+    first = Ledger(tmp_path / "state")
+    before = Agent(backend, first, AgentConfig(), freezer)
+
+    whole = parse_quantity("1", "request")  # the whole GPU
+
+    async def until_killed() -> tuple[str, str]:
+        await before.tick()
+        notebook = before.create_lease(ROOT, ask("512Mi", "1Gi"))
+        before.register_pid(ROOT, notebook.id, sleeper.pid)
+        job = before.create_lease(ROOT, CreateLease(kind="job", client="run", request=whole,
+                                                    limit=whole))
+        assert job.state == "pending"
+        assert first.leases[notebook.id].state == "freezing"
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()  # the freeze never runs: the agent is killed here
+        return notebook.id, job.id
+
+    notebook_id, job_id = asyncio.run(until_killed())
+    first.close()
+    ledger = Ledger(tmp_path / "state")
+    after = Agent(backend, ledger, AgentConfig(), freezer)
+
+    async def restarted() -> None:
+        await after.start()
+        try:
+            await after.settled()
+            await after.tick()
+            job, notebook = ledger.leases[job_id], ledger.leases[notebook_id]
+            assert job.state == "active", job.reason
+            assert notebook.frozen and notebook.state == "pending", notebook.reason
+            assert freezer.state(sleeper.pid) == "checkpointed"
+        finally:
+            await after.stop()
+            ledger.close()
+
+    asyncio.run(restarted())
