@@ -17,12 +17,14 @@ update of 1 GiB while a child holds a copy-on-write snapshot, against the update
 
     python bench/steady_cells_bench.py                      # the figures (needs ~14 GiB free)
     python bench/steady_cells_bench.py --sizes 0.25 --cells 4 --kinds "torch in place"
+    python bench/steady_cells_bench.py --sizes 4 --gaps 0.5 --kinds "numpy new" --values random
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -43,19 +45,24 @@ SETUP = "import time as __t__\n__bench__ = []\n"
 TIMED = "__s__ = __t__.perf_counter()\n{cell}\n__bench__.append(__t__.perf_counter() - __s__)"
 # name: (setup, cell, fraction of the size the cell changes)
 KINDS: dict[str, tuple[str, str, float]] = {
-    "torch in place": ("import torch\nw = torch.ones({n4})", "w.mul_(0.999).add_(0.001)", 1.0),
-    "torch new": ("import torch\nbase = torch.ones({n4})", "w2 = base.clone()\nw2.add_(1.0)", 1.0),
-    "numpy in place": ("import numpy\na = numpy.ones({n8})", "a *= 0.999\na += 0.001", 1.0),
-    "numpy new": ("import numpy\nbase = numpy.ones({n8})", "a2 = base + 1.0", 1.0),
-    "pandas column": ("import numpy, pandas\ndf = pandas.DataFrame({{'x': numpy.ones({n8})}})",
+    "torch in place": ("import torch\nw = {torch_fill}({n4})", "w.mul_(0.999).add_(0.001)", 1.0),
+    "torch new": ("import torch\nbase = {torch_fill}({n4})", "w2 = base.clone()\nw2.add_(1.0)", 1.0),
+    "numpy in place": ("import numpy\na = {numpy_fill}({n8})", "a *= 0.999\na += 0.001", 1.0),
+    "numpy new": ("import numpy\nbase = {numpy_fill}({n8})", "a2 = base + 1.0", 1.0),
+    "pandas column": ("import numpy, pandas\ndf = pandas.DataFrame({{'x': {numpy_fill}({n8})}})",
                       "df['x'] = df['x'] * 0.999 + 0.001", 1.0),
-    "pandas new": ("import numpy, pandas\ndf = pandas.DataFrame({{'x': numpy.ones({n8})}})",
+    "pandas new": ("import numpy, pandas\ndf = pandas.DataFrame({{'x': {numpy_fill}({n8})}})",
                    "df2 = df + 1.0", 1.0),
 }
+# What the tensors hold: ones (the figures before 2026-12-07 evening) are compressed by the
+# writer where a sample shows it pays (NumPy's and pandas' buffers; torch storages are not), so
+# those rows write a fraction of what real floats would; random values do not compress.
+FILLS = {"ones": {"torch_fill": "torch.ones", "numpy_fill": "numpy.ones"},
+         "random": {"torch_fill": "torch.rand", "numpy_fill": "numpy.random.default_rng(0).random"}}
 GPU_KINDS: dict[str, tuple[str, str, float]] = {
-    "torch cuda in place": ("import torch\nw = torch.ones({n4}, device='cuda')",
+    "torch cuda in place": ("import torch\nw = {torch_fill}({n4}, device='cuda')",
                             "w.mul_(0.999).add_(0.001)\ntorch.cuda.synchronize()", 1.0),
-    "torch cuda new": ("import torch\nbase = torch.ones({n4}, device='cuda')",
+    "torch cuda new": ("import torch\nbase = {torch_fill}({n4}, device='cuda')",
                        "w2 = base.clone()\nw2.add_(1.0)\ntorch.cuda.synchronize()", 1.0),
 }
 
@@ -146,9 +153,12 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=6, help="timed cells per case, after 2 more")
     parser.add_argument("--rounds", type=int, default=2, help="of each kernel per case")
     parser.add_argument("--gpu", action="store_true", help="the CUDA cases too (needs a GPU)")
-    parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go")
+    parser.add_argument("--values", choices=sorted(FILLS), default="ones",
+                        help="what the tensors hold (random: bytes that do not compress)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where checkpoints go (in a folder removed at the end)")
     args = parser.parse_args()
-    base = args.dir or Path(tempfile.mkdtemp(prefix="gpufrac-steady-bench-"))
+    base = Path(tempfile.mkdtemp(prefix="gpufrac-steady-bench-", dir=args.dir))
     kinds = {name: KINDS[name] for name in args.kinds.split(",") if name}
     if args.gpu:
         kinds.update(GPU_KINDS)
@@ -156,30 +166,34 @@ def main() -> None:
     gaps = [float(g) for g in args.gaps.split(",")]
     warm_bw, _fresh = memcpy_bandwidth(int(min(GiB, max(sizes) * GiB)))
     print(f"memcpy: {warm_bw / 1e9:.2f} GB/s; {args.cells} timed cells a case after {WARM_UP}; "
-          f"medians; checkpoints in {base}\n")
+          f"medians; values: {args.values}; checkpoints in {base}\n")
     print(f"{'case':34} {'own stock':>9} {'own ours':>9} {'ratio':>6} {'overhead':>9} "
           f"{'goal':>7} {'met':>4} {'durable':>8} {'memory +':>9}")
-    count = 0
-    for size in sizes:
-        n = int(size * GiB)
-        for gap in gaps:
-            for name, (setup, cell, changed) in kinds.items():
-                count += 1
-                code = setup.format(n4=n // 4, n8=n // 8)
-                runs: dict[str, list[dict[str, Any]]] = {"stock": [], "ours": []}
-                pair = [("stock", None), ("ours", base / f"case-{count}")]
-                for turn in range(args.rounds):
-                    for label, ckdir in pair if turn % 2 == 0 else pair[::-1]:
-                        runs[label].append(run_case(ckdir, code, cell, args.cells, gap))
-                stock, ours = (pooled(runs["stock"]), pooled(runs["ours"]))
-                own_s, own_o = statistics.median(stock["own"]), statistics.median(ours["own"])
-                overhead = statistics.median(ours["wall"]) - statistics.median(stock["wall"])
-                goal = max(0.05, 1.5 * changed * n / warm_bw)
-                met = "yes" if own_o <= 1.2 * own_s and overhead <= goal else "NO"
-                print(f"{f'{name}, {size:g} GiB, {gap:g} s apart':34} {own_s * 1e3:8.0f}m "
-                      f"{own_o * 1e3:8.0f}m {own_o / own_s:6.2f} {overhead * 1e3:8.0f}m "
-                      f"{goal * 1e3:6.0f}m {met:>4} {ours['durable']:7.2f}s "
-                      f"{(ours['peak'] - stock['peak']) / GiB:8.2f}G", flush=True)
+    try:
+        count = 0
+        for size in sizes:
+            n = int(size * GiB)
+            for gap in gaps:
+                for name, (setup, cell, changed) in kinds.items():
+                    count += 1
+                    code = setup.format(n4=n // 4, n8=n // 8, **FILLS[args.values])
+                    runs: dict[str, list[dict[str, Any]]] = {"stock": [], "ours": []}
+                    pair = [("stock", None), ("ours", base / f"case-{count}")]
+                    for turn in range(args.rounds):
+                        for label, ckdir in pair if turn % 2 == 0 else pair[::-1]:
+                            runs[label].append(run_case(ckdir, code, cell, args.cells, gap))
+                    shutil.rmtree(base / f"case-{count}", ignore_errors=True)  # GiBs a case
+                    stock, ours = (pooled(runs["stock"]), pooled(runs["ours"]))
+                    own_s, own_o = statistics.median(stock["own"]), statistics.median(ours["own"])
+                    overhead = statistics.median(ours["wall"]) - statistics.median(stock["wall"])
+                    goal = max(0.05, 1.5 * changed * n / warm_bw)
+                    met = "yes" if own_o <= 1.2 * own_s and overhead <= goal else "NO"
+                    print(f"{f'{name}, {size:g} GiB, {gap:g} s apart':34} {own_s * 1e3:8.0f}m "
+                          f"{own_o * 1e3:8.0f}m {own_o / own_s:6.2f} {overhead * 1e3:8.0f}m "
+                          f"{goal * 1e3:6.0f}m {met:>4} {ours['durable']:7.2f}s "
+                          f"{(ours['peak'] - stock['peak']) / GiB:8.2f}G", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
     alone, forked = fork_while_writing(int(min(sizes) * GiB))
     print(f"\nwhy not fork: an in-place update of {min(sizes):g} GiB took {alone * 1e3:.0f} ms "
           f"alone and {forked * 1e3:.0f} ms while a forked child held a copy-on-write snapshot "
