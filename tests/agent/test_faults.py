@@ -169,7 +169,6 @@ def test_sigkill_during_churn_and_compaction(
     agent.start()
     wait_for(lambda: not set(dead) & {x["id"] for x in c.leases()}, what="dead leases cleaned up")
     check_ledger(agent)
-    assert kills >= 8
 
 
 def test_an_orphan_deadline_outlives_agent_restarts(
